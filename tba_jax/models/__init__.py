@@ -1,0 +1,86 @@
+"""Models: the Flax decoder, its presets, and the functional interface used in jitted code.
+
+Parameters travel as *pure* nested dicts of arrays (what optax, orbax and
+`jax.device_put` see); the module graph is kept as an `nnx.GraphDef` and
+re-attached inside jitted functions with `nnx.merge`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from tba_jax.models.config import PRESETS, ModelConfig, preset
+from tba_jax.models.transformer import Decoder, KVCache, init_cache, positions_from_mask
+
+Params = dict[str, Any]
+
+__all__ = [
+    "PRESETS",
+    "Decoder",
+    "KVCache",
+    "Model",
+    "ModelConfig",
+    "abstract_model",
+    "init_cache",
+    "init_model",
+    "positions_from_mask",
+    "preset",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The static half of a model: its config, graph definition and logical axes.
+
+    `logical_axes` mirrors the params dict with a tuple of axis names per leaf.
+    """
+
+    config: ModelConfig
+    graphdef: Any
+    logical_axes: Params
+
+    def apply(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        positions: jax.Array,
+        key_valid: jax.Array,
+        cache: KVCache | None = None,
+        cache_offset: jax.Array | int = 0,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Runs the decoder with `params`; see `Decoder.__call__` for shapes."""
+        module = nnx.merge(self.graphdef, params)
+        return module(tokens, positions, key_valid, cache, cache_offset)
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        return init_cache(self.config, batch, length)
+
+    def __hash__(self):  # Hashable so a Model can be a static jit argument.
+        return id(self)
+
+
+def _split(module: Decoder, cfg: ModelConfig) -> tuple[Model, Params]:
+    graphdef, state = nnx.split(module)
+    logical_axes: Params = {}
+    for path, variable in nnx.to_flat_state(state):
+        node = logical_axes
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = tuple(variable.logical_axes)
+    return Model(cfg, graphdef, logical_axes), nnx.to_pure_dict(state)
+
+
+def init_model(cfg: ModelConfig, seed: int) -> tuple[Model, Params]:
+    """Builds the model and randomly initialised params (on the default device)."""
+    return _split(Decoder(cfg, rngs=nnx.Rngs(params=seed)), cfg)
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[Model, Params]:
+    """Like `init_model` but params are `jax.ShapeDtypeStruct`s: nothing is allocated."""
+    module = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0)))
+    model, params = _split(module, cfg)
+    return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)

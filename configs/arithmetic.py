@@ -1,0 +1,120 @@
+"""The built-in task: multi-step arithmetic, a tiny char-level policy, TBA on CPU.
+
+    python experiments/train.py --config=configs/arithmetic.py --workdir=/tmp/tba_demo
+    python experiments/train.py --config=configs/arithmetic.py:mode=sync,method=rloo ...
+
+Variant keys: any dotted path (`optim.learning_rate=3e-4`) or a shortcut:
+mode, method, steps, seed, k (sync period), m (recency prob), beta, model.
+"""
+
+import ml_collections
+
+from tba_jax.config_lib import apply_variant
+
+SHORTCUTS = {
+    "steps": "learner_steps",
+    "k": "sync_period",
+    "m": "replay.recency_prob",
+    "beta": "loss.beta_start",
+    "model": "model.preset",
+    "K": "batch.samples_per_prompt",
+    "S": "batch.samples_generated_per_prompt",
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.name = "arithmetic"
+    config.seed = 0
+    config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
+    config.method = "tb"  # a registered loss: tb | rloo
+    config.learner_steps = 150
+    config.sync_period = 2  # publish params to the searchers every k learner steps
+
+    config.task = ml_collections.ConfigDict()
+    config.task.name = "arithmetic"
+    config.task.num_terms_min = 2
+    config.task.num_terms_max = 3
+    config.task.max_operand = 20
+    config.task.max_result = 40
+    config.task.ops = "+-"
+    config.task.num_train = 4000
+    config.task.num_test = 256
+    config.task.seed = 1234
+    config.task.data_dir = ""  # empty: <workdir>/data
+    config.max_prompt_len = 10
+    config.max_response_len = 12
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = "tiny"
+    config.model.dtype = "float32"
+    config.model.param_dtype = "float32"
+
+    config.warm_start = ml_collections.ConfigDict()
+    config.warm_start.steps = 120
+    config.warm_start.batch_size = 64
+    config.warm_start.learning_rate = 3e-3
+    config.warm_start.warmup_steps = 10
+
+    config.sampling = ml_collections.ConfigDict()
+    config.sampling.temperature = 1.0
+    config.sampling.top_k = 0
+    config.sampling.top_p = 1.0
+
+    config.loss = ml_collections.ConfigDict()
+    config.loss.beta_schedule = "linear"  # constant | linear
+    config.loss.beta_start = 0.1
+    config.loss.beta_end = 0.05
+    config.loss.beta_anneal_steps = 100
+
+    config.batch = ml_collections.ConfigDict()
+    config.batch.prompts_per_batch = 16  # B
+    config.batch.samples_per_prompt = 8  # K
+    config.batch.samples_generated_per_prompt = 8  # S (sync mode generates exactly K)
+    config.batch.num_microbatches = 1
+
+    config.replay = ml_collections.ConfigDict()
+    config.replay.capacity = 20_000
+    config.replay.capacity_per_prompt = 32
+    config.replay.recency_prob = 0.5  # m
+    config.replay.priority = "softmax"  # uniform | softmax | rank
+    config.replay.priority_inverse_temperature = 1.0
+    config.replay.min_prompts = 32  # buffer fill before the learner starts
+
+    config.search = ml_collections.ConfigDict()
+    config.search.num_searchers = 1
+    config.search.prompts_per_call = 16
+
+    config.optim = ml_collections.ConfigDict()
+    config.optim.learning_rate = 1e-3
+    config.optim.schedule = "wsd"  # constant | linear | wsd
+    config.optim.warmup_steps = 10
+    config.optim.decay_fraction = 0.2
+    config.optim.end_lr_fraction = 0.0
+    config.optim.weight_decay = 0.0
+    config.optim.grad_clip_norm = 1.0
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.colocate = False  # one device: always colocated
+    config.mesh.sampler_devices = 0.5  # count >= 1 or fraction of the devices
+    config.mesh.sampler_axes = {"data": -1}
+    config.mesh.learner_axes = {"fsdp": -1}
+    config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
+    config.mesh.learner_rules = [
+        ("embed", "fsdp"),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv_heads", "tensor"),
+    ]
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.num_examples = 256
+    config.eval.batch_size = 128
+    config.eval.every_steps = 0  # 0: only at the start and the end
+
+    config.log_every = 10
+    config.checkpoint_every = 50
+    config.keep_checkpoints = 2
+    config.progress_bar = True
+
+    return apply_variant(config, arg, SHORTCUTS)

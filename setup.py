@@ -1,0 +1,29 @@
+"""tba_jax: Trajectory Balance with Asynchrony for LLM post-training in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tba_jax",
+    version="0.1.0",
+    description="Trajectory Balance with Asynchrony (TBA) for LLM post-training in JAX/Flax.",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tba_jax", "tba_jax.*"]),
+    install_requires=[
+        "jax>=0.6",
+        "flax>=0.11",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "tensorflow-datasets>=4.9.7",
+        "array_record>=0.7",
+        "ml-collections>=1.0",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+        "tensorboardX>=2.6",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.6"],
+    },
+)

@@ -1,0 +1,402 @@
+"""Orbax checkpoints of a run: train state, replay-buffer state and JSON metadata.
+
+Layout of a run's workdir::
+
+    workdir/checkpoints/experiment.json     what run these checkpoints belong to
+    workdir/checkpoints/<step>/train_state  orbax StandardSave of the train-state pytree
+    workdir/checkpoints/<step>/buffer       buffer_process_<i>.npz, one per JAX process
+    workdir/checkpoints/<step>/metadata     orbax JsonSave (policy version, data position, RNG…)
+
+Orbax writes every step into a temporary directory and renames it into place
+once all of its items are committed, so a save that dies half-way never
+replaces the last complete checkpoint, and old steps are only removed after a
+newer one is finalised.
+
+The replay buffer is process-local (each process keeps the samples it made),
+so every process writes and reads its own ``.npz`` file. NumPy's format keeps
+every dtype and zero-size arrays, which orbax's array handlers refuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+EXPERIMENT_FILENAME = "experiment.json"
+TRAIN_STATE_ITEM = "train_state"
+BUFFER_ITEM = "buffer"
+METADATA_ITEM = "metadata"
+BUFFER_FILENAME_FORMAT = "buffer_process_{process_index}.npz"
+PRIMARY_PROCESS_INDEX = 0
+MAX_DIFFERENCES_SHOWN = 3
+
+
+class CheckpointMismatchError(ValueError):
+    """The workdir holds checkpoints of a different experiment."""
+
+
+# --------------------------------------------------------------------------------------
+# Replay-buffer item: a flat dict of NumPy arrays, one .npz per process.
+# --------------------------------------------------------------------------------------
+
+
+def _buffer_filename() -> str:
+    return BUFFER_FILENAME_FORMAT.format(process_index=jax.process_index())
+
+
+def _validate_buffer_state(buffer_state: Mapping[str, np.ndarray]) -> None:
+    for name, array in buffer_state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"buffer_state keys must be str, got {name!r}; pack names as strings.")
+        if not isinstance(array, np.ndarray) or array.dtype == object:
+            raise TypeError(
+                f"buffer_state[{name!r}] must be a NumPy array of a numeric/bool dtype, got "
+                f"{type(array).__name__}; pack ragged data into flat arrays first."
+            )
+
+
+class NumpyDictCheckpointHandler(ocp.CheckpointHandler):
+    """Saves a flat ``dict[str, np.ndarray]`` as this process's ``.npz`` file."""
+
+    def save(self, directory: epath.Path, args: NumpyDictSave) -> None:
+        payload = io.BytesIO()
+        np.savez(payload, **args.arrays)
+        (directory / _buffer_filename()).write_bytes(payload.getvalue())
+
+    def restore(
+        self, directory: epath.Path, args: NumpyDictRestore | None = None
+    ) -> dict[str, np.ndarray]:
+        del args
+        path = directory / _buffer_filename()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"No replay-buffer file {path}; this checkpoint was written by fewer processes — "
+                "restore with the same number of processes that saved it."
+            )
+        with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+
+
+@ocp.args.register_with_handler(NumpyDictCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class NumpyDictSave(ocp.args.CheckpointArgs):
+    arrays: Mapping[str, np.ndarray]
+
+
+@ocp.args.register_with_handler(NumpyDictCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class NumpyDictRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# --------------------------------------------------------------------------------------
+# Experiment identity: refuse to mix checkpoints of different runs in one workdir.
+# --------------------------------------------------------------------------------------
+
+
+def _plain_json_value(value: Any) -> Any:
+    """NumPy/JAX scalars and arrays as Python numbers and lists, for json.dumps."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "__array__"):
+        return np.asarray(value).tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _canonical_json(value: Any, what: str) -> Any:
+    """The value as JSON would give it back (tuples become lists, keys become str)."""
+    try:
+        return json.loads(json.dumps(value, sort_keys=True, default=_plain_json_value))
+    except TypeError as error:
+        raise TypeError(
+            f"{what} must be JSON-able ({error}); convert it to plain types."
+        ) from error
+
+
+def _differences(held: Any, asked: Any, prefix: str = "") -> list[str]:
+    """Human-readable paths where two JSON values differ."""
+    if isinstance(held, dict) and isinstance(asked, dict):
+        found = []
+        for key in sorted(set(held) | set(asked)):
+            path = f"{prefix}.{key}" if prefix else key
+            if key not in held or key not in asked:
+                found.append(
+                    f"{path}: {held.get(key, '<absent>')!r} vs {asked.get(key, '<absent>')!r}"
+                )
+            else:
+                found.extend(_differences(held[key], asked[key], path))
+        return found
+    if held != asked:
+        return [f"{prefix or '<root>'}: {held!r} vs {asked!r}"]
+    return []
+
+
+def _summarise_differences(held: Any, asked: Any) -> str:
+    found = _differences(held, asked)
+    shown = "; ".join(found[:MAX_DIFFERENCES_SHOWN])
+    hidden = len(found) - MAX_DIFFERENCES_SHOWN
+    return shown + (f"; and {hidden} more" if hidden > 0 else "")
+
+
+def _holds_step_directories(directory: epath.Path) -> bool:
+    return directory.exists() and any(
+        child.is_dir() and child.name.split(".")[0].isdigit() for child in directory.iterdir()
+    )
+
+
+def _check_experiment(workdir: str, directory: epath.Path, experiment: Any) -> None:
+    """Raises CheckpointMismatchError if `directory` belongs to another experiment."""
+    experiment_path = directory / EXPERIMENT_FILENAME
+    if experiment_path.exists():
+        held = json.loads(experiment_path.read_text())
+        if held != experiment:
+            raise CheckpointMismatchError(
+                f"Workdir {workdir} holds checkpoints of another experiment (held vs asked: "
+                f"{_summarise_differences(held, experiment)}); pass another --workdir or "
+                f"delete {directory} to start over."
+            )
+    elif _holds_step_directories(directory):
+        raise CheckpointMismatchError(
+            f"Workdir {workdir} holds checkpoints with no {EXPERIMENT_FILENAME}, so they may "
+            f"belong to another experiment; pass another --workdir or delete {directory}."
+        )
+
+
+def _write_text_atomically(path: epath.Path, text: str) -> None:
+    temporary = path.parent / f"{path.name}.tmp"
+    temporary.write_text(text)
+    temporary.rename(path)
+
+
+# --------------------------------------------------------------------------------------
+# Train-state templates.
+# --------------------------------------------------------------------------------------
+
+
+def _abstract_leaf(leaf: Any) -> Any:
+    """A ShapeDtypeStruct (keeping the sharding) for arrays; other leaves pass through."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
+
+
+def _abstract_train_state(template: Any) -> Any:
+    return jax.tree.map(_abstract_leaf, template)
+
+
+# --------------------------------------------------------------------------------------
+# The checkpointer.
+# --------------------------------------------------------------------------------------
+
+
+def _save_decision_policy(save_interval_steps: int) -> Any:
+    """Save on multiples of the interval, or when JAX reports a preemption.
+
+    Unlike orbax's default, there is no extra save on the first call of a fresh run.
+    """
+    policies = ocp.checkpoint_managers
+    return policies.AnySavePolicy(
+        [
+            policies.FixedIntervalPolicy(save_interval_steps),
+            policies.PreemptionCheckpointingPolicy(),
+        ]
+    )
+
+
+class Checkpointer:
+    """Saves and restores a run's train state, replay buffer and metadata with orbax.
+
+    Train-state saves are asynchronous (device arrays are copied to host before
+    `save` returns); the buffer and metadata are written before `save` returns
+    or in orbax's commit thread. Call `wait_until_finished()` before exiting.
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        experiment: dict,
+        max_to_keep: int = 2,
+        save_interval_steps: int = 1,
+    ):
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}.")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}.")
+        self.workdir = workdir
+        self.directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
+        self.experiment = _canonical_json(experiment, "experiment")
+        _check_experiment(workdir, self.directory, self.experiment)
+        self._experiment_written = (self.directory / EXPERIMENT_FILENAME).exists()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                save_decision_policy=_save_decision_policy(save_interval_steps),
+                preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+            ),
+            item_handlers={
+                TRAIN_STATE_ITEM: ocp.StandardCheckpointHandler(),
+                BUFFER_ITEM: NumpyDictCheckpointHandler(),
+                METADATA_ITEM: ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint's step, or None if there is none.
+
+        A save of this process still in flight counts; `wait_until_finished()` completes it.
+        """
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(
+        self,
+        step: int,
+        *,
+        train_state: Any,
+        buffer_state: Mapping[str, np.ndarray],
+        metadata: dict,
+        force: bool = False,
+    ) -> bool:
+        """Saves at `step` if it is a save step (or `force`); returns whether it saved.
+
+        A step that already has a checkpoint is never overwritten (returns False).
+        """
+        if step in self._manager.all_steps():
+            return False
+        if not force and not self._manager.should_save(step):
+            return False
+        if not jax.tree.leaves(train_state):
+            raise ValueError("train_state has no leaves; pass the learner's train-state pytree.")
+        _validate_buffer_state(buffer_state)
+        self._write_experiment_once()
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    TRAIN_STATE_ITEM: ocp.args.StandardSave(train_state),
+                    BUFFER_ITEM: NumpyDictSave(dict(buffer_state)),
+                    METADATA_ITEM: ocp.args.JsonSave(_canonical_json(metadata, "metadata")),
+                }
+            ),
+            force=True,
+        )
+
+    def restore(
+        self, *, train_state_template: Any, step: int | None = None
+    ) -> tuple[Any, dict[str, np.ndarray], dict]:
+        """Restores (train_state, buffer_state, metadata) from `step` (default: latest).
+
+        `train_state_template` is a pytree of jax.ShapeDtypeStruct (with .sharding)
+        or concrete arrays; restored arrays land on the template's shardings.
+        """
+        self._manager.wait_until_finished()
+        step = self._resolve_step(step)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    TRAIN_STATE_ITEM: ocp.args.StandardRestore(
+                        _abstract_train_state(train_state_template)
+                    ),
+                    BUFFER_ITEM: NumpyDictRestore(),
+                    METADATA_ITEM: ocp.args.JsonRestore(),
+                }
+            ),
+        )
+        return restored[TRAIN_STATE_ITEM], restored[BUFFER_ITEM], restored[METADATA_ITEM]
+
+    def wait_until_finished(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _resolve_step(self, step: int | None) -> int:
+        available = self.all_steps()
+        if not available:
+            raise FileNotFoundError(
+                f"No checkpoint in workdir {self.workdir} ({self.directory} holds no complete "
+                "step); train first or pass the workdir of a run that saved one."
+            )
+        if step is None:
+            return max(available)
+        if step not in available:
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in workdir {self.workdir}; available steps: "
+                f"{sorted(available)}."
+            )
+        return step
+
+    def _write_experiment_once(self) -> None:
+        if self._experiment_written:
+            return
+        if jax.process_index() == PRIMARY_PROCESS_INDEX:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(self.experiment, indent=2, sort_keys=True)
+            _write_text_atomically(self.directory / EXPERIMENT_FILENAME, text)
+        self._experiment_written = True
+
+
+# --------------------------------------------------------------------------------------
+# SIGTERM: ask the training loop to save and exit.
+# --------------------------------------------------------------------------------------
+
+
+class StopSignal:
+    """A flag the training loop polls; `request` is safe to call from a signal handler."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self) -> None:
+        self._event.set()
+
+
+def install_sigterm_handler(callback: Callable[[], None]) -> Callable[[], None]:
+    """Calls `callback()` on SIGTERM; returns a function that restores the previous handler.
+
+    Must be called from the main thread (Python delivers signals only there).
+    Typical use: ``stop = StopSignal(); restore = install_sigterm_handler(stop.request)``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "install_sigterm_handler must be called from the main thread; call it before "
+            "starting worker threads."
+        )
+
+    def handle_sigterm(signum: int, frame: object) -> None:
+        del signum, frame
+        callback()
+
+    previous_handler = signal.signal(signal.SIGTERM, handle_sigterm)
+
+    def restore_previous_handler() -> None:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+    return restore_previous_handler

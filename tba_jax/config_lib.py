@@ -1,0 +1,149 @@
+"""Config variants (`get_config("mode=sync,method=rloo,steps=200")`) and validation.
+
+Config files build an `ml_collections.ConfigDict` holding every knob, then call
+`apply_variant(config, arg)`. A variant is a comma-separated list of
+`key=value`; a key is a dotted path into the config (`optim.learning_rate`)
+or one of the config's `shortcuts` (`steps` → `learner_steps`). Values are
+parsed to the type of the field they replace.
+
+`validate(config, num_devices)` checks everything that can be checked before
+any long work starts and raises `ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+
+import ml_collections
+
+from tba_jax.losses import get_loss, registered_losses
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message says which and what to do."""
+
+
+def parse_variant(arg: str | None) -> dict[str, str]:
+    """'a=1,b.c=x' → {'a': '1', 'b.c': 'x'}. Empty or None → {}."""
+    pairs: dict[str, str] = {}
+    for item in (arg or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise ConfigError(
+                f"Config variant item {item!r} is not key=value (e.g. 'mode=sync,steps=200')."
+            )
+        key, value = item.split("=", 1)
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def _convert(value: str, current, key: str):
+    if isinstance(current, bool):
+        if value.lower() in ("true", "1", "yes"):
+            return True
+        if value.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{key}={value!r} is not a boolean (true/false).")
+    if isinstance(current, int):
+        try:
+            return int(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}={value!r} is not an integer.") from e
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}={value!r} is not a number.") from e
+    if isinstance(current, str) or current is None:
+        return value
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError) as e:
+        raise ConfigError(f"{key}={value!r} is not a Python literal.") from e
+
+
+def _set_path(config: ml_collections.ConfigDict, path: str, value: str) -> None:
+    node = config
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            raise ConfigError(f"Unknown config key {path!r}: no section {part!r}.")
+        node = node[part]
+    leaf = parts[-1]
+    if leaf not in node:
+        known = ", ".join(sorted(node.keys()))
+        raise ConfigError(f"Unknown config key {path!r}; keys here are: {known}.")
+    with node.ignore_type():
+        node[leaf] = _convert(value, node[leaf], path)
+
+
+def apply_variant(
+    config: ml_collections.ConfigDict, arg: str | None, shortcuts: Mapping[str, str]
+) -> ml_collections.ConfigDict:
+    """Applies a variant string to `config` in place and records it in `config.variant`."""
+    for key, value in parse_variant(arg).items():
+        _set_path(config, shortcuts.get(key, key), value)
+    config.variant = arg or ""
+    return config
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Raises ConfigError for settings that cannot work. Cheap: runs before any long work."""
+    if config.mode not in ("async", "sync"):
+        raise ConfigError(f"mode={config.mode!r} must be 'async' or 'sync'.")
+    if config.method not in registered_losses():
+        raise ConfigError(f"method={config.method!r} is not one of {registered_losses()}.")
+    batch = config.batch
+    if batch.samples_per_prompt < 2:
+        raise ConfigError(f"batch.samples_per_prompt={batch.samples_per_prompt} must be >= 2.")
+    if batch.samples_per_prompt > batch.samples_generated_per_prompt:
+        raise ConfigError(
+            f"K (batch.samples_per_prompt={batch.samples_per_prompt}) is larger than the "
+            f"samples generated per prompt (batch.samples_generated_per_prompt="
+            f"{batch.samples_generated_per_prompt}); raise the latter or lower K."
+        )
+    if not 0.0 <= config.replay.recency_prob <= 1.0:
+        raise ConfigError(
+            f"m (replay.recency_prob={config.replay.recency_prob}) must be in [0, 1]."
+        )
+    if config.mode == "async" and get_loss(config.method).on_policy:
+        raise ConfigError(
+            f"method={config.method!r} is an on-policy loss; run it with mode=sync "
+            "(async replays off-policy samples)."
+        )
+    rows = batch.prompts_per_batch * batch.samples_per_prompt
+    if batch.prompts_per_batch % batch.num_microbatches:
+        raise ConfigError(
+            f"batch.prompts_per_batch={batch.prompts_per_batch} does not divide into "
+            f"batch.num_microbatches={batch.num_microbatches} (micro-batches hold whole prompts)."
+        )
+    learner_devices = _learner_device_count(config, num_devices)
+    batch_shards = learner_devices // (config.mesh.learner_axes.get("tensor", 1) or 1)
+    rows_per_micro = rows // batch.num_microbatches
+    if rows_per_micro % max(batch_shards, 1):
+        raise ConfigError(
+            f"A micro-batch of {rows_per_micro} rows (prompts_per_batch × samples_per_prompt / "
+            f"num_microbatches) does not divide over the learner's {batch_shards} batch shards; "
+            "change batch.prompts_per_batch, batch.num_microbatches or mesh.learner_axes."
+        )
+    if config.sync_period < 1:
+        raise ConfigError(f"sync_period={config.sync_period} must be >= 1.")
+    if config.learner_steps < 1:
+        raise ConfigError(f"learner_steps={config.learner_steps} must be >= 1.")
+
+
+def _learner_device_count(config: ml_collections.ConfigDict, num_devices: int) -> int:
+    mesh = config.mesh
+    if mesh.colocate or num_devices == 1:
+        return num_devices
+    sampler = mesh.sampler_devices
+    count = max(1, round(sampler * num_devices)) if 0 < sampler < 1 else int(sampler)
+    if count >= num_devices:
+        raise ConfigError(
+            f"mesh.sampler_devices={sampler} leaves no device for the learner out of "
+            f"{num_devices}; lower it or set mesh.colocate=True."
+        )
+    return num_devices - count

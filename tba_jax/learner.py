@@ -1,0 +1,225 @@
+"""Learner: train state, optimiser and schedules, the jitted sharded train step.
+
+The train step takes a batch of B prompts × K responses (rows prompt-major,
+as `replay.SampledBatch` lays them out), recomputes the current policy's
+log-probs, and applies a registered loss (`tba_jax.losses`). Micro-batches
+hold whole prompt groups, since TB's logZ is a per-prompt quantity; their
+gradients are averaged with a `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tba_jax import mesh as mesh_lib
+from tba_jax.losses import LossSpec
+from tba_jax.models import Model, Params
+from tba_jax.sampling.scoring import token_logprobs
+
+# Fields of a sampled batch the train step reads. [N, ...] with N = B*K.
+BATCH_FIELDS = (
+    "prompt_tokens",
+    "prompt_mask",
+    "response_tokens",
+    "response_mask",
+    "reward",
+    "logp_ref",
+    "logp_behaviour",
+)
+
+
+class TrainState(NamedTuple):
+    params: Params
+    opt_state: Any
+    step: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float
+    schedule: str = "constant"  # constant | linear | wsd
+    warmup_steps: int = 0
+    total_steps: int = 1
+    decay_fraction: float = 0.1  # wsd: the final fraction of steps spent decaying
+    end_lr_fraction: float = 0.0  # linear / wsd: final lr as a fraction of the peak
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+
+def make_lr_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Warmup (linear from 0) followed by constant, linear decay, or warmup-stable-decay."""
+    if cfg.warmup_steps < 0 or cfg.total_steps <= 0:
+        raise ValueError(
+            f"optim.warmup_steps={cfg.warmup_steps} must be >= 0 and "
+            f"optim.total_steps={cfg.total_steps} > 0."
+        )
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_fraction
+    warmup = optax.linear_schedule(0.0, peak, max(cfg.warmup_steps, 1))
+    after_warmup = max(cfg.total_steps - cfg.warmup_steps, 1)
+    if cfg.schedule == "constant":
+        main = optax.constant_schedule(peak)
+    elif cfg.schedule == "linear":
+        main = optax.linear_schedule(peak, end, after_warmup)
+    elif cfg.schedule == "wsd":
+        if not 0.0 <= cfg.decay_fraction <= 1.0:
+            raise ValueError(f"optim.decay_fraction={cfg.decay_fraction} must be in [0, 1].")
+        decay_steps = max(round(cfg.decay_fraction * cfg.total_steps), 1)
+        stable_steps = max(after_warmup - decay_steps, 0)
+        main = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, end, decay_steps)],
+            [stable_steps],
+        )
+    else:
+        raise ValueError(
+            f"optim.schedule={cfg.schedule!r} is not one of 'constant', 'linear', 'wsd'."
+        )
+    if cfg.warmup_steps == 0:
+        return main
+    return optax.join_schedules([warmup, main], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW on the schedule, with optional global-norm clipping first."""
+    adamw = optax.adamw(
+        make_lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    if cfg.grad_clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
+    return adamw
+
+
+def train_state_shardings(
+    optimizer: optax.GradientTransformation,
+    abstract_params: Params,
+    param_shardings: Any,
+    mesh: jax.sharding.Mesh,
+) -> TrainState:
+    """Shardings of every train-state leaf: optimiser moments follow their params,
+    scalars (step, counts) are replicated."""
+    replicated = mesh_lib.replicated(mesh)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(param_shardings, opt_shardings, replicated)
+
+
+def abstract_train_state(
+    optimizer: optax.GradientTransformation, abstract_params: Params, shardings: TrainState
+) -> TrainState:
+    """ShapeDtypeStructs with shardings: a restore target that allocates nothing."""
+    shapes = TrainState(
+        abstract_params,
+        jax.eval_shape(optimizer.init, abstract_params),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+
+
+def init_train_state(
+    params: Params, optimizer: optax.GradientTransformation, shardings: TrainState
+) -> TrainState:
+    """Places (a copy of) params on the learner shardings and initialises the optimiser there."""
+    params = jax.device_put(params, shardings.params, may_alias=False)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    return TrainState(params, opt_state, step)
+
+
+def sequence_logp(
+    model: Model, params: Params, batch: Mapping[str, jax.Array], temperature: float
+) -> jax.Array:
+    """Summed response log-probs under `params`. Returns [N]."""
+    token_logp = token_logprobs(
+        model,
+        params,
+        batch["prompt_tokens"],
+        batch["prompt_mask"],
+        batch["response_tokens"],
+        batch["response_mask"],
+        temperature=temperature,
+    )
+    return token_logp.sum(axis=-1)
+
+
+def _group(x: jax.Array, k: int) -> jax.Array:
+    """[N, ...] → [N/K, K, ...]: one row per prompt group."""
+    return x.reshape((x.shape[0] // k, k, *x.shape[1:]))
+
+
+def make_train_step(
+    model: Model,
+    loss: LossSpec,
+    optimizer: optax.GradientTransformation,
+    beta_schedule: Callable[[jax.Array], jax.Array],
+    *,
+    samples_per_prompt: int,
+    num_microbatches: int,
+    temperature: float,
+    state_sharding: Any,
+    mesh: jax.sharding.Mesh,
+):
+    """Builds the jitted `(state, batch) -> (state, metrics)` for the learner mesh.
+
+    batch: dict of BATCH_FIELDS arrays with leading dim N = B*K, sharded over the
+    mesh's batch axes. The state is donated.
+    """
+    k = samples_per_prompt
+
+    def microbatch_loss(params, micro, beta):
+        logp = _group(sequence_logp(model, params, micro, temperature), k)
+        grouped = {
+            name: _group(micro[name], k) for name in ("reward", "logp_ref", "logp_behaviour")
+        }
+        return loss.fn(logp, grouped, beta)
+
+    grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
+        beta = beta_schedule(state.step)
+        split = {
+            name: batch[name].reshape((num_microbatches, -1, *batch[name].shape[1:]))
+            for name in BATCH_FIELDS
+        }
+        split = jax.lax.with_sharding_constraint(
+            split, NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES))
+        )
+
+        def accumulate(grads_sum, micro):
+            (_, metrics), grads = grad_fn(state.params, micro, beta)
+            return jax.tree.map(jnp.add, grads_sum, grads), metrics
+
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        grads_sum, metrics = jax.lax.scan(accumulate, zero_grads, split)
+        grads = jax.tree.map(lambda g: g / num_microbatches, grads_sum)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["beta"] = beta
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return jax.jit(
+        train_step,
+        in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
+        out_shardings=(state_sharding, mesh_lib.replicated(mesh)),
+        donate_argnums=(0,),
+    )

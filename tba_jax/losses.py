@@ -1,0 +1,272 @@
+"""Post-training losses, registered by name, and β (KL-coefficient) schedules.
+
+Every loss has the signature
+
+    fn(logp, batch, beta) -> (loss, metrics)
+
+- ``logp: [B, K]`` — the *current* policy's log π_θ(y_j|x) summed over response
+  tokens (differentiable; everything after the first EOS already masked out).
+- ``batch`` — a mapping of arrays, all ``[B, K]`` and summed over response tokens:
+  ``logp_ref`` (reference policy), ``reward``, ``logp_behaviour`` (the policy
+  that sampled y_j). B prompts, K responses per prompt.
+- ``beta`` — the KL coefficient β > 0; a Python float or a traced scalar.
+- ``loss`` is a scalar; ``metrics`` maps names to scalars.
+
+All losses are pure ``jnp`` and jit-compatible. See DESIGN.md, "The algorithm".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from numbers import Real
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Metrics = dict[str, Array]
+LossFn = Callable[[Array, Mapping[str, Array], Any], tuple[Array, Metrics]]
+
+# Minimum responses per prompt for a leave-one-out baseline.
+_MIN_SAMPLES_FOR_LEAVE_ONE_OUT = 2
+_RESPONSE_AXIS = -1
+
+BETA_SCHEDULE_KINDS = ("constant", "linear")
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A registered loss.
+
+    Attributes:
+      name: the name the loss is registered under (e.g. ``"tb"``).
+      fn: ``fn(logp [B, K], batch, beta) -> (loss scalar, metrics dict of scalars)``.
+      on_policy: True if the loss assumes samples from the current policy (e.g. RLOO),
+        so an asynchronous / off-policy runtime must not feed it stale samples.
+    """
+
+    name: str
+    fn: LossFn
+    on_policy: bool
+
+
+_REGISTRY: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, on_policy: bool) -> Callable[[LossFn], LossFn]:
+    """Decorator registering a loss function under ``name``; returns the function unchanged."""
+
+    def decorator(fn: LossFn) -> LossFn:
+        if name in _REGISTRY:
+            raise ValueError(
+                f"A loss named {name!r} is already registered; pick another name "
+                f"(registered: {registered_losses()})."
+            )
+        _REGISTRY[name] = LossSpec(name=name, fn=fn, on_policy=on_policy)
+        return fn
+
+    return decorator
+
+
+def get_loss(name: str) -> LossSpec:
+    """The ``LossSpec`` registered under ``name``; ValueError listing known names if none."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"Unknown loss {name!r}; registered losses are {registered_losses()}."
+        ) from None
+
+
+def registered_losses() -> list[str]:
+    """Names of all registered losses, sorted."""
+    return sorted(_REGISTRY)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_batch(logp: Array, batch: Mapping[str, Array], required: tuple[str, ...]) -> None:
+    """Raise ValueError if ``batch`` lacks a required key or a shape differs from ``logp``."""
+    if jnp.ndim(logp) != 2:
+        raise ValueError(
+            f"logp must be [B, K] (prompts × responses per prompt), got shape {jnp.shape(logp)}."
+        )
+    missing = [key for key in required if key not in batch]
+    if missing:
+        raise ValueError(
+            f"Batch is missing {missing}; this loss needs {list(required)}, "
+            f"got keys {sorted(batch)}."
+        )
+    for key in required:
+        if jnp.shape(batch[key]) != jnp.shape(logp):
+            raise ValueError(
+                f"batch[{key!r}] has shape {jnp.shape(batch[key])} but logp has shape "
+                f"{jnp.shape(logp)}; all per-response quantities must be [B, K]."
+            )
+
+
+def _check_beta(beta: Any) -> None:
+    """Raise ValueError for a concrete β ≤ 0 (traced β cannot be checked at trace time)."""
+    if isinstance(beta, Real) and beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}.")
+
+
+def _per_prompt_mean(x: Array) -> Array:
+    """Mean over the K responses of each prompt. x: [B, K] -> [B, 1]."""
+    return jnp.mean(x, axis=_RESPONSE_AXIS, keepdims=True)
+
+
+def log_partition_estimate(logp: Array, logp_ref: Array, reward: Array, beta: Any) -> Array:
+    """VarGrad estimate of log Z(x), detached from the graph.
+
+    logZ(x) = stopgrad(mean_j [r_j/β − logp_j + logp_ref_j]).
+
+    Args:
+      logp, logp_ref, reward: [B, K].
+      beta: scalar β > 0.
+
+    Returns:
+      logZ: [B, 1].
+    """
+    return jax.lax.stop_gradient(_per_prompt_mean(reward / beta - logp + logp_ref))
+
+
+def leave_one_out_baseline(x: Array) -> Array:
+    """For each j, the mean of x over the other K−1 responses of its prompt.
+
+    Args:
+      x: [B, K] with K ≥ 2.
+
+    Returns:
+      baseline: [B, K], baseline[b, j] = mean_{i≠j} x[b, i].
+    """
+    num_samples = jnp.shape(x)[_RESPONSE_AXIS]
+    if num_samples < _MIN_SAMPLES_FOR_LEAVE_ONE_OUT:
+        raise ValueError(
+            f"A leave-one-out baseline needs K ≥ {_MIN_SAMPLES_FOR_LEAVE_ONE_OUT} responses "
+            f"per prompt, got K={num_samples}; sample more responses per prompt."
+        )
+    total = jnp.sum(x, axis=_RESPONSE_AXIS, keepdims=True)
+    return (total - x) / (num_samples - 1)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+@register_loss("tb", on_policy=False)
+def trajectory_balance_loss(
+    logp: Array, batch: Mapping[str, Array], beta: Any
+) -> tuple[Array, Metrics]:
+    """VarGrad trajectory balance (valid off-policy; no importance weights).
+
+    logZ(x) = stopgrad(mean_j [r_j/β − logp_j + logp_ref_j])
+    L       = mean_{x,j} (logZ(x) + logp_j − logp_ref_j − r_j/β)²
+
+    Args:
+      logp: [B, K] current-policy summed log-probs (differentiable).
+      batch: ``logp_ref``, ``reward``, ``logp_behaviour``, each [B, K].
+      beta: scalar β > 0.
+
+    Returns:
+      (loss, metrics) with metrics ``loss``, ``logZ_mean``, ``kl_mean`` (mean of
+      logp − logp_ref), ``reward_mean``, ``off_policy_gap`` (mean of logp − logp_behaviour).
+    """
+    _check_batch(logp, batch, ("logp_ref", "reward", "logp_behaviour"))
+    _check_beta(beta)
+    logp_ref, reward = batch["logp_ref"], batch["reward"]
+    log_z = log_partition_estimate(logp, logp_ref, reward, beta)
+    residual = log_z + logp - logp_ref - reward / beta
+    loss = jnp.mean(jnp.square(residual))
+    metrics = {
+        "loss": loss,
+        "logZ_mean": jnp.mean(log_z),
+        "kl_mean": jnp.mean(logp - logp_ref),
+        "reward_mean": jnp.mean(reward),
+        "off_policy_gap": jnp.mean(logp - batch["logp_behaviour"]),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+@register_loss("rloo", on_policy=True)
+def rloo_loss(logp: Array, batch: Mapping[str, Array], beta: Any) -> tuple[Array, Metrics]:
+    """REINFORCE with a leave-one-out baseline and a KL-penalised reward (on-policy).
+
+    R_j = r_j − β·stopgrad(logp_j − logp_ref_j)
+    A_j = R_j − mean_{i≠j} R_i
+    L   = −mean_{x,j} stopgrad(A_j)·logp_j
+
+    Args:
+      logp: [B, K] current-policy summed log-probs (differentiable), K ≥ 2.
+      batch: ``logp_ref``, ``reward``, each [B, K].
+      beta: scalar β > 0.
+
+    Returns:
+      (loss, metrics) with metrics ``loss``, ``kl_mean``, ``reward_mean``,
+      ``advantage_std`` (population std of A over all B·K responses).
+    """
+    _check_batch(logp, batch, ("logp_ref", "reward"))
+    _check_beta(beta)
+    logp_ref, reward = batch["logp_ref"], batch["reward"]
+    kl = jax.lax.stop_gradient(logp - logp_ref)
+    penalised_reward = reward - beta * kl
+    advantage = jax.lax.stop_gradient(penalised_reward - leave_one_out_baseline(penalised_reward))
+    loss = -jnp.mean(advantage * logp)
+    metrics = {
+        "loss": loss,
+        "kl_mean": jnp.mean(kl),
+        "reward_mean": jnp.mean(reward),
+        "advantage_std": jnp.std(advantage),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+# --------------------------------------------------------------------------- β schedules
+
+
+def make_beta_schedule(
+    kind: str, beta_start: float, beta_end: float, anneal_steps: int
+) -> Callable[[Any], Array]:
+    """A β schedule: a pure, jnp-traceable function of the (possibly traced) step.
+
+    Args:
+      kind: ``"constant"`` (β = beta_start always; beta_end and anneal_steps ignored) or
+        ``"linear"`` (β_start at step 0 to β_end at step ``anneal_steps``, constant after;
+        steps below 0 give β_start).
+      beta_start: β at step 0, > 0.
+      beta_end: β from step ``anneal_steps`` on, > 0 (used by ``"linear"`` only).
+      anneal_steps: steps to anneal over, > 0 (used by ``"linear"`` only).
+
+    Returns:
+      schedule: step (int scalar or array) -> β (float array of the step's shape).
+    """
+    if kind not in BETA_SCHEDULE_KINDS:
+        raise ValueError(f"Unknown beta schedule kind {kind!r}; use one of {BETA_SCHEDULE_KINDS}.")
+    if beta_start <= 0:
+        raise ValueError(f"beta_start must be > 0, got {beta_start}.")
+
+    if kind == "constant":
+
+        def constant_schedule(step: Any) -> Array:
+            return jnp.full(jnp.shape(step), beta_start, dtype=jnp.result_type(float))
+
+        return constant_schedule
+
+    if beta_end <= 0:
+        raise ValueError(f"beta_end must be > 0 for a linear beta schedule, got {beta_end}.")
+    if anneal_steps <= 0:
+        raise ValueError(
+            f"anneal_steps must be > 0 for a linear beta schedule, got {anneal_steps}; "
+            f"use kind='constant' for a fixed beta."
+        )
+
+    def linear_schedule(step: Any) -> Array:
+        fraction = jnp.clip(jnp.asarray(step) / anneal_steps, 0.0, 1.0)
+        return beta_start + (beta_end - beta_start) * fraction
+
+    return linear_schedule

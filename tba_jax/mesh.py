@@ -1,0 +1,145 @@
+"""Device split between the sampler and the learner, meshes, shardings, publishing.
+
+Each role gets its own `jax.sharding.Mesh` with the axes `data`, `fsdp`,
+`tensor`. Parameters carry logical axis names (see `tba_jax.models`); a rule
+set per role maps each logical name onto a mesh axis (or none: replicated).
+With one device both roles share it (colocated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+Rules = Sequence[tuple[str, str | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshes:
+    sampler: Mesh
+    learner: Mesh
+
+    @property
+    def colocated(self) -> bool:
+        return set(self.sampler.devices.flat) == set(self.learner.devices.flat)
+
+
+def split_devices(
+    devices: Sequence[jax.Device], sampler_devices: float, colocate: bool
+) -> tuple[list[jax.Device], list[jax.Device]]:
+    """Splits `devices` into (sampler, learner) lists.
+
+    `sampler_devices` >= 1 is a count, in (0, 1) a fraction of all devices.
+    With `colocate` or a single device, both roles use every device.
+    """
+    devices = list(devices)
+    if colocate or len(devices) == 1:
+        return devices, devices
+    if 0 < sampler_devices < 1:
+        count = max(1, round(sampler_devices * len(devices)))
+    elif sampler_devices >= 1 and float(sampler_devices).is_integer():
+        count = int(sampler_devices)
+    else:
+        raise ValueError(
+            f"mesh.sampler_devices={sampler_devices} must be a count >= 1 or a fraction in (0, 1)."
+        )
+    if count >= len(devices):
+        raise ValueError(
+            f"mesh.sampler_devices={sampler_devices} leaves no device for the learner out of "
+            f"{len(devices)}; lower it or set mesh.colocate=True."
+        )
+    return devices[:count], devices[count:]
+
+
+def make_mesh(devices: Sequence[jax.Device], axis_sizes: Mapping[str, int]) -> Mesh:
+    """A mesh over `devices` with axes data/fsdp/tensor; one size may be -1 (the rest)."""
+    unknown = set(axis_sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"Unknown mesh axes {sorted(unknown)}; use {MESH_AXES}.")
+    sizes = [int(axis_sizes.get(name, 1)) for name in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"At most one mesh axis may be -1, got {dict(axis_sizes)}.")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(
+                f"{len(devices)} devices do not divide over mesh axes {dict(axis_sizes)}."
+            )
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(
+            f"Mesh axes {dict(zip(MESH_AXES, sizes, strict=True))} need {int(np.prod(sizes))} "
+            "devices, "
+            f"the role has {len(devices)}."
+        )
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def make_role_meshes(
+    sampler_devices: float,
+    colocate: bool,
+    sampler_axes: Mapping[str, int],
+    learner_axes: Mapping[str, int],
+    devices: Sequence[jax.Device] | None = None,
+) -> RoleMeshes:
+    sampler, learner = split_devices(devices or jax.devices(), sampler_devices, colocate)
+    return RoleMeshes(make_mesh(sampler, sampler_axes), make_mesh(learner, learner_axes))
+
+
+def logical_to_spec(logical_axes: Sequence[str], rules: Rules) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec; names without a rule are replicated."""
+    table = dict(rules)
+    mesh_axes = [table.get(name) for name in logical_axes]
+    used = [axis for axis in mesh_axes if axis is not None]
+    if len(used) != len(set(used)):
+        raise ValueError(f"Rules {dict(rules)} map two axes of {tuple(logical_axes)} onto one.")
+    return PartitionSpec(*mesh_axes)
+
+
+def param_shardings(logical_axes: Any, abstract_params: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for every parameter; checks each sharded dim divides evenly."""
+
+    def one(axes, param):
+        spec = logical_to_spec(axes, rules)
+        for dim, mesh_axis in zip(param.shape, spec, strict=False):
+            if mesh_axis is not None and dim % mesh.shape[mesh_axis]:
+                raise ValueError(
+                    f"A parameter with axes {axes} and shape {param.shape} cannot be split over "
+                    f"mesh axis {mesh_axis!r} of size {mesh.shape[mesh_axis]}; change the rule "
+                    f"for {axes[list(spec).index(mesh_axis)]!r} or the mesh."
+                )
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(one, logical_axes, abstract_params, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (example) dimension split over data and fsdp; the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_shards(mesh: Mesh) -> int:
+    return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+
+
+def publish(params: Any, sampler_shardings: Any) -> Any:
+    """Copies learner params onto the sampler's shardings, always into new buffers.
+
+    `jax.device_put` is asynchronous: it returns at once and the copy runs while
+    the learner goes on. `may_alias=False` forces a copy even when both roles
+    share devices and shardings, so the learner may donate its own buffers to
+    the next train step without invalidating what the searchers hold.
+    """
+    return jax.device_put(params, sampler_shardings, may_alias=False)

@@ -1,0 +1,337 @@
+"""Run metrics: TensorBoard scalars, compact log lines, progress bar, phase timers, rates.
+
+TensorBoard files are written with tensorboardX and read back by a small
+TFRecord reader here, so neither TensorFlow nor the tensorboard package is
+needed. In a multi-process run, construct `MetricsWriter` on process 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+import tensorboardX
+import tqdm
+from absl import logging
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
+
+TENSORBOARD_SUBDIR = "tensorboard"
+FLUSH_SECONDS = 10
+LEADING_LOG_KEYS = ("loss", "reward")
+LOG_VALUE_FORMAT = ".4g"
+LOG_FIELD_SEPARATOR = " | "
+UNIQUE_SUFFIX_CHARS = 12
+
+EVENT_FILE_MARKER = "tfevents"
+RECORD_LENGTH_FORMAT = "<Q"
+RECORD_CRC_FORMAT = "<I"
+RECORD_LENGTH_BYTES = struct.calcsize(RECORD_LENGTH_FORMAT)
+RECORD_CRC_BYTES = struct.calcsize(RECORD_CRC_FORMAT)
+
+Clock = Callable[[], float]
+
+
+# --------------------------------------------------------------------------------------
+# Log lines and scalar conversion.
+# --------------------------------------------------------------------------------------
+
+
+def as_scalar(name: str, value: Any) -> float:
+    """`value` (Python, NumPy or JAX scalar) as a float; refuses arrays of other sizes."""
+    array = np.asarray(value)
+    if array.size != 1:
+        raise ValueError(
+            f"Metric {name!r} must be a scalar, got shape {array.shape}; reduce it (e.g. mean) "
+            "before writing."
+        )
+    return float(array.reshape(()))
+
+
+def ordered_metric_names(
+    names: Sequence[str], leading_keys: Sequence[str] = LEADING_LOG_KEYS
+) -> list[str]:
+    """`leading_keys` that are present, in their order, then the other names sorted."""
+    present = set(names)
+    leading = [name for name in leading_keys if name in present]
+    return leading + sorted(present - set(leading))
+
+
+def format_log_line(
+    step: int,
+    total_steps: int | None,
+    metrics: Mapping[str, float],
+    leading_keys: Sequence[str] = LEADING_LOG_KEYS,
+) -> str:
+    """``step 40/200 | loss 1.23 | reward 0.51 | …`` with a fixed order of names."""
+    progress = f"step {step}" if total_steps is None else f"step {step}/{total_steps}"
+    fields = [
+        f"{name} {metrics[name]:{LOG_VALUE_FORMAT}}"
+        for name in ordered_metric_names(list(metrics), leading_keys)
+    ]
+    return LOG_FIELD_SEPARATOR.join([progress, *fields])
+
+
+def _unique_filename_suffix() -> str:
+    """tensorboardX names files by the second and host only; two writers in one second
+    on one host would write the same file, so each writer gets its own suffix."""
+    return f".{uuid.uuid4().hex[:UNIQUE_SUFFIX_CHARS]}"
+
+
+def progress_enabled(show_progress: bool, force_progress: bool, stream: TextIO) -> bool:
+    """A bar is drawn when asked for and the stream is a terminal (or when forced)."""
+    if not show_progress:
+        return False
+    return force_progress or (hasattr(stream, "isatty") and stream.isatty())
+
+
+# --------------------------------------------------------------------------------------
+# The writer.
+# --------------------------------------------------------------------------------------
+
+
+class MetricsWriter:
+    """Writes scalars to ``workdir/tensorboard`` on every call and logs every `log_every` steps."""
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        log_every: int,
+        total_steps: int | None,
+        show_progress: bool,
+        force_progress: bool = False,
+        progress_stream: TextIO | None = None,
+        initial_step: int = 0,
+        leading_keys: Sequence[str] = LEADING_LOG_KEYS,
+    ):
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}.")
+        self.event_dir = os.path.join(workdir, TENSORBOARD_SUBDIR)
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self.leading_keys = tuple(leading_keys)
+        self._summary_writer = tensorboardX.SummaryWriter(
+            logdir=self.event_dir,
+            flush_secs=FLUSH_SECONDS,
+            filename_suffix=_unique_filename_suffix(),
+        )
+        stream = progress_stream if progress_stream is not None else sys.stderr
+        self._progress_bar = tqdm.tqdm(
+            total=total_steps,
+            initial=initial_step,
+            file=stream,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not progress_enabled(show_progress, force_progress, stream),
+        )
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        scalars = {name: as_scalar(name, value) for name, value in metrics.items()}
+        for name, value in scalars.items():
+            self._summary_writer.add_scalar(name, value, global_step=step)
+        self._advance_progress(step, scalars)
+        if step % self.log_every == 0:
+            logging.info(format_log_line(step, self.total_steps, scalars, self.leading_keys))
+
+    def flush(self) -> None:
+        self._summary_writer.flush()
+
+    def close(self) -> None:
+        self._progress_bar.close()
+        self._summary_writer.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _advance_progress(self, step: int, scalars: Mapping[str, float]) -> None:
+        bar = self._progress_bar
+        if bar.disable:
+            return
+        leading = {
+            name: f"{scalars[name]:{LOG_VALUE_FORMAT}}"
+            for name in self.leading_keys
+            if name in scalars
+        }
+        if leading:
+            bar.set_postfix(leading, refresh=False)
+        if step > bar.n:
+            bar.update(step - bar.n)
+
+
+# --------------------------------------------------------------------------------------
+# Time by phase and rates.
+# --------------------------------------------------------------------------------------
+
+
+class TimeSplit:
+    """Thread-safe wall seconds by phase name ("generating", "scoring", "training", …).
+
+    Phases measured in different threads may overlap, so `fractions` are shares
+    of the summed phase time, not of the wall time of the run.
+    """
+
+    def __init__(self, clock: Clock = time.perf_counter):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def measure(self, name: str) -> Iterator[None]:
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add(name, self._clock() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"Phase {name!r} got negative time {seconds}; pass elapsed seconds.")
+        with self._lock:
+            self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._seconds)
+
+    def fractions(self) -> dict[str, float]:
+        totals = self.totals()
+        overall = sum(totals.values())
+        if overall == 0:
+            return dict.fromkeys(totals, 0.0)
+        return {name: seconds / overall for name, seconds in totals.items()}
+
+
+class RateMeter:
+    """Thread-safe counters (samples, tokens, …) turned into per-second rates."""
+
+    def __init__(self, clock: Clock = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._start_time = clock()
+        self._last_time = self._start_time
+        self._counts: dict[str, float] = {}
+        self._counts_at_last: dict[str, float] = {}
+
+    def add(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counts)
+
+    def rates_since_start(self) -> dict[str, float]:
+        with self._lock:
+            elapsed = self._clock() - self._start_time
+            return _rates(self._counts, {}, elapsed)
+
+    def rates_since_last(self) -> dict[str, float]:
+        """Rates over the interval since the previous call (or the start)."""
+        with self._lock:
+            now = self._clock()
+            rates = _rates(self._counts, self._counts_at_last, now - self._last_time)
+            self._last_time = now
+            self._counts_at_last = dict(self._counts)
+            return rates
+
+
+def _rates(
+    counts: Mapping[str, float], counts_before: Mapping[str, float], elapsed: float
+) -> dict[str, float]:
+    if elapsed <= 0:
+        return dict.fromkeys(counts, 0.0)
+    return {name: (count - counts_before.get(name, 0)) / elapsed for name, count in counts.items()}
+
+
+# --------------------------------------------------------------------------------------
+# Reading event files back (no TensorFlow, no tensorboard package).
+# --------------------------------------------------------------------------------------
+
+
+def _event_files(event_dir: str) -> list[str]:
+    if not os.path.isdir(event_dir):
+        raise FileNotFoundError(
+            f"No TensorBoard folder {event_dir}; pass <workdir>/{TENSORBOARD_SUBDIR} of a run "
+            "that wrote metrics."
+        )
+    names = sorted(name for name in os.listdir(event_dir) if EVENT_FILE_MARKER in name)
+    return [os.path.join(event_dir, name) for name in names]
+
+
+def _check_crc(path: str, offset: int, payload: bytes, crc_bytes: bytes) -> None:
+    (expected,) = struct.unpack(RECORD_CRC_FORMAT, crc_bytes)
+    if masked_crc32c(payload) != expected:
+        raise ValueError(
+            f"Corrupt TensorBoard record in {path} at byte {offset}; delete or move that file."
+        )
+
+
+def _read_records(path: str) -> Iterator[bytes]:
+    """TFRecord payloads of `path`; stops quietly at a record still being written."""
+    with open(path, "rb") as file:
+        content = file.read()
+    offset = 0
+    header_bytes = RECORD_LENGTH_BYTES + RECORD_CRC_BYTES
+    while offset + header_bytes <= len(content):
+        length_bytes = content[offset : offset + RECORD_LENGTH_BYTES]
+        length_crc = content[offset + RECORD_LENGTH_BYTES : offset + header_bytes]
+        _check_crc(path, offset, length_bytes, length_crc)
+        (length,) = struct.unpack(RECORD_LENGTH_FORMAT, length_bytes)
+        data_start = offset + header_bytes
+        data_end = data_start + length
+        if data_end + RECORD_CRC_BYTES > len(content):
+            return
+        payload = content[data_start:data_end]
+        _check_crc(path, offset, payload, content[data_end : data_end + RECORD_CRC_BYTES])
+        yield payload
+        offset = data_end + RECORD_CRC_BYTES
+
+
+def _scalar_of(value: Any) -> float | None:
+    """The scalar in a Summary.Value, or None for images, histograms and the like."""
+    kind = value.WhichOneof("value")
+    if kind == "simple_value":
+        return float(value.simple_value)
+    if kind == "tensor":
+        numbers = list(value.tensor.float_val) or list(value.tensor.double_val)
+        if len(numbers) == 1:
+            return float(numbers[0])
+    return None
+
+
+def read_scalars(event_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of every event file in `event_dir` as ``{tag: [(step, value), …]}`` by step.
+
+    When a step was written more than once (a run resumed from an older checkpoint),
+    the value written last (by wall time) wins. Subfolders are not read.
+    """
+    by_tag: dict[str, dict[int, tuple[float, float]]] = {}
+    for path in _event_files(event_dir):
+        for record in _read_records(path):
+            event = event_pb2.Event.FromString(record)
+            if event.WhichOneof("what") != "summary":
+                continue
+            for value in event.summary.value:
+                scalar = _scalar_of(value)
+                if scalar is None:
+                    continue
+                points = by_tag.setdefault(value.tag, {})
+                step = int(event.step)
+                if step not in points or points[step][0] <= event.wall_time:
+                    points[step] = (event.wall_time, scalar)
+    return {
+        tag: [(step, value) for step, (_, value) in sorted(points.items())]
+        for tag, points in by_tag.items()
+    }

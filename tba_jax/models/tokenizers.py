@@ -1,0 +1,208 @@
+"""Tokenizers: the interface the rest of tba_jax uses, and a character tokenizer.
+
+`Tokenizer` is what samplers, scorers and data pipelines rely on; a Hugging Face
+wrapper implements the same protocol. `CharTokenizer` maps each character of
+a fixed alphabet to one id and is what the built-in arithmetic task trains with.
+
+Conventions shared by every implementation:
+- `encode` returns the text's ids without special tokens unless asked
+  (``add_bos`` / ``add_eos``);
+- `decode` drops pad and BOS ids and stops at the first EOS;
+- `encode_batch` pads to ``max_len`` with ``pad_id``: on the left for prompts
+  that decoding continues from (``left_pad=True``), on the right otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+NUM_SPECIAL_IDS = 3
+
+ARITHMETIC_DIGITS = "0123456789"
+# Punctuation of the arithmetic task format (see tba_jax/data/arithmetic.py):
+# "=" ends the prompt, "," separates running totals, ">" marks the final answer.
+ARITHMETIC_PUNCTUATION = "=,>"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What tba_jax needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        max_len: int,
+        *,
+        left_pad: bool,
+        add_bos: bool = False,
+        add_eos: bool = False,
+    ) -> np.ndarray: ...
+
+    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]: ...
+
+
+def pad_sequences(
+    sequences: Sequence[Sequence[int]],
+    max_len: int,
+    *,
+    pad_id: int,
+    left_pad: bool,
+    texts: Sequence[str] | None = None,
+) -> np.ndarray:
+    """Stack id sequences into an int32 [N, max_len] array padded with `pad_id`.
+
+    A sequence longer than `max_len` is a ValueError; `texts`, when given, name
+    the offending text in the message.
+    """
+    if max_len < 0:
+        raise ValueError(f"max_len={max_len} must be >= 0.")
+    batch = np.full((len(sequences), max_len), pad_id, dtype=np.int32)
+    for row, ids in enumerate(sequences):
+        if len(ids) > max_len:
+            described = f"Text {texts[row]!r}" if texts is not None else f"Sequence {row}"
+            raise ValueError(
+                f"{described} is {len(ids)} tokens long but max_len={max_len}; "
+                "raise max_len or shorten the text."
+            )
+        if not ids:
+            continue
+        if left_pad:
+            batch[row, max_len - len(ids) :] = ids
+        else:
+            batch[row, : len(ids)] = ids
+    return batch
+
+
+class CharTokenizer:
+    """One id per character of `alphabet`, after pad=0, bos=1 and eos=2."""
+
+    TYPE_NAME = "char"
+
+    def __init__(self, alphabet: str):
+        if not alphabet:
+            raise ValueError("CharTokenizer needs a non-empty alphabet.")
+        repeated = sorted({c for c in alphabet if alphabet.count(c) > 1})
+        if repeated:
+            raise ValueError(
+                f"Alphabet {alphabet!r} repeats {''.join(repeated)!r}; list each character once."
+            )
+        self._alphabet = alphabet
+        self._char_to_id = {c: NUM_SPECIAL_IDS + i for i, c in enumerate(alphabet)}
+
+    @classmethod
+    def for_arithmetic(cls, ops: str = "+-") -> CharTokenizer:
+        """Digits, the task's operators and its punctuation."""
+        return cls(ARITHMETIC_DIGITS + ops + ARITHMETIC_PUNCTUATION)
+
+    @property
+    def alphabet(self) -> str:
+        return self._alphabet
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_SPECIAL_IDS + len(self._alphabet)
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def bos_id(self) -> int:
+        return BOS_ID
+
+    @property
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    def _char_id(self, char: str, text: str) -> int:
+        try:
+            return self._char_to_id[char]
+        except KeyError:
+            raise ValueError(
+                f"Character {char!r} in {text!r} is not in the tokenizer alphabet "
+                f"{self._alphabet!r}; build the tokenizer with an alphabet that contains it."
+            ) from None
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = [self._char_id(c, text) for c in text]
+        if add_bos:
+            ids.insert(0, BOS_ID)
+        if add_eos:
+            ids.append(EOS_ID)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        chars = []
+        for token_id in ids:
+            token_id = int(token_id)
+            if token_id == EOS_ID:
+                break
+            if token_id in (PAD_ID, BOS_ID):
+                continue
+            if not NUM_SPECIAL_IDS <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"Token id {token_id} is outside this tokenizer's vocabulary "
+                    f"[0, {self.vocab_size}); was it produced with a different tokenizer?"
+                )
+            chars.append(self._alphabet[token_id - NUM_SPECIAL_IDS])
+        return "".join(chars)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        max_len: int,
+        *,
+        left_pad: bool,
+        add_bos: bool = False,
+        add_eos: bool = False,
+    ) -> np.ndarray:
+        sequences = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
+        return pad_sequences(sequences, max_len, pad_id=PAD_ID, left_pad=left_pad, texts=texts)
+
+    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode(row) for row in ids]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description, e.g. for checkpoint metadata."""
+        return {"type": self.TYPE_NAME, "alphabet": self._alphabet}
+
+    @classmethod
+    def from_dict(cls, description: dict[str, Any]) -> CharTokenizer:
+        """Inverse of `to_dict`."""
+        if description.get("type") != cls.TYPE_NAME or "alphabet" not in description:
+            raise ValueError(
+                f"{description!r} does not describe a CharTokenizer; expected "
+                f"{{'type': {cls.TYPE_NAME!r}, 'alphabet': ...}} as written by to_dict()."
+            )
+        return cls(description["alphabet"])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CharTokenizer) and other.alphabet == self.alphabet
+
+    def __hash__(self) -> int:
+        return hash((self.TYPE_NAME, self._alphabet))
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(alphabet={self._alphabet!r})"

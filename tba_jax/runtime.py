@@ -1,0 +1,182 @@
+"""Searchers, the policy store, and the async (TBA) and sync training loops.
+
+Policy versions count learner steps: the params published after learner step
+s carry version s, and every sample records the version that generated it.
+The *policy lag* of a sample in a training batch is the learner step at which
+it is trained on minus its version (0 on-policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from tba_jax import mesh as mesh_lib
+from tba_jax.data.pipeline import PromptStream
+from tba_jax.metrics import RateMeter, TimeSplit
+from tba_jax.models.tokenizers import Tokenizer
+from tba_jax.replay import ReplayBuffer, Trajectory
+
+RewardFn = Callable[[str, str], float]
+
+
+class PolicyStore:
+    """The params the searchers sample with, and their version. Thread-safe."""
+
+    def __init__(self, sampler_shardings, params, version: int):
+        self._shardings = sampler_shardings
+        self._lock = threading.Lock()
+        self._params = mesh_lib.publish(params, sampler_shardings)
+        self._version = version
+
+    def publish(self, learner_params, version: int) -> None:
+        """Copies `learner_params` onto the sampler mesh (asynchronously) as `version`."""
+        published = mesh_lib.publish(learner_params, self._shardings)
+        with self._lock:
+            self._params, self._version = published, version
+
+    def get(self):
+        with self._lock:
+            return self._params, self._version
+
+
+@dataclasses.dataclass
+class SearchWorker:
+    """Generates S responses per prompt and scores them: reward, log π_ref, log π_behaviour."""
+
+    generate_fn: Callable  # (params, prompt_tokens, prompt_mask, rng) -> Generation
+    score_fn: Callable  # (params, prompt_tokens, prompt_mask, response_tokens, mask) -> [N, T]
+    reference_params: object
+    tokenizer: Tokenizer
+    reward_fn: RewardFn
+    max_prompt_len: int
+    samples_per_prompt: int
+    time_split: TimeSplit
+    rates: RateMeter
+
+    def search(
+        self, params, version: int, examples: Sequence[dict], rng: jax.Array
+    ) -> list[Trajectory]:
+        """Returns len(examples) * samples_per_prompt trajectories, prompt-major."""
+        s = self.samples_per_prompt
+        prompts = [ex["prompt"] for ex in examples for _ in range(s)]
+        prompt_tokens = self.tokenizer.encode_batch(prompts, self.max_prompt_len, left_pad=True)
+        prompt_mask = prompt_tokens != self.tokenizer.pad_id
+        with self.time_split.measure("generating"):
+            gen = self.generate_fn(params, prompt_tokens, prompt_mask, rng)
+            gen = jax.block_until_ready(gen)
+        with self.time_split.measure("scoring"):
+            token_logp_ref = self.score_fn(
+                self.reference_params, prompt_tokens, prompt_mask, gen.tokens, gen.mask
+            )
+            tokens, lengths, token_logp, token_logp_ref = jax.device_get(
+                (gen.tokens, gen.lengths, gen.token_logp, token_logp_ref)
+            )
+            created_at = time.time()
+            trajectories = []
+            for row, prompt_row in enumerate(prompt_tokens):
+                example = examples[row // s]
+                length = int(lengths[row])
+                response = tokens[row, :length]
+                trajectories.append(
+                    Trajectory(
+                        prompt_id=int(example["id"]),
+                        prompt_tokens=prompt_row[prompt_mask[row]],
+                        response_tokens=response,
+                        reward=self.reward_fn(self.tokenizer.decode(response), example["answer"]),
+                        logp_behaviour=float(token_logp[row, :length].sum()),
+                        logp_ref=float(token_logp_ref[row, :length].sum()),
+                        token_logp_behaviour=token_logp[row, :length],
+                        token_logp_ref=token_logp_ref[row, :length],
+                        policy_version=version,
+                        created_at=created_at,
+                    )
+                )
+        self.rates.add("samples", len(trajectories))
+        self.rates.add("tokens", int(lengths.sum()))
+        return trajectories
+
+
+class Searcher(threading.Thread):
+    """A host thread that generates and scores continuously into the replay buffer.
+
+    It never waits for the learner: it reads whatever params the policy store
+    holds at the start of each call. An exception stops the run: it is put on
+    `errors` and `stop` is set, and the learner re-raises it.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        worker: SearchWorker,
+        store: PolicyStore,
+        stream: PromptStream,
+        buffer: ReplayBuffer,
+        prompts_per_call: int,
+        seed: int,
+        stop: threading.Event,
+        errors: queue.Queue,
+    ):
+        super().__init__(name=f"searcher-{index}", daemon=True)
+        self.index = index
+        self.worker, self.store, self.stream, self.buffer = worker, store, stream, buffer
+        self.prompts_per_call = prompts_per_call
+        self.rng = jax.random.fold_in(jax.random.key(seed), index)
+        self.stop, self.errors = stop, errors
+        self.calls = 0
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                params, version = self.store.get()
+                examples = self.stream.next_batch(self.prompts_per_call)
+                rng = jax.random.fold_in(self.rng, self.calls)
+                trajectories = self.worker.search(params, version, examples, rng)
+                self.buffer.add(trajectories)
+                self.calls += 1
+        except BaseException as error:
+            self.errors.put(error)
+            self.stop.set()
+
+
+class SearcherPool:
+    """Starts searcher threads, surfaces their errors, and stops them."""
+
+    def __init__(self, searchers: Sequence[Searcher], stop: threading.Event, errors: queue.Queue):
+        self.searchers, self.stop, self.errors = list(searchers), stop, errors
+
+    def start(self) -> None:
+        for searcher in self.searchers:
+            searcher.start()
+
+    def raise_if_failed(self) -> None:
+        if not self.errors.empty():
+            error = self.errors.get()
+            raise RuntimeError(f"A searcher thread failed: {error!r}") from error
+
+    def close(self, timeout_s: float) -> None:
+        self.stop.set()
+        for searcher in self.searchers:
+            searcher.join(timeout=timeout_s)
+
+    def wait_for_buffer(
+        self, buffer: ReplayBuffer, min_prompts: int, poll_s: float, stop_signal
+    ) -> None:
+        """Blocks until the buffer holds `min_prompts` prompts; raises a searcher's error."""
+        while buffer.num_prompts < min_prompts:
+            self.raise_if_failed()
+            if stop_signal.requested:
+                return
+            time.sleep(poll_s)
+        self.raise_if_failed()
+
+
+def policy_lag(learner_step: int, sample_versions: np.ndarray) -> dict[str, float]:
+    lag = learner_step - sample_versions.astype(np.int64)
+    return {"policy_lag_mean": float(lag.mean()), "policy_lag_max": float(lag.max())}

@@ -1,0 +1,184 @@
+"""Prefill + on-device decode loop with a KV cache.
+
+The whole generation is one jitted program: a prefill over the left-padded
+prompts, then a `lax.while_loop` that samples one token per step for every
+row, stops a row at its first EOS and stops the loop when every row is done or
+`max_new_tokens` is reached. No host round trip per token.
+
+Behaviour log-probs are `log_softmax(logits / temperature)` at the sampled
+token, the same quantity `scoring.token_logprobs` computes; top-k / top-p
+truncation changes which tokens can be drawn but not this log-prob (TB's
+target is the tempered policy, DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tba_jax.models import Model, Params, positions_from_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are drawn. `greedy` ignores temperature, top_k and top_p."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    greedy: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be positive.")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(
+                f"temperature={self.temperature} must be > 0 (use greedy=True for argmax)."
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off).")
+
+
+class Generation(NamedTuple):
+    """Sampled responses. tokens: [B, T] (pad after EOS); mask: [B, T] float32 (1 up
+    to and including the first EOS); lengths: [B] int32; token_logp: [B, T] float32
+    behaviour log-probs at the sampling temperature (0 on padding)."""
+
+    tokens: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    token_logp: jax.Array
+
+
+def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Sets logits outside the top-k / nucleus to -inf. logits: [B, V] float32."""
+    neg_inf = jnp.finfo(logits.dtype).min
+    if top_k > 0:
+        kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth_largest, neg_inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep a token if the mass strictly before it is < top_p (always keeps the top one).
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        kept = mass_before < top_p
+        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, neg_inf, logits)
+    return logits
+
+
+def sample_token(
+    logits: jax.Array, rng: jax.Array, sampling: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]."""
+    if sampling.greedy:
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        tempered = logits / sampling.temperature
+        logp_all = jax.nn.log_softmax(tempered, axis=-1)
+        drawable = truncate_logits(tempered, sampling.top_k, sampling.top_p)
+        token = jax.random.categorical(rng, drawable, axis=-1).astype(jnp.int32)
+    logp = jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
+    return token, logp
+
+
+def response_mask(tokens: jax.Array, eos_id: int) -> jax.Array:
+    """1.0 on tokens up to and including the first EOS, 0.0 after. tokens: [B, T]."""
+    is_eos = (tokens == eos_id).astype(jnp.int32)
+    eos_before = jnp.cumsum(is_eos, axis=-1) - is_eos
+    return (eos_before == 0).astype(jnp.float32)
+
+
+def generate(
+    model: Model,
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    sampling: SamplingConfig,
+    eos_id: int,
+    pad_id: int,
+) -> Generation:
+    """Samples one response per prompt row. prompt_tokens, prompt_mask: [B, P] (left-padded)."""
+    batch, prompt_len = prompt_tokens.shape
+    max_new = sampling.max_new_tokens
+    prompt_mask = prompt_mask.astype(bool)
+    key_valid = jnp.concatenate([prompt_mask, jnp.ones((batch, max_new), bool)], axis=1)
+    prompt_positions = positions_from_mask(prompt_mask)
+    cache = model.init_cache(batch, prompt_len + max_new)
+    logits, cache = model.apply(params, prompt_tokens, prompt_positions, key_valid, cache, 0)
+
+    class Carry(NamedTuple):
+        step: jax.Array
+        cache: tuple
+        next_logits: jax.Array
+        position: jax.Array
+        tokens: jax.Array
+        token_logp: jax.Array
+        done: jax.Array
+        rng: jax.Array
+
+    def keep_going(carry: Carry):
+        return (carry.step < max_new) & ~jnp.all(carry.done)
+
+    def decode_step(carry: Carry) -> Carry:
+        rng, step_rng = jax.random.split(carry.rng)
+        token, logp = sample_token(carry.next_logits, step_rng, sampling)
+        token = jnp.where(carry.done, pad_id, token)
+        logp = jnp.where(carry.done, 0.0, logp)
+        tokens = jax.lax.dynamic_update_slice(carry.tokens, token[:, None], (0, carry.step))
+        token_logp = jax.lax.dynamic_update_slice(carry.token_logp, logp[:, None], (0, carry.step))
+        done = carry.done | (token == eos_id)
+        step_logits, cache = model.apply(
+            params,
+            token[:, None],
+            carry.position[:, None],
+            key_valid,
+            carry.cache,
+            prompt_len + carry.step,
+        )
+        return Carry(
+            carry.step + 1,
+            cache,
+            step_logits[:, 0],
+            carry.position + 1,
+            tokens,
+            token_logp,
+            done,
+            rng,
+        )
+
+    initial = Carry(
+        step=jnp.int32(0),
+        cache=cache,
+        next_logits=logits[:, -1],
+        position=prompt_positions[:, -1] + 1,
+        tokens=jnp.full((batch, max_new), pad_id, jnp.int32),
+        token_logp=jnp.zeros((batch, max_new), jnp.float32),
+        done=jnp.zeros((batch,), bool),
+        rng=rng,
+    )
+    final = jax.lax.while_loop(keep_going, decode_step, initial)
+    mask = response_mask(final.tokens, eos_id)
+    return Generation(
+        tokens=final.tokens,
+        mask=mask,
+        lengths=mask.sum(axis=-1).astype(jnp.int32),
+        token_logp=final.token_logp * mask,
+    )
+
+
+def make_generate_fn(model: Model, sampling: SamplingConfig, *, eos_id: int, pad_id: int):
+    """A jitted `(params, prompt_tokens, prompt_mask, rng) -> Generation`."""
+    return jax.jit(
+        functools.partial(generate, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+    )

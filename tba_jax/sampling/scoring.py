@@ -1,0 +1,47 @@
+"""Teacher-forced log-probs of given responses under any parameters.
+
+Used for the reference policy when a sample is made (searchers), for the
+current policy inside the learner's loss, and by tests to check the sampler.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tba_jax.models import Model, Params, positions_from_mask
+
+
+def token_logprobs(
+    model: Model,
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    response_tokens: jax.Array,
+    response_mask: jax.Array,
+    *,
+    temperature: float,
+) -> jax.Array:
+    """Per-token log π(y_t | x, y_<t) at `temperature`, 0 where `response_mask` is 0.
+
+    prompt_tokens, prompt_mask: [N, P] (left-padded); response_tokens,
+    response_mask: [N, T] (right-padded; mask 1 up to and including EOS).
+    Returns [N, T] float32.
+    """
+    prompt_len = prompt_tokens.shape[1]
+    response_len = response_tokens.shape[1]
+    tokens = jnp.concatenate([prompt_tokens, response_tokens], axis=1)
+    valid = jnp.concatenate([prompt_mask.astype(bool), response_mask > 0], axis=1)
+    logits, _ = model.apply(params, tokens, positions_from_mask(valid), valid)
+    # The logits at slot s predict the token in slot s + 1.
+    predicting = logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    logp_all = jax.nn.log_softmax(predicting / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, response_tokens[..., None], axis=-1)[..., 0]
+    return logp * response_mask
+
+
+def make_score_fn(model: Model, *, temperature: float):
+    """A jitted `(params, prompt_tokens, prompt_mask, response_tokens, response_mask) -> [N, T]`."""
+    return jax.jit(functools.partial(token_logprobs, model, temperature=temperature))

@@ -1,0 +1,76 @@
+"""Tasks by name: what a run trains on (data, tokenizer, reward), built from `config.task`.
+
+A task builder returns a `Task`; `config.task.name` picks one. The built-in
+task is `arithmetic` (tba_jax/data/arithmetic.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+import ml_collections
+
+from tba_jax.data import arithmetic
+from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
+from tba_jax.rewards import arithmetic as arithmetic_reward
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """train / test: examples with at least `id`, `prompt`, `answer` (and `solution`
+    for a supervised warm start); reward_fn(response_text, answer) -> float."""
+
+    name: str
+    train: Sequence[dict]
+    test: Sequence[dict]
+    tokenizer: Tokenizer
+    reward_fn: Callable[[str, str], float]
+    identity: dict  # JSON-able: what makes two runs' tasks the same (for checkpoints)
+
+
+TaskBuilder = Callable[[ml_collections.ConfigDict, str], Task]
+_TASKS: dict[str, TaskBuilder] = {}
+
+
+def register_task(name: str):
+    def decorator(builder: TaskBuilder) -> TaskBuilder:
+        _TASKS[name] = builder
+        return builder
+
+    return decorator
+
+
+def build_task(task_config: ml_collections.ConfigDict, workdir: str) -> Task:
+    if task_config.name not in _TASKS:
+        raise ValueError(f"task.name={task_config.name!r} is not one of {sorted(_TASKS)}.")
+    return _TASKS[task_config.name](task_config, workdir)
+
+
+def task_identity(task_config: ml_collections.ConfigDict) -> dict:
+    """The task settings that define the data (not where it is cached)."""
+    return {k: v for k, v in task_config.to_dict().items() if k != "data_dir"}
+
+
+@register_task("arithmetic")
+def arithmetic_task(task_config: ml_collections.ConfigDict, workdir: str) -> Task:
+    spec = arithmetic.ArithmeticTaskConfig(
+        num_terms_min=task_config.num_terms_min,
+        num_terms_max=task_config.num_terms_max,
+        max_operand=task_config.max_operand,
+        max_result=task_config.max_result,
+        ops=task_config.ops,
+        num_train=task_config.num_train,
+        num_test=task_config.num_test,
+        seed=task_config.seed,
+    )
+    data_dir = task_config.data_dir or os.path.join(workdir, "data")
+    return Task(
+        name="arithmetic",
+        train=arithmetic.load_split(spec, "train", data_dir),
+        test=arithmetic.load_split(spec, "test", data_dir),
+        tokenizer=CharTokenizer.for_arithmetic(task_config.ops),
+        reward_fn=arithmetic_reward.reward,
+        identity=task_identity(task_config),
+    )

@@ -1,0 +1,335 @@
+"""Tests for tba_jax.checkpoint: orbax round trips, retention, mismatch guard, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from tba_jax.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    StopSignal,
+    install_sigterm_handler,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = {"config_name": "gsm8k_rho1b:tiny", "model": {"layers": 2}, "task": {"k": 4}}
+SIGNAL_WAIT_SECONDS = 5.0
+SUBPROCESS_TIMEOUT_SECONDS = 120
+
+
+class TinyModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(7, 4, rngs=rngs)
+        self.out = nnx.Linear(4, 3, rngs=rngs)
+
+
+@jax.jit  # one compilation instead of many eager initialiser ops keeps the tests fast
+def _init_train_state(seed: jax.Array) -> dict:
+    _, params = nnx.split(TinyModel(nnx.Rngs(jax.random.key(seed))), nnx.Param)
+    optimizer = optax.adamw(1e-3)
+    opt_state = optimizer.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, opt_state = optimizer.update(grads, opt_state, params)  # non-zero moments
+    return {"params": params, "opt_state": opt_state, "step": (seed + 3).astype(jnp.int32)}
+
+
+def make_train_state(seed: int = 0) -> dict:
+    return _init_train_state(jnp.asarray(seed, jnp.int32))
+
+
+def make_buffer_state() -> dict[str, np.ndarray]:
+    return {
+        "prompt_ids": np.arange(6, dtype=np.int32),
+        "rewards": np.linspace(0.0, 1.0, 5, dtype=np.float32),
+        "logprobs": np.array([-1.5, -2.25e-12], dtype=np.float64),
+        "finished": np.array([True, False, True]),
+        "created_ns": np.array([2**40, -(2**41)], dtype=np.int64),
+        "empty_tokens": np.zeros((0,), dtype=np.int32),
+        "empty_matrix": np.zeros((0, 3), dtype=np.float32),
+    }
+
+
+def make_metadata(step: int) -> dict:
+    return {
+        "policy_version": step // 2,
+        "data_position": {"epoch": 1, "index": 17},
+        "rng_key": [0, 42],
+        "learner_step": step,
+    }
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def assert_trees_equal(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def snapshot_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+def save_steps(checkpointer: Checkpointer, steps, *, force: bool = False) -> list[bool]:
+    results = [
+        checkpointer.save(
+            step,
+            train_state=make_train_state(step),
+            buffer_state=make_buffer_state(),
+            metadata=make_metadata(step),
+            force=force,
+        )
+        for step in steps
+    ]
+    checkpointer.wait_until_finished()
+    return results
+
+
+def test_round_trip_restores_train_state_buffer_and_metadata(tmp_path):
+    train_state, buffer_state = make_train_state(), make_buffer_state()
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        assert checkpointer.save(
+            4, train_state=train_state, buffer_state=buffer_state, metadata=make_metadata(4)
+        )
+        checkpointer.wait_until_finished()
+
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        template = abstract(make_train_state(seed=9))
+        restored_state, restored_buffer, restored_metadata = checkpointer.restore(
+            train_state_template=template
+        )
+
+    assert_trees_equal(restored_state, train_state)
+    assert isinstance(restored_state["params"], nnx.State)
+    assert restored_buffer.keys() == buffer_state.keys()
+    for name, array in buffer_state.items():
+        assert restored_buffer[name].dtype == array.dtype, name
+        assert restored_buffer[name].shape == array.shape, name
+        np.testing.assert_array_equal(restored_buffer[name], array)
+    assert restored_metadata == make_metadata(4)
+
+
+def test_empty_buffer_and_concrete_template_round_trip(tmp_path):
+    train_state = make_train_state()
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        checkpointer.save(1, train_state=train_state, buffer_state={}, metadata={}, force=True)
+        restored_state, restored_buffer, restored_metadata = checkpointer.restore(
+            train_state_template=make_train_state(seed=5)
+        )
+    assert_trees_equal(restored_state, train_state)
+    assert restored_buffer == {}
+    assert restored_metadata == {}
+
+
+def test_numpy_values_in_metadata_are_saved_as_plain_json(tmp_path):
+    metadata = {"policy_version": np.int64(3), "rng_key": np.array([0, 42], dtype=np.uint32)}
+    train_state = {"step": jnp.asarray(1)}
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        with pytest.raises(ValueError, match="train_state has no leaves"):
+            checkpointer.save(1, train_state={}, buffer_state={}, metadata=metadata)
+        checkpointer.save(1, train_state=train_state, buffer_state={}, metadata=metadata)
+        _, _, restored = checkpointer.restore(train_state_template=train_state)
+    assert restored == {"policy_version": 3, "rng_key": [0, 42]}
+
+
+def test_restore_places_arrays_on_template_sharding(tmp_path):
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    train_state = {"w": jnp.arange(8.0).reshape(4, 2)}
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        checkpointer.save(2, train_state=train_state, buffer_state={}, metadata={})
+        template = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=sharding)}
+        restored, _, _ = checkpointer.restore(train_state_template=template)
+    assert restored["w"].sharding == sharding
+    np.testing.assert_array_equal(restored["w"], train_state["w"])
+
+
+MULTI_DEVICE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from tba_jax.checkpoint import Checkpointer
+
+    assert jax.device_count() == 2, jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    split_rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    w = jax.device_put(jnp.arange(16.0).reshape(4, 4), replicated)
+    with Checkpointer(sys.argv[1], experiment={"name": "multi"}) as checkpointer:
+        checkpointer.save(1, train_state={"w": w}, buffer_state={}, metadata={})
+        template = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=split_rows)}
+        restored, _, _ = checkpointer.restore(train_state_template=template)
+    assert restored["w"].sharding == split_rows, restored["w"].sharding
+    assert [s.data.shape for s in restored["w"].addressable_shards] == [(2, 4), (2, 4)]
+    np.testing.assert_array_equal(restored["w"], np.arange(16.0).reshape(4, 4))
+    print("OK")
+    """
+)
+
+
+def test_restore_reshards_across_two_fake_devices(tmp_path):
+    environment = dict(os.environ)
+    environment["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    environment["JAX_PLATFORMS"] = "cpu"
+    environment["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", MULTI_DEVICE_SCRIPT, str(tmp_path)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_SECONDS,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout
+
+
+def test_latest_step_and_max_to_keep(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT, max_to_keep=2) as checkpointer:
+        assert checkpointer.latest_step() is None
+        assert save_steps(checkpointer, [1, 2, 3]) == [True, True, True]
+        assert checkpointer.latest_step() == 3
+        assert checkpointer.all_steps() == [2, 3]
+        _, _, metadata = checkpointer.restore(train_state_template=make_train_state(), step=2)
+        assert metadata == make_metadata(2)
+    step_dirs = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert step_dirs == ["2", "3"]
+
+
+def test_save_interval_force_and_existing_step(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT, save_interval_steps=5) as checkpointer:
+        assert save_steps(checkpointer, [3, 5, 7]) == [False, True, False]
+        assert save_steps(checkpointer, [7], force=True) == [True]
+        assert save_steps(checkpointer, [7], force=True) == [False]  # never overwrites
+        assert checkpointer.all_steps() == [5, 7]
+
+
+def test_stale_temporary_directory_is_not_a_checkpoint(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [2])
+    partial = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp"  # a save killed half-way
+    (partial / "train_state").mkdir(parents=True)
+    (partial / "train_state" / "half_written").write_bytes(b"\x00" * 8)
+
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        assert checkpointer.latest_step() == 2
+        _, _, metadata = checkpointer.restore(train_state_template=make_train_state())
+        assert metadata == make_metadata(2)
+        assert save_steps(checkpointer, [3]) == [True]
+        _, _, metadata = checkpointer.restore(train_state_template=make_train_state())
+    assert metadata == make_metadata(3)
+    assert not (tmp_path / "checkpoints" / "3" / "train_state" / "half_written").exists()
+
+
+def test_mismatched_experiment_raises_and_touches_nothing(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [1])
+    before = snapshot_files(tmp_path)
+    other = {**EXPERIMENT, "model": {"layers": 4}}
+
+    with pytest.raises(CheckpointMismatchError) as error:
+        Checkpointer(str(tmp_path), experiment=other, max_to_keep=1)
+
+    message = str(error.value)
+    assert "\n" not in message
+    assert str(tmp_path) in message
+    assert "model.layers: 2 vs 4" in message
+    assert "--workdir" in message
+    assert snapshot_files(tmp_path) == before
+
+
+def test_unlabelled_checkpoints_are_refused(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [1])
+    (tmp_path / "checkpoints" / "experiment.json").unlink()
+    with pytest.raises(CheckpointMismatchError, match="--workdir"):
+        Checkpointer(str(tmp_path), experiment=EXPERIMENT)
+
+
+def test_same_experiment_with_tuples_resumes(tmp_path):
+    experiment = {"config_name": "x", "shape": (2, 3)}
+    with Checkpointer(str(tmp_path), experiment=experiment) as checkpointer:
+        save_steps(checkpointer, [1])
+    with Checkpointer(str(tmp_path), experiment={"config_name": "x", "shape": [2, 3]}) as again:
+        assert again.latest_step() == 1
+
+
+def test_missing_checkpoint_error_names_workdir(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+            checkpointer.restore(train_state_template=make_train_state())
+        save_steps(checkpointer, [1])
+        with pytest.raises(FileNotFoundError, match="available steps: \\[1\\]"):
+            checkpointer.restore(train_state_template=make_train_state(), step=9)
+
+
+def test_object_arrays_in_buffer_are_rejected(tmp_path):
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [[1], [2, 3]]
+    with (
+        Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer,
+        pytest.raises(TypeError, match="ragged"),
+    ):
+        checkpointer.save(
+            1, train_state=make_train_state(), buffer_state={"tokens": ragged}, metadata={}
+        )
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_sigterm_sets_stop_flag_and_handler_is_restored():
+    previous = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal()
+    restore = install_sigterm_handler(stop.request)
+    try:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_for(lambda: stop.requested, SIGNAL_WAIT_SECONDS)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_sigterm_handler_refuses_worker_threads():
+    errors = []
+
+    def install_from_worker():
+        try:
+            install_sigterm_handler(lambda: None)
+        except RuntimeError as error:
+            errors.append(error)
+
+    worker = threading.Thread(target=install_from_worker)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1
+    assert "main thread" in str(errors[0])

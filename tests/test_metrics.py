@@ -1,0 +1,212 @@
+"""Tests for tba_jax.metrics: TensorBoard round trip, log lines, progress, timers, rates."""
+
+from __future__ import annotations
+
+import io
+import logging as std_logging
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from tba_jax.metrics import (
+    TENSORBOARD_SUBDIR,
+    MetricsWriter,
+    RateMeter,
+    TimeSplit,
+    format_log_line,
+    progress_enabled,
+    read_scalars,
+)
+
+THREADS = 8
+ADDS_PER_THREAD = 500
+
+
+class FakeClock:
+    def __init__(self, start: float = 100.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TtyStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def make_writer(tmp_path, **overrides) -> MetricsWriter:
+    options = {"log_every": 2, "total_steps": 6, "show_progress": False}
+    options.update(overrides)
+    return MetricsWriter(str(tmp_path), **options)
+
+
+def steps_metrics(step: int) -> dict:
+    # float32-exact values: TensorBoard stores scalars as float32.
+    return {"loss": 1.5 / step, "reward": np.float32(0.25 * step), "kl": np.array(step * 2.0)}
+
+
+def test_written_scalars_read_back_with_same_values(tmp_path):
+    with make_writer(tmp_path) as writer:
+        for step in range(1, 5):
+            writer.write(step, steps_metrics(step))
+
+    scalars = read_scalars(os.path.join(tmp_path, TENSORBOARD_SUBDIR))
+
+    assert set(scalars) == {"loss", "reward", "kl"}
+    for name in scalars:
+        expected = [(step, float(np.float32(steps_metrics(step)[name]))) for step in range(1, 5)]
+        assert scalars[name] == pytest.approx(expected)
+
+
+def test_resumed_run_overrides_repeated_steps(tmp_path):
+    with make_writer(tmp_path) as writer:
+        for step in (1, 2, 3):
+            writer.write(step, {"loss": float(step)})
+    with make_writer(tmp_path, initial_step=2) as resumed:
+        for step in (3, 4):
+            resumed.write(step, {"loss": 10.0 * step})
+
+    event_dir = os.path.join(tmp_path, TENSORBOARD_SUBDIR)
+    assert len([name for name in os.listdir(event_dir) if "tfevents" in name]) == 2
+    assert read_scalars(event_dir)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_read_scalars_stops_at_partially_written_record(tmp_path):
+    with make_writer(tmp_path) as writer:
+        for step in (1, 2):
+            writer.write(step, {"loss": float(step)})
+    event_dir = os.path.join(tmp_path, TENSORBOARD_SUBDIR)
+    (event_file,) = os.listdir(event_dir)
+    path = os.path.join(event_dir, event_file)
+    with open(path, "rb") as file:
+        content = file.read()
+    with open(path, "wb") as file:
+        file.write(content[:-3])  # the last record is cut short, as while writing
+
+    assert read_scalars(event_dir)["loss"] == [(1, 1.0)]
+
+
+def test_read_scalars_names_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tensorboard"):
+        read_scalars(str(tmp_path / "no_such_run"))
+
+
+def test_non_scalar_metric_is_refused(tmp_path):
+    with make_writer(tmp_path) as writer, pytest.raises(ValueError, match=r"'loss'.*scalar"):
+        writer.write(1, {"loss": np.ones(3)})
+
+
+def test_log_line_format_is_fixed_order_and_compact():
+    metrics = {"zeta": 3.0, "reward": 0.51234, "kl": 1e-5, "loss": 1.23456}
+    line = format_log_line(40, 200, metrics)
+    assert line == "step 40/200 | loss 1.235 | reward 0.5123 | kl 1e-05 | zeta 3"
+    assert format_log_line(7, None, {"loss": 2.0}) == "step 7 | loss 2"
+
+
+def test_writer_logs_every_log_every_steps(tmp_path, caplog):
+    caplog.set_level(std_logging.INFO)
+    with make_writer(tmp_path, log_every=2, total_steps=4) as writer:
+        for step in range(1, 5):
+            writer.write(step, {"reward": 0.5, "loss": 1.0})
+    lines = [record.getMessage() for record in caplog.records if "step " in record.getMessage()]
+    assert lines == ["step 2/4 | loss 1 | reward 0.5", "step 4/4 | loss 1 | reward 0.5"]
+
+
+def test_progress_bar_only_on_terminals_unless_forced():
+    assert not progress_enabled(False, True, TtyStream())
+    assert progress_enabled(True, False, TtyStream())
+    assert not progress_enabled(True, False, io.StringIO())
+    assert progress_enabled(True, True, io.StringIO())
+
+
+def test_forced_progress_bar_tracks_steps(tmp_path):
+    stream = io.StringIO()
+    with make_writer(
+        tmp_path, show_progress=True, force_progress=True, progress_stream=stream
+    ) as writer:
+        for step in range(1, 7):
+            writer.write(step, {"loss": 0.5})
+    output = stream.getvalue()
+    assert "6/6" in output
+    assert "loss=0.5" in output
+
+
+def test_hidden_progress_bar_writes_nothing(tmp_path):
+    stream = io.StringIO()
+    with make_writer(tmp_path, show_progress=True, progress_stream=stream) as writer:
+        writer.write(1, {"loss": 0.5})
+    assert stream.getvalue() == ""
+
+
+def run_in_threads(target) -> None:
+    threads = [threading.Thread(target=target) for _ in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_time_split_sums_from_threads_and_fractions():
+    split = TimeSplit()
+
+    def add_many():
+        for _ in range(ADDS_PER_THREAD):
+            split.add("generating", 0.5)
+            split.add("training", 0.25)
+
+    run_in_threads(add_many)
+
+    totals = split.totals()
+    assert totals["generating"] == pytest.approx(THREADS * ADDS_PER_THREAD * 0.5)
+    assert totals["training"] == pytest.approx(THREADS * ADDS_PER_THREAD * 0.25)
+    assert split.fractions() == pytest.approx({"generating": 2 / 3, "training": 1 / 3})
+
+
+def test_time_split_measure_uses_clock_even_on_error():
+    clock = FakeClock()
+    split = TimeSplit(clock=clock)
+    with split.measure("scoring"):
+        clock.now += 2.0
+    with pytest.raises(RuntimeError), split.measure("scoring"):
+        clock.now += 1.0
+        raise RuntimeError("boom")
+    assert split.totals() == {"scoring": pytest.approx(3.0)}
+    assert TimeSplit().fractions() == {}
+
+
+def test_time_split_refuses_negative_time():
+    with pytest.raises(ValueError, match="negative"):
+        TimeSplit().add("waiting", -1.0)
+
+
+def test_rate_meter_since_start_and_since_last():
+    clock = FakeClock()
+    meter = RateMeter(clock=clock)
+    meter.add("samples", 10)
+    meter.add("tokens", 400)
+    clock.now += 2.0
+    assert meter.rates_since_last() == {"samples": 5.0, "tokens": 200.0}
+
+    meter.add("samples", 30)
+    clock.now += 3.0
+    assert meter.rates_since_last() == {"samples": 10.0, "tokens": 0.0}
+    assert meter.rates_since_start() == {"samples": 8.0, "tokens": 80.0}
+    assert meter.totals() == {"samples": 40, "tokens": 400}
+
+
+def test_rate_meter_counts_from_threads():
+    clock = FakeClock()
+    meter = RateMeter(clock=clock)
+    run_in_threads(lambda: [meter.add("samples") for _ in range(ADDS_PER_THREAD)])
+    clock.now += 4.0
+    assert meter.totals() == {"samples": THREADS * ADDS_PER_THREAD}
+    assert meter.rates_since_start() == {"samples": THREADS * ADDS_PER_THREAD / 4.0}
+
+
+def test_rate_meter_with_no_elapsed_time_reports_zero():
+    meter = RateMeter(clock=FakeClock())
+    meter.add("samples", 3)
+    assert meter.rates_since_start() == {"samples": 0.0}
