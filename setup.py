@@ -1,12 +1,14 @@
 """tba_jax: Trajectory Balance with Asynchrony for LLM post-training in JAX/Flax."""
 
+import pathlib
+
 from setuptools import find_packages, setup
 
 setup(
     name="tba_jax",
     version="0.1.0",
     description="Trajectory Balance with Asynchrony (TBA) for LLM post-training in JAX/Flax.",
-    long_description=open("README.md").read(),
+    long_description=pathlib.Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tba_jax", "tba_jax.*"]),

@@ -21,6 +21,29 @@ SHORTCUTS = {
     "S": "batch.samples_generated_per_prompt",
 }
 
+# Named variants: `configs/arithmetic.py:smoke` (combine with key=value items).
+NAMED_VARIANTS = {
+    # The same code path in seconds: used by the test suite.
+    "smoke": {
+        "model.preset": "micro",
+        "task.num_train": 200,
+        "task.num_test": 16,
+        "warm_start.steps": 3,
+        "warm_start.batch_size": 16,
+        "batch.prompts_per_batch": 4,
+        "batch.samples_per_prompt": 4,
+        "batch.samples_generated_per_prompt": 4,
+        "replay.min_prompts": 4,
+        "search.prompts_per_call": 4,
+        "learner_steps": 4,
+        "eval.num_examples": 16,
+        "eval.batch_size": 16,
+        "log_every": 2,
+        "checkpoint_every": 2,
+        "progress_bar": False,
+    },
+}
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
@@ -28,19 +51,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.seed = 0
     config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
     config.method = "tb"  # a registered loss: tb | rloo
-    config.learner_steps = 150
+    config.learner_steps = 300
     config.sync_period = 2  # publish params to the searchers every k learner steps
 
     config.task = ml_collections.ConfigDict()
     config.task.name = "arithmetic"
     config.task.num_terms_min = 2
     config.task.num_terms_max = 3
-    config.task.max_operand = 20
-    config.task.max_result = 40
+    config.task.max_operand = 9
+    config.task.max_result = 20
     config.task.ops = "+-"
-    config.task.num_train = 4000
+    config.task.num_train = 2300
     config.task.num_test = 256
     config.task.seed = 1234
+    # Imperfect demonstrations: this fraction of warm-start solutions ends with the
+    # total before the last step. SFT imitates the slip; the reward teaches TBA not to.
+    config.task.demo_error_rate = 0.6
     config.task.data_dir = ""  # empty: <workdir>/data
     config.max_prompt_len = 10
     config.max_response_len = 12
@@ -51,7 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.param_dtype = "float32"
 
     config.warm_start = ml_collections.ConfigDict()
-    config.warm_start.steps = 120
+    config.warm_start.steps = 500
     config.warm_start.batch_size = 64
     config.warm_start.learning_rate = 3e-3
     config.warm_start.warmup_steps = 10
@@ -74,9 +100,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.batch.num_microbatches = 1
 
     config.replay = ml_collections.ConfigDict()
-    config.replay.capacity = 20_000
-    config.replay.capacity_per_prompt = 32
-    config.replay.recency_prob = 0.5  # m
+    config.replay.capacity = 8000
+    config.replay.capacity_per_prompt = 16
+    config.replay.recency_prob = 0.8  # m
     config.replay.priority = "softmax"  # uniform | softmax | rank
     config.replay.priority_inverse_temperature = 1.0
     config.replay.min_prompts = 32  # buffer fill before the learner starts
@@ -86,12 +112,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.search.prompts_per_call = 16
 
     config.optim = ml_collections.ConfigDict()
-    config.optim.learning_rate = 1e-3
+    config.optim.learning_rate = 1e-4
     config.optim.schedule = "wsd"  # constant | linear | wsd
     config.optim.warmup_steps = 10
     config.optim.decay_fraction = 0.2
     config.optim.end_lr_fraction = 0.0
     config.optim.weight_decay = 0.0
+    config.optim.b1 = 0.9
+    config.optim.b2 = 0.95
+    config.optim.eps = 1e-8
     config.optim.grad_clip_norm = 1.0
 
     config.mesh = ml_collections.ConfigDict()
@@ -117,4 +146,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.keep_checkpoints = 2
     config.progress_bar = True
 
-    return apply_variant(config, arg, SHORTCUTS)
+    return apply_variant(config, arg, SHORTCUTS, NAMED_VARIANTS)

@@ -24,20 +24,20 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message says which and what to do."""
 
 
-def parse_variant(arg: str | None) -> dict[str, str]:
-    """'a=1,b.c=x' → {'a': '1', 'b.c': 'x'}. Empty or None → {}."""
+def parse_variant(arg: str | None) -> tuple[list[str], dict[str, str]]:
+    """'smoke,a=1,b.c=x' → (['smoke'], {'a': '1', 'b.c': 'x'}). Empty or None → ([], {})."""
+    names: list[str] = []
     pairs: dict[str, str] = {}
     for item in (arg or "").split(","):
         item = item.strip()
         if not item:
             continue
         if "=" not in item:
-            raise ConfigError(
-                f"Config variant item {item!r} is not key=value (e.g. 'mode=sync,steps=200')."
-            )
+            names.append(item)
+            continue
         key, value = item.split("=", 1)
         pairs[key.strip()] = value.strip()
-    return pairs
+    return names, pairs
 
 
 def _convert(value: str, current, key: str):
@@ -81,10 +81,27 @@ def _set_path(config: ml_collections.ConfigDict, path: str, value: str) -> None:
 
 
 def apply_variant(
-    config: ml_collections.ConfigDict, arg: str | None, shortcuts: Mapping[str, str]
+    config: ml_collections.ConfigDict,
+    arg: str | None,
+    shortcuts: Mapping[str, str],
+    named: Mapping[str, Mapping[str, str]] | None = None,
 ) -> ml_collections.ConfigDict:
-    """Applies a variant string to `config` in place and records it in `config.variant`."""
-    for key, value in parse_variant(arg).items():
+    """Applies a variant string to `config` in place and records it in `config.variant`.
+
+    Bare names (`smoke`) select a set of overrides from `named` first; then the
+    `key=value` items apply, so `smoke,mode=sync` is the smoke test in sync mode.
+    """
+    named = named or {}
+    names, pairs = parse_variant(arg)
+    for name in names:
+        if name not in named:
+            raise ConfigError(
+                f"Unknown config variant {name!r}; named variants are {sorted(named)}, "
+                "other items must be key=value."
+            )
+        for key, value in named[name].items():
+            _set_path(config, shortcuts.get(key, key), str(value))
+    for key, value in pairs.items():
         _set_path(config, shortcuts.get(key, key), value)
     config.variant = arg or ""
     return config

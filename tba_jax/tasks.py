@@ -64,6 +64,7 @@ def arithmetic_task(task_config: ml_collections.ConfigDict, workdir: str) -> Tas
         num_train=task_config.num_train,
         num_test=task_config.num_test,
         seed=task_config.seed,
+        demo_error_rate=task_config.demo_error_rate,
     )
     data_dir = task_config.data_dir or os.path.join(workdir, "data")
     return Task(

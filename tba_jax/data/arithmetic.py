@@ -78,6 +78,10 @@ class ArithmeticTaskConfig:
     sampling_max_fill_fraction: float = 0.5
     # Sampling gives up after this many draws per requested example.
     max_draws_per_example: int = 100
+    # Fraction of *train* solutions (the warm-start demonstrations) whose final answer
+    # is the total before the last operation: the slip a weaker demonstrator makes.
+    # Test examples and every `answer` field stay exact; rewards check `answer`.
+    demo_error_rate: float = 0.0
 
     def __post_init__(self):
         if self.num_terms_min < 2:
@@ -109,6 +113,8 @@ class ArithmeticTaskConfig:
             raise ValueError(
                 f"sampling_max_fill_fraction={self.sampling_max_fill_fraction} must be in (0, 1]."
             )
+        if not 0.0 <= self.demo_error_rate <= 1.0:
+            raise ValueError(f"demo_error_rate={self.demo_error_rate} must be in [0, 1].")
         if self.max_draws_per_example < 1:
             raise ValueError(f"max_draws_per_example={self.max_draws_per_example} must be >= 1.")
 
@@ -139,21 +145,27 @@ def format_question(operands: tuple[int, ...], operators: tuple[str, ...]) -> st
     return "".join(pieces)
 
 
-def format_solution(totals: list[int]) -> str:
-    """``[68, 61]`` -> ``"68,61>61"``."""
-    return TOTAL_SEPARATOR.join(str(t) for t in totals) + ANSWER_MARKER + str(totals[-1])
+def format_solution(totals: list[int], final_answer: int | None = None) -> str:
+    """``[68, 61]`` -> ``"68,61>61"``; `final_answer` replaces the number after ``>``."""
+    final = totals[-1] if final_answer is None else final_answer
+    return TOTAL_SEPARATOR.join(str(t) for t in totals) + ANSWER_MARKER + str(final)
 
 
-def make_example(example_id: int, question: Question) -> dict:
-    """The example dict (id, question, prompt, solution, answer) for one question."""
+def make_example(example_id: int, question: Question, *, flawed: bool = False) -> dict:
+    """The example dict (id, question, prompt, solution, answer) for one question.
+
+    A `flawed` example's solution ends with the total before the last operation
+    (the first operand for a two-term question); its `answer` stays exact.
+    """
     operands, operators = question
     totals = running_totals(operands, operators)
     question_text = format_question(operands, operators)
+    before_last = ([operands[0], *totals])[-2]
     return {
         "id": example_id,
         "question": question_text,
         "prompt": question_text + PROMPT_SUFFIX,
-        "solution": format_solution(totals),
+        "solution": format_solution(totals, before_last if flawed else None),
         "answer": str(totals[-1]),
     }
 
@@ -289,8 +301,13 @@ def generate_splits(config: ArithmeticTaskConfig) -> dict[str, list[dict]]:
     questions = draw_distinct_questions(config, config.num_test + config.num_train)
     test_questions = questions[: config.num_test]
     train_questions = questions[config.num_test :]
+    flaw_rng = random.Random(f"{config.seed}-demo-errors")
+    flawed = [flaw_rng.random() < config.demo_error_rate for _ in train_questions]
     return {
-        "train": [make_example(i, q) for i, q in enumerate(train_questions)],
+        "train": [
+            make_example(i, q, flawed=f)
+            for i, (q, f) in enumerate(zip(train_questions, flawed, strict=True))
+        ],
         "test": [make_example(i, q) for i, q in enumerate(test_questions)],
     }
 
@@ -313,6 +330,7 @@ def builder_config_name(task: ArithmeticTaskConfig) -> str:
         f"terms{task.num_terms_min}to{task.num_terms_max}_operand{task.max_operand}"
         f"_result{task.max_result}_ops_{op_names}_train{task.num_train}_test{task.num_test}"
         f"_seed{task.seed}_fill{fill}_draws{task.max_draws_per_example}"
+        + (f"_flawed{str(task.demo_error_rate).replace('.', 'p')}" if task.demo_error_rate else "")
     )
 
 

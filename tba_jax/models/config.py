@@ -86,6 +86,8 @@ class ModelConfig:
 # Named presets. `vocab_size` and `max_seq_len` of a preset are defaults that a
 # config may override (the tokenizer decides the vocabulary).
 PRESETS: dict[str, dict[str, Any]] = {
+    # Test size: compiles and runs in seconds.
+    "micro": dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=64, max_seq_len=32),
     # CPU demo size: trains in minutes on 2 cores.
     "tiny": dict(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=384, max_seq_len=64),
     "small": dict(

@@ -16,6 +16,8 @@ and returned, so jitted decode loops can carry and donate it.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,6 +32,18 @@ def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, *, std: float | None =
     std = cfg.init_std if std is None else std
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(cfg.storage_dtype), logical_axes=axes)
+
+
+def dense(x: jax.Array, weight: jax.Array, in_dims: int = 1) -> jax.Array:
+    """Contracts the last `in_dims` axes of x with the first `in_dims` axes of weight.
+
+    Done as one 2-D matmul ([tokens, in] @ [in, out]): XLA's CPU backend is about
+    twice as fast on that as on the equivalent batched einsum, forward and backward.
+    """
+    in_shape, out_shape = weight.shape[:in_dims], weight.shape[in_dims:]
+    lead = x.shape[: x.ndim - in_dims]
+    flat = x.reshape(-1, math.prod(in_shape)) @ weight.reshape(math.prod(in_shape), -1)
+    return flat.reshape(*lead, *out_shape)
 
 
 def _constant_param(cfg: ModelConfig, shape, axes, fill: float):
@@ -78,7 +92,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, weight, bias_name):
         dt = self.cfg.compute_dtype
-        out = jnp.einsum("bsd,dnh->bsnh", x, weight.value.astype(dt))
+        out = dense(x, weight.value.astype(dt))
         if self.cfg.qkv_bias:
             out = out + getattr(self, bias_name).value.astype(dt)
         return out
@@ -119,7 +133,7 @@ class Attention(nnx.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
         out = jnp.einsum("bkgst,btkd->bskgd", weights, v.astype(cfg.compute_dtype))
         out = out.reshape(batch, seq_len, cfg.num_heads, cfg.resolved_head_dim)
-        out = jnp.einsum("bsnh,nhd->bsd", out, self.wo.value.astype(cfg.compute_dtype))
+        out = dense(out, self.wo.value.astype(cfg.compute_dtype), in_dims=2)
         return out, cache_layer
 
 
@@ -132,8 +146,8 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         dt = self.cfg.compute_dtype
-        gate = jax.nn.silu(x @ self.w_gate.value.astype(dt))
-        return (gate * (x @ self.w_up.value.astype(dt))) @ self.w_down.value.astype(dt)
+        gate = jax.nn.silu(dense(x, self.w_gate.value.astype(dt)))
+        return dense(gate * dense(x, self.w_up.value.astype(dt)), self.w_down.value.astype(dt))
 
 
 class Block(nnx.Module):
@@ -184,9 +198,9 @@ class Decoder(nnx.Module):
             new_cache.append(layer_cache)
         x = self.final_norm(x)
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("bsd,vd->bsv", x, self.embedding.value.astype(dt))
+            logits = dense(x, self.embedding.value.astype(dt).T)
         else:
-            logits = x @ self.lm_head.value.astype(dt)
+            logits = dense(x, self.lm_head.value.astype(dt))
         return logits.astype(jnp.float32), (None if cache is None else tuple(new_cache))
 
 
