@@ -7,6 +7,7 @@ r"""Trains a policy with TBA (or a sync baseline) from a config file.
 Running again on the same workdir resumes from its latest checkpoint.
 """
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -21,6 +22,23 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and sum
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with bad --config values reported in one line instead of a traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        # A ConfigError raised inside get_config reaches us as text in absl's message.
+        found = re.search(rf"{ConfigError.__name__}: (.*)", str(error))
+        sys.exit(f"error: {found.group(1) if found else error}")
+    except (AttributeError, KeyError) as error:
+        # ml_collections reports an unknown `--config.a.b=v` key as a bare key name.
+        key = str(error).strip("\"'")
+        pattern = rf"--config\.(.*\.)?{re.escape(key)}(=|$)"
+        overrides = [arg for arg in argv if re.match(pattern, arg)]
+        where = f" in {overrides[0]}" if overrides else ""
+        sys.exit(f"error: unknown config key {key!r}{where}; see the config file for the keys.")
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.INFO)
@@ -31,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

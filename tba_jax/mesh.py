@@ -65,6 +65,8 @@ def make_mesh(devices: Sequence[jax.Device], axis_sizes: Mapping[str, int]) -> M
     if unknown:
         raise ValueError(f"Unknown mesh axes {sorted(unknown)}; use {MESH_AXES}.")
     sizes = [int(axis_sizes.get(name, 1)) for name in MESH_AXES]
+    if any(size < 1 and size != -1 for size in sizes):
+        raise ValueError(f"Mesh axis sizes must be >= 1 or -1 (the rest), got {dict(axis_sizes)}.")
     if sizes.count(-1) > 1:
         raise ValueError(f"At most one mesh axis may be -1, got {dict(axis_sizes)}.")
     known = int(np.prod([s for s in sizes if s != -1]))

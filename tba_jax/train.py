@@ -177,12 +177,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logging.info("Held-out greedy accuracy after warm start: %.3f", accuracy_start)
     else:
         logging.info("Resuming from step %d in %s.", resume_step, workdir)
-        template = {
-            "train": learner.abstract_train_state(
-                optimizer, abstract_params, state_sharding
-            )._asdict(),
-            "reference": _abstract_on(abstract_params, sampler_shardings),
-        }
+        template = checkpoint_template(
+            optimizer, abstract_params, state_sharding, sampler_shardings
+        )
         restored, buffer_state, metadata = checkpointer.restore(train_state_template=template)
         state = learner.TrainState(**restored["train"])
         reference = restored["reference"]
@@ -377,3 +374,31 @@ def _abstract_on(abstract_params, shardings):
         abstract_params,
         shardings,
     )
+
+
+def checkpoint_template(optimizer, abstract_params, state_sharding, sampler_shardings) -> dict:
+    """The abstract pytree a run's checkpoint restores into (allocates nothing)."""
+    return {
+        "train": learner.abstract_train_state(optimizer, abstract_params, state_sharding)._asdict(),
+        "reference": _abstract_on(abstract_params, sampler_shardings),
+    }
+
+
+def restore_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):
+    """Loads the trained policy of the run `config` in `workdir` (latest step by default).
+
+    Returns (model, params, metadata); params are on the default device. Raises a
+    clear error if the workdir has no checkpoint or one of another experiment.
+    """
+    task = tasks.build_task(config.task, workdir)
+    model_cfg = model_config(config, task.tokenizer.vocab_size)
+    checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg))
+    model, abstract_params = abstract_model(model_cfg)
+    mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
+    shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])
+    optimizer = learner.make_optimizer(optim_config(config))
+    state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
+    template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings)
+    restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
+    checkpointer.close()
+    return model, restored["train"]["params"], metadata

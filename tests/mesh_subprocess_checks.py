@@ -1,0 +1,228 @@
+"""Multi-device checks for tests/test_mesh.py, run in a subprocess with fake CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=N python mesh_subprocess_checks.py CHECK [ARG]
+
+The device count must be fixed before jax is imported, hence the subprocess. Each
+check asserts what it can locally and prints one JSON line, prefixed with
+RESULT_PREFIX, of observations for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# The repo root (for `configs`), when run as a script from tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.arithmetic import get_config
+from tba_jax import learner, losses, runtime
+from tba_jax import mesh as mesh_lib
+from tba_jax.models import init_model, preset
+
+RESULT_PREFIX = "MESH_CHECK_RESULT "
+
+
+def _abstract(params):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def _device_ids(array) -> list[int]:
+    return sorted(d.id for d in array.sharding.device_set)
+
+
+def _all_device_ids(tree) -> list[int]:
+    return sorted({i for leaf in jax.tree.leaves(tree) for i in _device_ids(leaf)})
+
+
+def check_publish() -> dict:
+    """2 devices: disjoint roles; published params live on the sampler only and survive
+    the learner donating its buffers."""
+    assert jax.device_count() == 2, jax.devices()
+    config = get_config()
+    meshes = mesh_lib.make_role_meshes(
+        sampler_devices=1,
+        colocate=False,
+        sampler_axes={"data": -1},
+        learner_axes={"fsdp": -1},
+    )
+    model, params = init_model(preset("micro", vocab_size=16), 0)
+    abstract = _abstract(params)
+    learner_shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract, meshes.learner, config.mesh.learner_rules
+    )
+    sampler_shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract, meshes.sampler, config.mesh.sampler_rules
+    )
+    host_before = jax.device_get(params)
+    learner_params = jax.device_put(params, learner_shardings)
+    learner_param_devices = _all_device_ids(learner_params)
+
+    # Plain publish, then the PolicyStore's; no blocking in between, so the
+    # (asynchronous) copies may still be in flight when the learner donates.
+    published = mesh_lib.publish(learner_params, sampler_shardings)
+    store = runtime.PolicyStore(sampler_shardings, learner_params, version=0)
+    store.publish(learner_params, version=3)
+    update = jax.jit(
+        lambda p: jax.tree.map(lambda x: x * 2.0 + 1.0, p),
+        donate_argnums=0,
+        out_shardings=learner_shardings,
+    )
+    new_learner_params = update(learner_params)
+    donated = [leaf.is_deleted() for leaf in jax.tree.leaves(learner_params)]
+
+    store_params, store_version = store.get()
+    # Reading the published arrays must work after the donation.
+    published_host = jax.device_get(published)
+    store_host = jax.device_get(store_params)
+    new_host = jax.device_get(new_learner_params)
+
+    def equal(a, b):
+        return all(
+            np.array_equal(x, y)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        )
+
+    expected_new = jax.tree.map(lambda x: x * 2.0 + 1.0, host_before)
+    return {
+        "sampler_mesh_devices": sorted(d.id for d in meshes.sampler.devices.flat),
+        "learner_mesh_devices": sorted(d.id for d in meshes.learner.devices.flat),
+        "colocated": meshes.colocated,
+        "learner_param_devices": learner_param_devices,
+        "new_learner_param_devices": _all_device_ids(new_learner_params),
+        "published_devices": _all_device_ids(published),
+        "store_devices": _all_device_ids(store_params),
+        "store_version": store_version,
+        "all_donated": all(donated),
+        "published_equal": equal(published_host, host_before),
+        "store_equal": equal(store_host, host_before),
+        "update_equal": all(
+            np.allclose(x, y)
+            for x, y in zip(jax.tree.leaves(new_host), jax.tree.leaves(expected_new), strict=True)
+        ),
+        "num_leaves": len(jax.tree.leaves(published)),
+    }
+
+
+def _random_batch(rng: np.random.Generator, b: int, k: int, p: int, t: int, vocab: int) -> dict:
+    n = b * k
+    prompt_tokens = np.repeat(rng.integers(3, vocab, size=(b, p)).astype(np.int32), k, axis=0)
+    prompt_tokens[::2, :2] = 0  # some left padding
+    lengths = rng.integers(1, t + 1, size=n)
+    response_mask = np.arange(t)[None, :] < lengths[:, None]
+    response_tokens = np.where(response_mask, rng.integers(3, vocab, size=(n, t)), 0)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "prompt_mask": prompt_tokens != 0,
+        "response_tokens": response_tokens.astype(np.int32),
+        "response_mask": response_mask,
+        "reward": rng.integers(0, 2, size=n).astype(np.float32),
+        "logp_ref": rng.normal(-8.0, 1.0, size=n).astype(np.float32),
+        "logp_behaviour": rng.normal(-8.0, 1.0, size=n).astype(np.float32),
+    }
+
+
+def _run_train_step(model, params, batch, mesh, rules, k):
+    """One train step of the real learner on `mesh`; returns (state, metrics, placed batch)."""
+    optimizer = learner.make_optimizer(
+        learner.OptimConfig(learning_rate=1e-2, total_steps=10, grad_clip_norm=1.0)
+    )
+    abstract = _abstract(params)
+    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, rules)
+    state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
+    state = learner.init_train_state(params, optimizer, state_sharding)
+    step = learner.make_train_step(
+        model,
+        losses.get_loss("tb"),
+        optimizer,
+        losses.make_beta_schedule("constant", 0.1, 0.1, 1),
+        samples_per_prompt=k,
+        num_microbatches=1,
+        temperature=1.0,
+        state_sharding=state_sharding,
+        mesh=mesh,
+    )
+    device_batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
+    new_state, metrics = step(state, device_batch)
+    return new_state, jax.device_get(metrics), device_batch, state
+
+
+def check_fsdp() -> dict:
+    """4 devices: a 2-device fsdp learner mesh really splits `embed`, and trains."""
+    assert jax.device_count() == 4, jax.devices()
+    rules = get_config().mesh.learner_rules
+    meshes = mesh_lib.make_role_meshes(
+        sampler_devices=2,
+        colocate=False,
+        sampler_axes={"data": -1},
+        learner_axes={"fsdp": -1},
+    )
+    lmesh = meshes.learner
+    model, params = init_model(preset("micro", vocab_size=16), 0)
+    shardings = mesh_lib.param_shardings(model.logical_axes, _abstract(params), lmesh, rules)
+    placed = jax.device_put(params, shardings)
+    embedding = placed["embedding"]  # logical axes (vocab, embed)
+    w_up = placed["blocks"][0]["mlp"]["w_up"]  # (embed, mlp)
+    norm = placed["final_norm"]["scale"]  # (norm,): no rule, replicated
+
+    def shards(array):
+        return sorted((s.device.id, list(s.data.shape)) for s in array.addressable_shards)
+
+    b, k, p, t = 2, 4, 5, 6
+    batch = _random_batch(np.random.default_rng(0), b, k, p, t, vocab=16)
+    new_state, metrics, device_batch, old_state = _run_train_step(
+        model, params, batch, lmesh, rules, k
+    )
+    # The same step on a single device is the reference.
+    single = mesh_lib.make_mesh(jax.devices()[:1], {})
+    ref_state, ref_metrics, _, _ = _run_train_step(model, params, batch, single, rules, k)
+    max_param_diff = max(
+        float(jnp.max(jnp.abs(jax.device_get(a) - jax.device_get(r))))
+        for a, r in zip(
+            jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params), strict=True
+        )
+    )
+    return {
+        "learner_mesh_shape": dict(lmesh.shape),
+        "learner_mesh_devices": sorted(d.id for d in lmesh.devices.flat),
+        "embedding_spec": [a for a in embedding.sharding.spec],
+        "embedding_shards": shards(embedding),
+        "w_up_spec": [a for a in w_up.sharding.spec],
+        "w_up_shards": shards(w_up),
+        "norm_shards": shards(norm),
+        "embedding_shape": list(embedding.shape),
+        "batch_shards": shards(device_batch["response_tokens"]),
+        "state_donated": old_state.params["embedding"].is_deleted(),
+        "new_embedding_spec": [a for a in new_state.params["embedding"].sharding.spec],
+        "new_embedding_shards": shards(new_state.params["embedding"]),
+        "step": int(jax.device_get(new_state.step)),
+        "metrics": {name: float(np.asarray(v)) for name, v in metrics.items()},
+        "ref_metrics": {name: float(np.asarray(v)) for name, v in ref_metrics.items()},
+        "max_param_diff_vs_single_device": max_param_diff,
+    }
+
+
+def check_train(workdir: str) -> dict:
+    """2 devices: the async smoke run end to end."""
+    from tba_jax.train import train_and_evaluate
+
+    assert jax.device_count() == 2, jax.devices()
+    summary = train_and_evaluate(get_config("smoke"), workdir)
+    return summary
+
+
+CHECKS = {"publish": check_publish, "fsdp": check_fsdp, "train": check_train}
+
+
+def main(argv: list[str]) -> None:
+    result = CHECKS[argv[1]](*argv[2:])
+    print(RESULT_PREFIX + json.dumps(result, sort_keys=True, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,323 @@
+"""Device split, meshes, logical-axis shardings and publishing (`tba_jax.mesh`).
+
+In-process tests see the one CPU device. Multi-device checks run
+tests/mesh_subprocess_checks.py in a subprocess with fake CPU devices
+(`--xla_force_host_platform_device_count` must be set before jax is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from configs.arithmetic import get_config
+from tba_jax import mesh as mesh_lib
+from tba_jax import runtime
+from tba_jax.models import init_model, preset
+
+CHECKS_SCRIPT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "mesh_subprocess_checks.py"
+)
+RESULT_PREFIX = "MESH_CHECK_RESULT "
+RULES = [("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor")]
+
+
+def _abstract(params):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+# --- split_devices / make_role_meshes --------------------------------------------------------
+
+
+def test_one_device_is_shared_by_both_roles():
+    devices = jax.devices()[:1]
+    # Even a sampler count that would leave the learner nothing colocates on one device.
+    for sampler_devices in (0.5, 1):
+        sampler, learner = mesh_lib.split_devices(devices, sampler_devices, colocate=False)
+        assert sampler == devices and learner == devices
+    meshes = mesh_lib.make_role_meshes(0.5, False, {"data": -1}, {"fsdp": -1}, devices=devices)
+    assert meshes.colocated
+    assert list(meshes.sampler.devices.flat) == list(meshes.learner.devices.flat) == devices
+
+
+@pytest.mark.parametrize(
+    "sampler_devices, colocate, expected",
+    [
+        (1, False, ([0], [1, 2, 3])),
+        (2, False, ([0, 1], [2, 3])),
+        (0.5, False, ([0, 1], [2, 3])),
+        (0.25, False, ([0], [1, 2, 3])),
+        (0.01, False, ([0], [1, 2, 3])),  # a fraction gives at least one device
+        (2, True, ([0, 1, 2, 3], [0, 1, 2, 3])),
+    ],
+)
+def test_split_devices_counts_and_fractions(sampler_devices, colocate, expected):
+    # split_devices only slices the list, so stand-in "devices" suffice.
+    assert mesh_lib.split_devices([0, 1, 2, 3], sampler_devices, colocate) == expected
+
+
+@pytest.mark.parametrize(
+    "sampler_devices, match",
+    [
+        (4, "leaves no device for the learner"),
+        (0.999, "leaves no device for the learner"),
+        (1.5, "must be a count >= 1 or a fraction"),
+        (0, "must be a count >= 1 or a fraction"),
+        (-1, "must be a count >= 1 or a fraction"),
+    ],
+)
+def test_split_devices_rejects_bad_counts(sampler_devices, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.split_devices([0, 1, 2, 3], sampler_devices, colocate=False)
+
+
+# --- make_mesh -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axes", [{}, {"fsdp": -1}, {"data": -1, "tensor": 1}, {"data": 1}])
+def test_make_mesh_fills_the_minus_one_axis(axes):
+    mesh = mesh_lib.make_mesh(jax.devices()[:1], axes)
+    assert mesh.axis_names == mesh_lib.MESH_AXES
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+@pytest.mark.parametrize(
+    "axes, match",
+    [
+        ({"data": 2}, r"need 2 devices, the role has 1"),
+        ({"data": 0}, r"must be >= 1 or -1"),
+        ({"fsdp": -1, "tensor": 2}, r"1 devices do not divide over mesh axes"),
+        ({"data": -1, "fsdp": -1}, r"At most one mesh axis may be -1"),
+        ({"model": 1}, r"Unknown mesh axes \['model'\]"),
+        ({"fsdp": -1, "expert": 1}, r"Unknown mesh axes \['expert'\]"),
+    ],
+)
+def test_make_mesh_rejects_bad_axes(axes, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.make_mesh(jax.devices()[:1], axes)
+
+
+def test_make_mesh_rejects_a_zero_axis_beside_minus_one():
+    with pytest.raises(ValueError, match="fsdp"):
+        mesh_lib.make_mesh(jax.devices()[:1], {"data": -1, "fsdp": 0})
+
+
+# --- logical_to_spec / param_shardings ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "logical, expected",
+    [
+        (("embed", "mlp"), PartitionSpec("fsdp", "tensor")),
+        (("vocab", "embed"), PartitionSpec(None, "fsdp")),  # no rule for vocab: replicated
+        (("norm",), PartitionSpec(None)),
+        (("heads", "head_dim", "embed"), PartitionSpec("tensor", None, "fsdp")),
+        ((), PartitionSpec()),
+    ],
+)
+def test_logical_to_spec_maps_names_by_rules(logical, expected):
+    assert mesh_lib.logical_to_spec(logical, RULES) == expected
+
+
+def test_logical_to_spec_rule_to_none_replicates():
+    assert mesh_lib.logical_to_spec(("embed", "mlp"), [("embed", None)]) == PartitionSpec(
+        None, None
+    )
+
+
+def test_logical_to_spec_rejects_two_logical_axes_on_one_mesh_axis():
+    rules = [("embed", "fsdp"), ("mlp", "fsdp")]
+    with pytest.raises(ValueError, match=r"map two axes of \('embed', 'mlp'\) onto one"):
+        mesh_lib.logical_to_spec(("embed", "mlp"), rules)
+    # Either name alone is fine.
+    assert mesh_lib.logical_to_spec(("embed", "vocab"), rules) == PartitionSpec("fsdp", None)
+
+
+def test_param_shardings_follow_the_model_logical_axes():
+    model, params = init_model(preset("micro", vocab_size=16), 0)
+    mesh = mesh_lib.make_mesh(jax.devices()[:1], {"fsdp": -1})
+    rules = get_config().mesh.learner_rules
+    shardings = mesh_lib.param_shardings(model.logical_axes, _abstract(params), mesh, rules)
+    assert jax.tree.structure(shardings) == jax.tree.structure(params)
+    for axes, sharding in zip(
+        jax.tree.leaves(model.logical_axes, is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.leaves(shardings),
+        strict=True,
+    ):
+        assert isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+        assert sharding.spec == mesh_lib.logical_to_spec(axes, rules)
+    assert shardings["embedding"].spec == PartitionSpec(None, "fsdp")
+    assert shardings["blocks"][0]["mlp"]["w_up"].spec == PartitionSpec("fsdp", "tensor")
+
+
+def test_param_shardings_reject_a_dim_that_does_not_divide():
+    # An abstract mesh gives an fsdp axis of size 2 without needing two devices.
+    mesh = AbstractMesh((1, 2, 1), mesh_lib.MESH_AXES)
+    abstract = {"w": jax.ShapeDtypeStruct((3, 8), np.float32)}
+    with pytest.raises(
+        ValueError,
+        match=r"shape \(3, 8\) cannot be split over mesh axis 'fsdp' of size 2.*'embed'",
+    ):
+        mesh_lib.param_shardings({"w": ("embed", "mlp")}, abstract, mesh, RULES)
+    # A replicated dim need not divide; a split one that divides is fine.
+    ok = mesh_lib.param_shardings(
+        {"w": ("vocab", "embed")}, {"w": jax.ShapeDtypeStruct((3, 8), np.float32)}, mesh, RULES
+    )
+    assert ok["w"].spec == PartitionSpec(None, "fsdp")
+
+
+# --- publish, colocated (one device) ----------------------------------------------------------
+
+
+def test_colocated_publish_copies_so_the_learner_may_donate():
+    """Same device, same shardings: publish must still copy, or donation would free it."""
+    model, params = init_model(preset("micro", vocab_size=16), 0)
+    meshes = mesh_lib.make_role_meshes(0.5, False, {"data": -1}, {"fsdp": -1})
+    assert meshes.colocated
+    rules = get_config().mesh.learner_rules
+    learner_shardings = mesh_lib.param_shardings(
+        model.logical_axes, _abstract(params), meshes.learner, rules
+    )
+    sampler_shardings = mesh_lib.param_shardings(
+        model.logical_axes, _abstract(params), meshes.sampler, rules
+    )
+    host = jax.device_get(params)
+    learner_params = jax.device_put(params, learner_shardings, may_alias=False)
+    published = mesh_lib.publish(learner_params, sampler_shardings)
+    store = runtime.PolicyStore(sampler_shardings, learner_params, version=0)
+    store.publish(learner_params, version=2)
+    for a, b in zip(jax.tree.leaves(learner_params), jax.tree.leaves(published), strict=True):
+        assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+
+    update = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
+    update(learner_params)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(learner_params))
+
+    store_params, version = store.get()
+    assert version == 2
+    for tree in (published, store_params):
+        for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(host), strict=True):
+            assert not got.is_deleted()
+            np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# --- several fake devices, in subprocesses ---------------------------------------------------
+
+
+def _run_check(name: str, num_devices: int, *args: str, timeout: float) -> dict:
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, CHECKS_SCRIPT, name, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(
+            f"check {name!r} on {num_devices} fake devices exited with {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+@pytest.fixture(scope="module")
+def publish_result():
+    return _run_check("publish", 2, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def fsdp_result():
+    return _run_check("fsdp", 4, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def train_result(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("mesh_train")
+    summary = _run_check("train", 2, str(workdir), timeout=400)
+    with open(workdir / "summary.json") as f:
+        assert json.load(f) == summary
+    return summary
+
+
+def test_two_devices_split_into_disjoint_roles(publish_result):
+    r = publish_result
+    assert r["sampler_mesh_devices"] == [0]
+    assert r["learner_mesh_devices"] == [1]
+    assert r["colocated"] is False
+
+
+def test_publish_lands_on_the_sampler_device_only(publish_result):
+    r = publish_result
+    assert r["num_leaves"] > 0
+    assert r["learner_param_devices"] == [1]
+    assert r["new_learner_param_devices"] == [1]
+    assert r["published_devices"] == [0]
+    assert r["store_devices"] == [0]
+    assert r["store_version"] == 3
+    assert r["published_equal"] and r["store_equal"]
+
+
+def test_published_params_survive_the_learner_donating_its_buffers(publish_result):
+    r = publish_result
+    assert r["all_donated"], "the jitted update should have consumed the learner's buffers"
+    # Read after the donation (see check_publish): still the pre-update values.
+    assert r["published_equal"] and r["store_equal"]
+    assert r["update_equal"]
+
+
+def test_fsdp_learner_mesh_splits_embed_over_its_two_devices(fsdp_result):
+    r = fsdp_result
+    assert r["learner_mesh_devices"] == [2, 3]
+    assert r["learner_mesh_shape"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    # embedding: (vocab, embed) = (16, 32) → one (16, 16) half per learner device.
+    assert r["embedding_shape"] == [16, 32]
+    assert r["embedding_spec"] == [None, "fsdp"]
+    assert r["embedding_shards"] == [[2, [16, 16]], [3, [16, 16]]]
+    # w_up: (embed, mlp) = (32, 64); tensor has size 1, so only embed is split.
+    assert r["w_up_spec"] == ["fsdp", "tensor"]
+    assert r["w_up_shards"] == [[2, [16, 64]], [3, [16, 64]]]
+    # norm scales have no rule: a full copy on each learner device.
+    assert r["norm_shards"] == [[2, [32]], [3, [32]]]
+
+
+def test_fsdp_train_step_runs_sharded_and_matches_one_device(fsdp_result):
+    r = fsdp_result
+    # 8 rows (B=2 × K=4) split over the 2 batch shards.
+    assert r["batch_shards"] == [[2, [4, 6]], [3, [4, 6]]]
+    assert r["step"] == 1
+    assert r["state_donated"]
+    assert r["new_embedding_spec"] == [None, "fsdp"]
+    assert r["new_embedding_shards"] == [[2, [16, 16]], [3, [16, 16]]]
+    metrics, reference = r["metrics"], r["ref_metrics"]
+    assert {"loss", "grad_norm", "beta"} <= set(metrics)
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["grad_norm"] > 0
+    assert set(metrics) == set(reference)
+    for name, value in metrics.items():
+        assert value == pytest.approx(reference[name], rel=1e-4, abs=1e-5), name
+    assert r["max_param_diff_vs_single_device"] < 1e-5
+
+
+def test_async_run_on_two_devices_end_to_end(train_result):
+    s = train_result
+    assert s["num_devices"] == 2
+    assert s["colocated"] is False
+    assert s["mode"] == "async" and s["variant"] == "smoke"
+    assert s["learner_steps"] == 4
+    assert s["samples_generated"] > 0
+    for key in ("eval_accuracy_start", "eval_accuracy_end"):
+        assert isinstance(s[key], float) and 0.0 <= s[key] <= 1.0, (key, s[key])

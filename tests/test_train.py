@@ -1,0 +1,184 @@
+"""End to end: the smoke variant of the built-in task through `train_and_evaluate`.
+
+The smoke variant runs the full code path (TFDS build, warm start, searcher
+threads, replay buffer, TB learner, checkpoints, evaluation) with a micro
+model in seconds.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs.arithmetic import get_config
+from tba_jax import tasks
+from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.metrics import read_scalars
+from tba_jax.train import restore_policy, train_and_evaluate
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED_SUMMARY_KEYS = {
+    "config_name",
+    "mode",
+    "method",
+    "learner_steps",
+    "samples_generated",
+    "wall_seconds",
+    "eval_accuracy_start",
+    "eval_accuracy_end",
+    "max_policy_lag",
+    "mean_policy_lag",
+    "samples_per_second",
+}
+FAILSAFE_SECONDS = 300
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("async"))
+    summary = train_and_evaluate(get_config("smoke"), workdir)
+    return workdir, summary
+
+
+def _files_and_bytes(directory):
+    contents = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                contents[os.path.relpath(path, directory)] = f.read()
+    return contents
+
+
+def test_async_run_writes_a_complete_summary(async_run):
+    workdir, summary = async_run
+    with open(os.path.join(workdir, "summary.json")) as f:
+        on_disk = json.load(f)
+    assert on_disk == json.loads(json.dumps(summary))
+    assert set(on_disk) >= REQUIRED_SUMMARY_KEYS
+    assert on_disk["mode"] == "async" and on_disk["method"] == "tb"
+    assert on_disk["learner_steps"] == 4
+    assert on_disk["samples_generated"] >= 4 * 4  # at least one batch worth
+    assert 0.0 <= on_disk["eval_accuracy_start"] <= 1.0
+    assert 0.0 <= on_disk["eval_accuracy_end"] <= 1.0
+    assert on_disk["max_policy_lag"] >= on_disk["mean_policy_lag"] >= 0.0
+    assert on_disk["samples_per_second"] > 0
+
+
+def test_async_run_writes_tensorboard_scalars_and_a_final_checkpoint(async_run):
+    workdir, _ = async_run
+    scalars = read_scalars(os.path.join(workdir, "tensorboard"))
+    assert [step for step, _ in scalars["loss"]] == [1, 2, 3, 4]
+    assert all(np.isfinite(value) for _, value in scalars["loss"])
+    assert "policy_lag_mean" in scalars and "buffer_num_prompts" in scalars
+    _, params, metadata = restore_policy(get_config("smoke"), workdir)
+    assert metadata["policy_version"] == 4
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+def test_rerunning_a_finished_workdir_resumes_instead_of_restarting(async_run, tmp_path):
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(async_run[0], workdir)
+    summary = train_and_evaluate(get_config("smoke"), workdir)
+    assert summary["learner_steps"] == 4
+    # The warm start is not redone: its time comes from the saved history.
+    assert summary["warm_start_seconds"] == async_run[1]["warm_start_seconds"]
+    assert summary["eval_accuracy_start"] == async_run[1]["eval_accuracy_start"]
+
+
+def test_workdir_of_another_experiment_is_refused_and_left_intact(async_run):
+    workdir, _ = async_run
+    before = _files_and_bytes(os.path.join(workdir, "checkpoints"))
+    other = get_config("smoke,model=tiny")
+    with pytest.raises(CheckpointMismatchError, match="another experiment"):
+        train_and_evaluate(other, workdir)
+    assert _files_and_bytes(os.path.join(workdir, "checkpoints")) == before
+
+
+def test_sync_rloo_run(tmp_path):
+    summary = train_and_evaluate(get_config("smoke,mode=sync,method=rloo"), str(tmp_path))
+    assert summary["mode"] == "sync" and summary["method"] == "rloo"
+    assert summary["learner_steps"] == 4
+    assert summary["max_policy_lag"] == 0.0  # on-policy: trained right after generation
+    assert summary["samples_generated"] == 4 * 4 * 4  # steps × prompts × K
+
+
+def test_resumed_sync_run_ends_with_the_same_params(tmp_path):
+    variant = "smoke,mode=sync,optim.schedule=constant,optim.warmup_steps=0"
+    straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
+    train_and_evaluate(get_config(variant + ",steps=4"), straight)
+    train_and_evaluate(get_config(variant + ",steps=2"), interrupted)
+    train_and_evaluate(get_config(variant + ",steps=4"), interrupted)
+    _, params_straight, _ = restore_policy(get_config(variant), straight)
+    _, params_resumed, meta = restore_policy(get_config(variant), interrupted)
+    assert meta["policy_version"] == 4
+    for a, b in zip(jax.tree.leaves(params_straight), jax.tree.leaves(params_resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    def broken_task(task_config, workdir):
+        task = tasks.arithmetic_task(task_config, workdir)
+
+        def failing_reward(response, answer):
+            if threading.current_thread() is threading.main_thread():  # evaluation
+                return task.reward_fn(response, answer)
+            raise ZeroDivisionError("reward model exploded")
+
+        return tasks.Task(
+            task.name, task.train, task.test, task.tokenizer, failing_reward, task.identity
+        )
+
+    monkeypatch.setitem(tasks._TASKS, "arithmetic", broken_task)
+
+    def fail_the_test_instead_of_hanging(signum, frame):
+        raise TimeoutError("train_and_evaluate hung after a searcher failed")
+
+    previous = signal.signal(signal.SIGALRM, fail_the_test_instead_of_hanging)
+    signal.alarm(FAILSAFE_SECONDS)
+    try:
+        with pytest.raises(RuntimeError, match="searcher thread failed") as raised:
+            train_and_evaluate(get_config("smoke"), str(tmp_path))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert isinstance(raised.value.__cause__, ZeroDivisionError)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    workdir = str(tmp_path)
+    command = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "experiments", "train.py"),
+        "--config=" + os.path.join(REPO_ROOT, "configs", "arithmetic.py") + ":smoke,mode=sync",
+        "--workdir=" + workdir,
+        "--config.learner_steps=100000",
+        "--config.checkpoint_every=100000",
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tensorboard = os.path.join(workdir, "tensorboard")
+    deadline = time.time() + FAILSAFE_SECONDS
+    while time.time() < deadline and process.poll() is None:
+        steps = read_scalars(tensorboard).get("loss", []) if os.path.isdir(tensorboard) else []
+        if len(steps) >= 3:
+            break
+        time.sleep(0.5)
+    assert process.poll() is None, process.stdout.read().decode()[-3000:]
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=FAILSAFE_SECONDS)[0].decode()
+    assert process.returncode == 0, output[-3000:]
+    assert "SIGTERM" in output
+    _, _, metadata = restore_policy(get_config("smoke,mode=sync"), workdir)
+    stopped_at = metadata["policy_version"]
+    assert 3 <= stopped_at < 100000
+    summary = train_and_evaluate(get_config(f"smoke,mode=sync,steps={stopped_at + 2}"), workdir)
+    assert summary["learner_steps"] == stopped_at + 2
