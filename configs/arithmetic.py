@@ -17,6 +17,7 @@ SHORTCUTS = {
     "m": "replay.recency_prob",
     "beta": "loss.beta_start",
     "model": "model.preset",
+    "hf_path": "model.hf_path",
     "K": "batch.samples_per_prompt",
     "S": "batch.samples_generated_per_prompt",
 }
@@ -73,10 +74,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.model = ml_collections.ConfigDict()
     config.model.preset = "tiny"
+    # A local folder in Hugging Face layout (config.json, *.safetensors, tokenizer):
+    # the policy's architecture, starting weights and tokenizer (preset is then unused).
+    config.model.hf_path = ""
     config.model.dtype = "float32"
     config.model.param_dtype = "float32"
 
-    config.warm_start = ml_collections.ConfigDict()
+    # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the
+    # same architecture.
+    config.reference = ml_collections.ConfigDict()
+    config.reference.hf_path = ""
+
+    config.warm_start = ml_collections.ConfigDict()  # steps=0 skips it
     config.warm_start.steps = 500
     config.warm_start.batch_size = 64
     config.warm_start.learning_rate = 3e-3

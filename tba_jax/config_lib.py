@@ -13,6 +13,7 @@ any long work starts and raises `ConfigError` with a one-line message.
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Mapping
 
 import ml_collections
@@ -146,6 +147,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             f"num_microbatches) does not divide over the learner's {batch_shards} batch shards; "
             "change batch.prompts_per_batch, batch.num_microbatches or mesh.learner_axes."
         )
+    for key, path in (
+        ("model.hf_path", config.model.hf_path),
+        ("reference.hf_path", config.reference.hf_path),
+    ):
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"{key}={path!r} is not a Hugging Face model folder (no config.json there); "
+                "pass a local folder saved with save_pretrained."
+            )
     if config.sync_period < 1:
         raise ConfigError(f"sync_period={config.sync_period} must be >= 1.")
     if config.learner_steps < 1:

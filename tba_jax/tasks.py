@@ -30,7 +30,8 @@ class Task:
     identity: dict  # JSON-able: what makes two runs' tasks the same (for checkpoints)
 
 
-TaskBuilder = Callable[[ml_collections.ConfigDict, str], Task]
+# (task config, workdir, tokenizer or None for the task's own) -> Task
+TaskBuilder = Callable[[ml_collections.ConfigDict, str, Tokenizer | None], Task]
 _TASKS: dict[str, TaskBuilder] = {}
 
 
@@ -42,10 +43,13 @@ def register_task(name: str):
     return decorator
 
 
-def build_task(task_config: ml_collections.ConfigDict, workdir: str) -> Task:
+def build_task(
+    task_config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer | None = None
+) -> Task:
+    """The task `task_config.name`; `tokenizer` (e.g. a checkpoint's) replaces the task's own."""
     if task_config.name not in _TASKS:
         raise ValueError(f"task.name={task_config.name!r} is not one of {sorted(_TASKS)}.")
-    return _TASKS[task_config.name](task_config, workdir)
+    return _TASKS[task_config.name](task_config, workdir, tokenizer)
 
 
 def task_identity(task_config: ml_collections.ConfigDict) -> dict:
@@ -54,7 +58,9 @@ def task_identity(task_config: ml_collections.ConfigDict) -> dict:
 
 
 @register_task("arithmetic")
-def arithmetic_task(task_config: ml_collections.ConfigDict, workdir: str) -> Task:
+def arithmetic_task(
+    task_config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer | None = None
+) -> Task:
     spec = arithmetic.ArithmeticTaskConfig(
         num_terms_min=task_config.num_terms_min,
         num_terms_max=task_config.num_terms_max,
@@ -71,7 +77,7 @@ def arithmetic_task(task_config: ml_collections.ConfigDict, workdir: str) -> Tas
         name="arithmetic",
         train=arithmetic.load_split(spec, "train", data_dir),
         test=arithmetic.load_split(spec, "test", data_dir),
-        tokenizer=CharTokenizer.for_arithmetic(task_config.ops),
+        tokenizer=tokenizer or CharTokenizer.for_arithmetic(task_config.ops),
         reward_fn=arithmetic_reward.reward,
         identity=task_identity(task_config),
     )

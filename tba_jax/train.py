@@ -10,6 +10,7 @@ scores them and trains on them (publishing after every step).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -23,20 +24,49 @@ from absl import logging
 
 from tba_jax import config_lib, evaluation, learner, losses, runtime, tasks
 from tba_jax import mesh as mesh_lib
-from tba_jax.checkpoint import Checkpointer, StopSignal, install_sigterm_handler
+from tba_jax.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    EXPERIMENT_FILENAME,
+    Checkpointer,
+    StopSignal,
+    install_sigterm_handler,
+)
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.metrics import MetricsWriter, RateMeter, TimeSplit
-from tba_jax.models import abstract_model, init_model, preset
+from tba_jax.models import ModelConfig, Params, abstract_model, init_model, preset
 from tba_jax.replay import ReplayBuffer, collate
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.warmstart import WarmStartConfig, warm_start
 
+CONFIG_FILENAME = "config.json"
 SEARCHER_JOIN_TIMEOUT_S = 60.0
 BUFFER_POLL_S = 0.05
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int):
+def policy_tokenizer(config: ml_collections.ConfigDict):
+    """The tokenizer of `model.hf_path`'s checkpoint, or None to use the task's own."""
+    if not config.model.hf_path:
+        return None
+    from tba_jax.models.hf_tokenizer import HFTokenizer  # optional: needs safetensors/tokenizers
+
+    return HFTokenizer.from_pretrained(config.model.hf_path)
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+    """The policy's architecture: from `model.hf_path`'s config.json, else a named preset."""
+    if config.model.hf_path:
+        from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+
+        loaded = hf.config_from_hf(config.model.hf_path)
+        if vocab_size > loaded.vocab_size:
+            raise ValueError(
+                f"The tokenizer has {vocab_size} ids but the model in {config.model.hf_path} "
+                f"has {loaded.vocab_size} embeddings; use the tokenizer that came with it."
+            )
+        return dataclasses.replace(
+            loaded, dtype=config.model.dtype, param_dtype=config.model.param_dtype
+        )
     return preset(
         config.model.preset,
         vocab_size=vocab_size,
@@ -44,6 +74,35 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int):
         dtype=config.model.dtype,
         param_dtype=config.model.param_dtype,
     )
+
+
+def initial_policy_params(config: ml_collections.ConfigDict, model, shardings) -> Params:
+    """The policy before the warm start: `model.hf_path`'s weights, else a random init."""
+    if config.model.hf_path:
+        from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+
+        return hf.load_params(config.model.hf_path, model, shardings=shardings)
+    _, params = init_model(model.config, config.seed)
+    return jax.device_put(params, shardings)
+
+
+def reference_params(config: ml_collections.ConfigDict, model, start_params, shardings) -> Params:
+    """π_ref on the sampler: `reference.hf_path`'s weights, else the warm-started policy."""
+    if not config.reference.hf_path:
+        return mesh_lib.publish(start_params, shardings)
+    from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+
+    reference_cfg = hf.config_from_hf(config.reference.hf_path)
+    same_shape = dataclasses.replace(
+        reference_cfg, dtype=model.config.dtype, param_dtype=model.config.param_dtype
+    )
+    if same_shape != model.config:
+        raise ValueError(
+            f"The reference model in {config.reference.hf_path} has another architecture than "
+            "the policy; TB needs log π_ref of the same tokens, so use a checkpoint of the "
+            "policy's family, size and vocabulary."
+        )
+    return hf.load_params(config.reference.hf_path, model, shardings=shardings)
 
 
 def experiment_identity(config: ml_collections.ConfigDict, model_cfg) -> dict:
@@ -54,6 +113,8 @@ def experiment_identity(config: ml_collections.ConfigDict, model_cfg) -> dict:
         "method": config.method,
         "task": tasks.task_identity(config.task),
         "model": model_cfg.to_dict(),
+        "policy_init": config.model.hf_path,
+        "reference": config.reference.hf_path,
     }
 
 
@@ -65,6 +126,14 @@ def sampler_config(config: ml_collections.ConfigDict, greedy: bool = False) -> S
     if greedy:
         return SamplingConfig(max_new_tokens=config.max_response_len, greedy=True)
     return SamplingConfig(max_new_tokens=config.max_response_len, **config.sampling.to_dict())
+
+
+def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Saves the run's full config as JSON, so tools can rebuild the run from its workdir."""
+    path = os.path.join(workdir, CONFIG_FILENAME)
+    with open(path + ".tmp", "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + ".tmp", path)
 
 
 def write_summary(workdir: str, summary: dict) -> None:
@@ -79,9 +148,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     wall_start = time.time()
     config_lib.validate(config, jax.device_count())
     os.makedirs(workdir, exist_ok=True)
+    write_config(workdir, config)
 
     # --- Setup: everything cheap and checkable comes before any long work. ---
-    task = tasks.build_task(config.task, workdir)
+    task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer(config))
     tokenizer = task.tokenizer
     model_cfg = model_config(config, tokenizer.vocab_size)
     checkpointer = Checkpointer(
@@ -153,19 +223,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if resume_step is None:
         logging.info("Warm start: %d supervised steps.", config.warm_start.steps)
         warm_start_begin = time.time()
-        _, params = init_model(model_cfg, config.seed)
-        params = warm_start(
-            model,
-            jax.device_put(params, learner_shardings),
-            task.train,
-            tokenizer,
-            WarmStartConfig(**config.warm_start.to_dict()),
-            max_prompt_len=config.max_prompt_len,
-            max_response_len=config.max_response_len,
-            mesh=meshes.learner,
-            seed=config.seed,
-        )
-        reference = mesh_lib.publish(params, sampler_shardings)
+        params = initial_policy_params(config, model, learner_shardings)
+        if config.warm_start.steps > 0:
+            params = warm_start(
+                model,
+                params,
+                task.train,
+                tokenizer,
+                WarmStartConfig(**config.warm_start.to_dict()),
+                max_prompt_len=config.max_prompt_len,
+                max_response_len=config.max_response_len,
+                mesh=meshes.learner,
+                seed=config.seed,
+            )
+        reference = reference_params(config, model, params, sampler_shardings)
         state = learner.init_train_state(params, optimizer, state_sharding)
         accuracy_start = evaluate(state.params)
         history = {
@@ -384,14 +455,25 @@ def checkpoint_template(optimizer, abstract_params, state_sharding, sampler_shar
     }
 
 
+def stored_model_config(workdir: str) -> ModelConfig:
+    """The model config a workdir's checkpoints were written for (from experiment.json)."""
+    path = os.path.join(workdir, CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"No checkpoint in workdir {workdir} ({path} is missing); pass the --workdir of a "
+            "run that saved one."
+        )
+    with open(path) as f:
+        return ModelConfig(**json.load(f)["model"])
+
+
 def restore_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):
     """Loads the trained policy of the run `config` in `workdir` (latest step by default).
 
     Returns (model, params, metadata); params are on the default device. Raises a
     clear error if the workdir has no checkpoint or one of another experiment.
     """
-    task = tasks.build_task(config.task, workdir)
-    model_cfg = model_config(config, task.tokenizer.vocab_size)
+    model_cfg = stored_model_config(workdir)
     checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg))
     model, abstract_params = abstract_model(model_cfg)
     mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
@@ -402,3 +484,20 @@ def restore_policy(config: ml_collections.ConfigDict, workdir: str, step: int | 
     restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
     checkpointer.close()
     return model, restored["train"]["params"], metadata
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run was started with (`workdir/config.json`, written at its start)."""
+    path = os.path.join(workdir, CONFIG_FILENAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} is missing: {workdir} is not the workdir of a tba_jax training run."
+        )
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def load_trained_policy(workdir: str, step: int | None = None) -> tuple[ModelConfig, Params]:
+    """The model config and trained params of the run in `workdir` (latest step by default)."""
+    model, params, _ = restore_policy(load_config(workdir), workdir, step)
+    return model.config, params

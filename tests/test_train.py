@@ -22,7 +22,7 @@ from configs.arithmetic import get_config
 from tba_jax import tasks
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.metrics import read_scalars
-from tba_jax.train import restore_policy, train_and_evaluate
+from tba_jax.train import load_config, load_trained_policy, restore_policy, train_and_evaluate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_SUMMARY_KEYS = {
@@ -84,6 +84,17 @@ def test_async_run_writes_tensorboard_scalars_and_a_final_checkpoint(async_run):
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
 
 
+def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
+    workdir, _ = async_run
+    saved, expected = load_config(workdir), get_config("smoke")
+    assert saved.to_json_best_effort(sort_keys=True) == expected.to_json_best_effort(sort_keys=True)
+    model_config, params = load_trained_policy(workdir)
+    assert model_config.d_model == 32  # the micro preset of the smoke variant
+    _, expected, _ = restore_policy(get_config("smoke"), workdir)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_rerunning_a_finished_workdir_resumes_instead_of_restarting(async_run, tmp_path):
     workdir = str(tmp_path / "copy")
     shutil.copytree(async_run[0], workdir)
@@ -125,8 +136,8 @@ def test_resumed_sync_run_ends_with_the_same_params(tmp_path):
 
 
 def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
-    def broken_task(task_config, workdir):
-        task = tasks.arithmetic_task(task_config, workdir)
+    def broken_task(task_config, workdir, tokenizer=None):
+        task = tasks.arithmetic_task(task_config, workdir, tokenizer)
 
         def failing_reward(response, answer):
             if threading.current_thread() is threading.main_thread():  # evaluation
