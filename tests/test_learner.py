@@ -44,7 +44,8 @@ def setup():
     return model, params, batch
 
 
-def _one_step_update(model, params, batch, optimizer, num_microbatches, beta=0.3):
+def _train_step(model, params, optimizer, num_microbatches, beta=0.3):
+    """(initial state, jitted step) on a one-device learner mesh."""
     mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
@@ -61,8 +62,12 @@ def _one_step_update(model, params, batch, optimizer, num_microbatches, beta=0.3
         state_sharding=state_sharding,
         mesh=mesh,
     )
-    new_state, metrics = step(state, batch)
-    return new_state, metrics
+    return state, step
+
+
+def _one_step_update(model, params, batch, optimizer, num_microbatches, beta=0.3):
+    state, step = _train_step(model, params, optimizer, num_microbatches, beta)
+    return step(state, batch)
 
 
 def test_on_policy_tb_gradient_equals_advantage_weighted_score(setup):
@@ -99,12 +104,10 @@ def test_microbatches_give_the_same_update(setup):
 
 def test_train_step_lowers_the_tb_loss_on_a_fixed_batch(setup):
     model, params, batch = setup
-    optimizer = optax.adam(1e-2)
-    _, first = _one_step_update(model, params, batch, optimizer, 1)
-    state_params = params
+    state, step = _train_step(model, params, optax.adam(1e-2), 1)
+    state, first = step(state, batch)
     for _ in range(15):
-        new_state, metrics = _one_step_update(model, state_params, batch, optimizer, 1)
-        state_params = new_state.params
+        state, metrics = step(state, batch)
     assert metrics["loss"] < 0.5 * first["loss"]
 
 
