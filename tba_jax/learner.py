@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tba_jax import mesh as mesh_lib
 from tba_jax.losses import LossSpec
 from tba_jax.models import Model, Params
-from tba_jax.sampling.scoring import token_logprobs
+from tba_jax.sampling.scoring import batch_token_logprobs
 
 # Fields of a sampled batch the train step reads. [N, ...] with N = B*K.
 BATCH_FIELDS = (
@@ -148,15 +148,7 @@ def sequence_logp(
     model: Model, params: Params, batch: Mapping[str, jax.Array], temperature: float
 ) -> jax.Array:
     """Summed response log-probs under `params`. Returns [N]."""
-    token_logp = token_logprobs(
-        model,
-        params,
-        batch["prompt_tokens"],
-        batch["prompt_mask"],
-        batch["response_tokens"],
-        batch["response_mask"],
-        temperature=temperature,
-    )
+    token_logp = batch_token_logprobs(model, params, batch, temperature=temperature)
     return token_logp.sum(axis=-1)
 
 

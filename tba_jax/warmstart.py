@@ -18,7 +18,7 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.learner import OptimConfig, make_optimizer
 from tba_jax.models import Model, Params
 from tba_jax.models.tokenizers import Tokenizer
-from tba_jax.sampling.scoring import token_logprobs
+from tba_jax.sampling.scoring import batch_token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +61,7 @@ def make_supervised_step(model: Model, optimizer: optax.GradientTransformation, 
     """Jitted `(params, opt_state, batch) -> (params, opt_state, loss)`: mean token NLL."""
 
     def loss_fn(params, batch):
-        logp = token_logprobs(
-            model,
-            params,
-            batch["prompt_tokens"],
-            batch["prompt_mask"],
-            batch["response_tokens"],
-            batch["response_mask"],
-            temperature=1.0,
-        )
+        logp = batch_token_logprobs(model, params, batch, temperature=1.0)
         return -logp.sum() / batch["response_mask"].sum()
 
     def step(params, opt_state, batch):

@@ -7,6 +7,7 @@ current policy inside the learner's loss, and by tests to check the sampler.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,21 @@ def token_logprobs(
     logp_all = jax.nn.log_softmax(predicting / temperature, axis=-1)
     logp = jnp.take_along_axis(logp_all, response_tokens[..., None], axis=-1)[..., 0]
     return logp * response_mask
+
+
+def batch_token_logprobs(
+    model: Model, params: Params, batch: Mapping[str, jax.Array], *, temperature: float
+) -> jax.Array:
+    """`token_logprobs` of a batch dict with prompt/response tokens and masks. Returns [N, T]."""
+    return token_logprobs(
+        model,
+        params,
+        batch["prompt_tokens"],
+        batch["prompt_mask"],
+        batch["response_tokens"],
+        batch["response_mask"],
+        temperature=temperature,
+    )
 
 
 def make_score_fn(model: Model, *, temperature: float):
