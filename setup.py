@@ -24,8 +24,15 @@ setup(
         "numpy>=1.26",
         "tensorboardX>=2.6",
         "tqdm>=4.60",
+        # Hugging Face checkpoints and tokenizers (no torch needed to load or save).
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "sentencepiece>=0.2",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # transformers (on CPU torch) is the reference the tests and the compare tool check
+        # our models against.
+        "hf": ["torch==2.13.0", "transformers>=4.46"],
+        "test": ["pytest>=8", "ruff>=0.6", "torch==2.13.0", "transformers>=4.46"],
     },
 )

@@ -122,10 +122,17 @@ def optim_config(config: ml_collections.ConfigDict) -> learner.OptimConfig:
     return learner.OptimConfig(total_steps=config.learner_steps, **config.optim.to_dict())
 
 
-def sampler_config(config: ml_collections.ConfigDict, greedy: bool = False) -> SamplingConfig:
+def sampler_config(
+    config: ml_collections.ConfigDict, vocab_limit: int, greedy: bool = False
+) -> SamplingConfig:
+    """`vocab_limit`: the tokenizer's vocabulary size (ids past it are never drawn)."""
     if greedy:
-        return SamplingConfig(max_new_tokens=config.max_response_len, greedy=True)
-    return SamplingConfig(max_new_tokens=config.max_response_len, **config.sampling.to_dict())
+        return SamplingConfig(
+            max_new_tokens=config.max_response_len, greedy=True, vocab_limit=vocab_limit
+        )
+    return SamplingConfig(
+        max_new_tokens=config.max_response_len, vocab_limit=vocab_limit, **config.sampling.to_dict()
+    )
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -196,7 +203,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
     stream = PromptStream(task.train, seed=config.seed)
     greedy_fn = make_generate_fn(
-        model, sampler_config(config, greedy=True), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+        model,
+        sampler_config(config, tokenizer.vocab_size, greedy=True),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
     )
 
     def evaluate(params) -> float:
@@ -279,7 +289,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
     worker = runtime.SearchWorker(
         generate_fn=make_generate_fn(
-            model, sampler_config(config), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+            model,
+            sampler_config(config, tokenizer.vocab_size),
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
         ),
         score_fn=make_score_fn(model, temperature=config.sampling.temperature),
         reference_params=reference,

@@ -423,3 +423,15 @@ def test_response_mask_on_hand_written_rows():
     out = np.asarray(response_mask(jnp.asarray(tokens), EOS))
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_ids_past_the_vocab_limit_are_never_drawn(setup, greedy):
+    """A model whose embedding is padded past the tokenizer's vocabulary (e.g. Pythia)."""
+    limit = CFG.vocab_size // 2
+    sampling = SamplingConfig(max_new_tokens=8, temperature=2.0, greedy=greedy, vocab_limit=limit)
+    name = next(iter(EOS_BIAS))
+    drawn = np.concatenate([generate(setup, sampling, name, seed=seed).tokens for seed in range(4)])
+    assert drawn.max() < limit
+    unlimited = SamplingConfig(max_new_tokens=8, temperature=2.0, greedy=greedy)
+    assert generate(setup, unlimited, name).tokens.max() >= limit  # the limit did something

@@ -6,7 +6,8 @@ a fixed alphabet to one id and is what the built-in arithmetic task trains with.
 
 Conventions shared by every implementation:
 - `encode` returns the text's ids without special tokens unless asked
-  (``add_bos`` / ``add_eos``);
+  (``add_bos`` / ``add_eos``; None means the tokenizer's own default, which for
+  CharTokenizer is no special tokens);
 - `decode` drops pad and BOS ids and stops at the first EOS;
 - `encode_batch` pads to ``max_len`` with ``pad_id``: on the left for prompts
   that decoding continues from (``left_pad=True``), on the right otherwise.
@@ -46,7 +47,9 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int: ...
 
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, add_eos: bool | None = None
+    ) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -56,8 +59,8 @@ class Tokenizer(Protocol):
         max_len: int,
         *,
         left_pad: bool,
-        add_bos: bool = False,
-        add_eos: bool = False,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
     ) -> np.ndarray: ...
 
     def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]: ...
@@ -145,7 +148,9 @@ class CharTokenizer:
                 f"{self._alphabet!r}; build the tokenizer with an alphabet that contains it."
             ) from None
 
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    def encode(
+        self, text: str, *, add_bos: bool | None = None, add_eos: bool | None = None
+    ) -> list[int]:
         ids = [self._char_id(c, text) for c in text]
         if add_bos:
             ids.insert(0, BOS_ID)
@@ -175,8 +180,8 @@ class CharTokenizer:
         max_len: int,
         *,
         left_pad: bool,
-        add_bos: bool = False,
-        add_eos: bool = False,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
     ) -> np.ndarray:
         sequences = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
         return pad_sequences(sequences, max_len, pad_id=PAD_ID, left_pad=left_pad, texts=texts)

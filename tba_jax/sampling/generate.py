@@ -32,6 +32,9 @@ class SamplingConfig:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     greedy: bool = False
+    # Ids >= vocab_limit are never drawn (models whose embedding is padded past the
+    # tokenizer's vocabulary, e.g. Pythia); 0: no limit.
+    vocab_limit: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
@@ -42,6 +45,8 @@ class SamplingConfig:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.vocab_limit < 0:
+            raise ValueError(f"vocab_limit={self.vocab_limit} must be >= 0 (0: no limit).")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off).")
 
@@ -55,6 +60,14 @@ class Generation(NamedTuple):
     mask: jax.Array
     lengths: jax.Array
     token_logp: jax.Array
+
+
+def mask_padded_vocab(logits: jax.Array, vocab_limit: int) -> jax.Array:
+    """Sets the logits of ids >= vocab_limit to -inf (no-op for 0). logits: [B, V]."""
+    if vocab_limit <= 0 or vocab_limit >= logits.shape[-1]:
+        return logits
+    ids = jnp.arange(logits.shape[-1])
+    return jnp.where(ids < vocab_limit, logits, jnp.finfo(logits.dtype).min)
 
 
 def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -78,6 +91,7 @@ def sample_token(
     logits: jax.Array, rng: jax.Array, sampling: SamplingConfig
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]."""
+    logits = mask_padded_vocab(logits, sampling.vocab_limit)
     if sampling.greedy:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         logp_all = jax.nn.log_softmax(logits, axis=-1)
