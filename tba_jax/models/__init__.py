@@ -11,15 +11,24 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from tba_jax.models.config import PRESETS, ModelConfig, preset
-from tba_jax.models.transformer import Decoder, KVCache, init_cache, positions_from_mask
+from tba_jax.models.config import FAMILIES, PRESETS, PUBLISHED_NUM_PARAMS, ModelConfig, preset
+from tba_jax.models.transformer import (
+    Decoder,
+    KVCache,
+    init_cache,
+    last_valid_index,
+    positions_from_mask,
+)
 
 Params = dict[str, Any]
 
 __all__ = [
+    "FAMILIES",
     "PRESETS",
+    "PUBLISHED_NUM_PARAMS",
     "Decoder",
     "KVCache",
     "Model",
@@ -27,8 +36,10 @@ __all__ = [
     "abstract_model",
     "init_cache",
     "init_model",
+    "last_valid_index",
     "positions_from_mask",
     "preset",
+    "sequence_scores",
 ]
 
 
@@ -84,3 +95,21 @@ def abstract_model(cfg: ModelConfig) -> tuple[Model, Params]:
     module = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0)))
     model, params = _split(module, cfg)
     return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def sequence_scores(model: Model, params: Params, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+    """A score-head model's output at the last real token of each row: [B, num_labels].
+
+    tokens, mask: [B, S] (left- or right-padded; mask 1 on real tokens). This is
+    what transformers' *ForSequenceClassification returns (the rightmost non-pad
+    token), with padding found from the mask instead of a pad token id.
+    """
+    if model.config.head != "score":
+        raise ValueError(
+            f"sequence_scores needs a model with head='score', got head={model.config.head!r}; "
+            "load a *ForSequenceClassification checkpoint or set ModelConfig.head='score'."
+        )
+    valid = jnp.asarray(mask).astype(bool)
+    scores, _ = model.apply(params, tokens, positions_from_mask(valid), valid)
+    last = last_valid_index(valid)
+    return jnp.take_along_axis(scores, last[:, None, None], axis=1)[:, 0]

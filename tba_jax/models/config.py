@@ -1,4 +1,23 @@
-"""Model configuration and named size presets."""
+"""Model configuration and named size presets.
+
+One decoder serves four architecture families; `ModelConfig.family` names the
+family and a handful of switches select its parts:
+
+| switch               | llama   | qwen2   | gpt_neox | gpt2     |
+|----------------------|---------|---------|----------|----------|
+| norm (+ norm_bias)   | rms     | rms     | layer+b  | layer+b  |
+| mlp / activation     | gated / silu | gated / silu | dense / gelu | dense / gelu_new |
+| mlp_bias             | no      | no      | yes      | yes      |
+| qkv_bias             | no      | yes     | yes      | yes      |
+| attn_out_bias        | no      | no      | yes      | yes      |
+| parallel_residual    | no      | no      | yes      | no       |
+| position_embedding   | rope    | rope    | rope (rotary_pct 0.25) | learned |
+| tie_embeddings       | no      | no      | no       | yes      |
+
+A switch left as None takes its family's value (`FAMILY_DEFAULTS`); any switch
+may be set explicitly (e.g. a Llama with attention biases). `head="score"` turns
+the language-model head into a `num_labels`-way score head (reward models).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +26,59 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "qwen2", "gpt_neox", "gpt2")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+NORMS = ("rms", "layer")
+MLPS = ("gated", "dense")
+ACTIVATIONS = ("silu", "gelu", "gelu_new")
+POSITION_EMBEDDINGS = ("rope", "learned")
+ROPE_SCALINGS = (None, "llama3")
+HEADS = ("lm", "score")
+
+# Values the architecture switches take when a config leaves them as None.
+_LLAMA_SWITCHES = dict(
+    norm="rms",
+    norm_bias=False,
+    mlp="gated",
+    activation="silu",
+    mlp_bias=False,
+    qkv_bias=False,
+    attn_out_bias=False,
+    parallel_residual=False,
+    position_embedding="rope",
+    rotary_pct=1.0,
+    tie_embeddings=False,
+)
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_SWITCHES,
+    "qwen2": {**_LLAMA_SWITCHES, "qkv_bias": True},
+    "gpt_neox": dict(
+        norm="layer",
+        norm_bias=True,
+        mlp="dense",
+        activation="gelu",
+        mlp_bias=True,
+        qkv_bias=True,
+        attn_out_bias=True,
+        parallel_residual=True,
+        position_embedding="rope",
+        rotary_pct=0.25,
+        tie_embeddings=False,
+    ),
+    "gpt2": dict(
+        norm="layer",
+        norm_bias=True,
+        mlp="dense",
+        activation="gelu_new",
+        mlp_bias=True,
+        qkv_bias=True,
+        attn_out_bias=True,
+        parallel_residual=False,
+        position_embedding="learned",
+        rotary_pct=1.0,
+        tie_embeddings=True,
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +87,14 @@ class ModelConfig:
 
     `dtype` is the compute dtype of matmuls and activations; `param_dtype` is how
     parameters are stored. Log-softmax and norms always run in float32.
+
+    `max_seq_len` is the number of rows of the learned position table when
+    `position_embedding="learned"` (GPT-2's n_positions); for rotary models it is
+    only the longest sequence the config is meant for.
+
+    `rope_scaling="llama3"` remaps the rotary frequencies as Llama 3.1/3.2 do
+    (`rope_scaling_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
+    `rope_original_max_len`).
     """
 
     vocab_size: int
@@ -30,15 +108,62 @@ class ModelConfig:
     family: str = "llama"
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
+    tie_embeddings: bool | None = None
+    qkv_bias: bool | None = None
     init_std: float = 0.02
     dtype: str = "float32"
     param_dtype: str = "float32"
+    # Architecture switches; None: the family's value (FAMILY_DEFAULTS).
+    norm: str | None = None
+    norm_bias: bool | None = None
+    mlp: str | None = None
+    activation: str | None = None
+    mlp_bias: bool | None = None
+    attn_out_bias: bool | None = None
+    parallel_residual: bool | None = None
+    position_embedding: str | None = None
+    rotary_pct: float | None = None
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    # Output head: "lm" (vocabulary logits) or "score" ([num_labels] per slot).
+    head: str = "lm"
+    num_labels: int = 1
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r} is not one of {FAMILIES}.")
+        for name, value in FAMILY_DEFAULTS[self.family].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        self._check_choices()
+        self._check_shapes()
+        self._check_rotary()
+
+    def _check_choices(self):
+        choices = {
+            "norm": NORMS,
+            "mlp": MLPS,
+            "activation": ACTIVATIONS,
+            "position_embedding": POSITION_EMBEDDINGS,
+            "rope_scaling": ROPE_SCALINGS,
+            "head": HEADS,
+            "dtype": tuple(DTYPES),
+            "param_dtype": tuple(DTYPES),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)!r} is not one of {list(allowed)}."
+                )
+        if self.norm_bias and self.norm != "layer":
+            raise ValueError("model.norm_bias=True needs model.norm='layer' (RMSNorm has no bias).")
+        if self.num_labels < 1:
+            raise ValueError(f"model.num_labels={self.num_labels} must be >= 1.")
+
+    def _check_shapes(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} must be a multiple of "
@@ -49,15 +174,31 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.num_heads="
                 f"{self.num_heads}; set model.head_dim explicitly."
             )
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(
-                    f"model.{name}={getattr(self, name)!r} is not one of {list(DTYPES)}."
-                )
+
+    def _check_rotary(self):
+        if not 0.0 < self.rotary_pct <= 1.0:
+            raise ValueError(f"model.rotary_pct={self.rotary_pct} must be in (0, 1].")
+        if self.position_embedding == "rope" and self.rotary_dim % 2:
+            raise ValueError(
+                f"model.rotary_pct={self.rotary_pct} of head_dim={self.resolved_head_dim} gives "
+                f"an odd rotary dimension {self.rotary_dim}; rotary pairs need an even one."
+            )
+        if self.rope_scaling == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ValueError(
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor} must be positive and "
+                f"below model.rope_high_freq_factor={self.rope_high_freq_factor}."
+            )
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head are rotated (transformers' int(hd * pct))."""
+        return int(self.resolved_head_dim * self.rotary_pct)
 
     @property
     def compute_dtype(self):
@@ -67,17 +208,32 @@ class ModelConfig:
     def storage_dtype(self):
         return DTYPES[self.param_dtype]
 
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether a separate [d_model, vocab] output matrix exists (not tied, LM head)."""
+        return self.head == "lm" and not self.tie_embeddings
+
     def num_params(self) -> int:
         """Parameter count from the shapes alone (no allocation)."""
-        hd = self.resolved_head_dim
-        attn = self.d_model * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        d, hd = self.d_model, self.resolved_head_dim
+        norm = d * (2 if self.norm_bias else 1)
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.d_model * self.d_ff
-        norms = 2 * self.d_model
-        embed = self.vocab_size * self.d_model
-        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return self.num_layers * (attn + mlp + norms) + embed + head + self.d_model
+        if self.attn_out_bias:
+            attn += d
+        up_matrices = 2 if self.mlp == "gated" else 1
+        mlp = (up_matrices + 1) * d * self.d_ff
+        if self.mlp_bias:
+            mlp += up_matrices * self.d_ff + d
+        embed = self.vocab_size * d
+        if self.position_embedding == "learned":
+            embed += self.max_seq_len * d
+        if self.head == "score":
+            head = d * self.num_labels
+        else:
+            head = self.vocab_size * d if self.has_lm_head else 0
+        return self.num_layers * (attn + mlp + 2 * norm) + embed + head + norm
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +277,138 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=2048,
         vocab_size=32_000,
     ),
+    # microsoft/rho-math-1b-v0.1 (TinyLlama/TinyLlama_v1.1 shape): 1,100,048,384 params.
+    "rho-1b": dict(
+        family="llama",
+        vocab_size=32_000,
+        d_model=2048,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        d_ff=5632,
+        max_seq_len=2048,
+        rope_theta=10_000.0,
+        norm_eps=1e-5,
+    ),
+    # EleutherAI/pythia-410m (also -deduped): 405,334,016 params.
+    "pythia-410m": dict(
+        family="gpt_neox",
+        vocab_size=50_304,
+        d_model=1024,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        d_ff=4096,
+        max_seq_len=2048,
+        rotary_pct=0.25,
+    ),
+    # EleutherAI/pythia-1b: 1,011,781,632 params.
+    "pythia-1b": dict(
+        family="gpt_neox",
+        vocab_size=50_304,
+        d_model=2048,
+        num_layers=16,
+        num_heads=8,
+        num_kv_heads=8,
+        d_ff=8192,
+        max_seq_len=2048,
+        rotary_pct=0.25,
+    ),
+    # EleutherAI/pythia-2.8b: 2,775,208,960 params.
+    "pythia-2.8b": dict(
+        family="gpt_neox",
+        vocab_size=50_304,
+        d_model=2560,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        d_ff=10_240,
+        max_seq_len=2048,
+        rotary_pct=0.25,
+    ),
+    # openai-community/gpt2: 124,439,808 params (tied head).
+    "gpt2": dict(
+        family="gpt2",
+        vocab_size=50_257,
+        d_model=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        d_ff=3072,
+        max_seq_len=1024,
+    ),
+    # openai-community/gpt2-medium: 354,823,168 params (tied head).
+    "gpt2-medium": dict(
+        family="gpt2",
+        vocab_size=50_257,
+        d_model=1024,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        d_ff=4096,
+        max_seq_len=1024,
+    ),
+    # meta-llama/Llama-3.2-1B: 1,235,814,400 params (tied head, llama3 rope scaling).
+    "llama-3.2-1b": dict(
+        family="llama",
+        vocab_size=128_256,
+        d_model=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        d_ff=8192,
+        max_seq_len=131_072,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+        rope_scaling="llama3",
+        rope_scaling_factor=32.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+    ),
+    # Qwen/Qwen2.5-0.5B: 494,032,768 params (qkv bias, tied head).
+    "qwen2.5-0.5b": dict(
+        family="qwen2",
+        vocab_size=151_936,
+        d_model=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        d_ff=4864,
+        max_seq_len=32_768,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+    ),
+    # Qwen/Qwen2.5-1.5B: 1,543,714,304 params (qkv bias, tied head).
+    "qwen2.5-1.5b": dict(
+        family="qwen2",
+        vocab_size=151_936,
+        d_model=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        d_ff=8960,
+        max_seq_len=32_768,
+        rope_theta=1_000_000.0,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+    ),
+}
+
+# Published parameter counts of the presets that stand for public checkpoints.
+PUBLISHED_NUM_PARAMS: dict[str, int] = {
+    "llama-1b": 1_100_048_384,
+    "rho-1b": 1_100_048_384,
+    "pythia-410m": 405_334_016,
+    "pythia-1b": 1_011_781_632,
+    "pythia-2.8b": 2_775_208_960,
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "llama-3.2-1b": 1_235_814_400,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
 }
 
 

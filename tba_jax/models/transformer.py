@@ -1,14 +1,19 @@
-"""A Flax NNX decoder-only transformer of the Llama family.
+"""A Flax NNX decoder-only transformer for the llama, qwen2, gpt_neox and gpt2 families.
 
-RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU, optional
-tied embeddings and qkv bias. Every parameter carries `logical_axes` metadata
-(`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `norm`) that
-`tba_jax.mesh` maps onto mesh axes.
+One module with switches (see `ModelConfig`): RMSNorm or LayerNorm, rotary
+(full or partial, optionally Llama-3 scaled) or learned position embeddings,
+grouped-query attention with optional biases, a gated (SwiGLU) or dense MLP,
+sequential or parallel residuals, tied or separate output embeddings, and a
+language-model or score head. Every parameter carries `logical_axes` metadata
+(`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `norm`, `labels`)
+that `tba_jax.mesh` maps onto mesh axes. The learned position table's rows use
+the `vocab` name (it is a lookup table like the token embedding).
 
 Sequences live in *slots*: slot s of a row is column s of the token array (a
 left-padded prompt followed by the response). `positions` give each slot's
-rotary position (the count of real tokens before it), and `key_valid` marks
-which slots hold real tokens, so left padding is invisible to attention.
+position (the count of real tokens before it; rotary angle or row of the
+learned table), and `key_valid` marks which slots hold real tokens, so left
+padding is invisible to attention.
 
 The KV cache is a plain pytree (a tuple of per-layer dicts of arrays) passed in
 and returned, so jitted decode loops can carry and donate it.
@@ -16,15 +21,23 @@ and returned, so jitted decode loops can carry and donate it.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tba_jax.models.config import ModelConfig
 
 KVCache = tuple[dict[str, jax.Array], ...]
+
+ACTIVATION_FNS = {
+    "silu": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # erf form (torch "gelu")
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),  # tanh form (GPT-2)
+}
 
 
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, *, std: float | None = None):
@@ -32,6 +45,10 @@ def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, *, std: float | None =
     std = cfg.init_std if std is None else std
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(cfg.storage_dtype), logical_axes=axes)
+
+
+def _constant_param(cfg: ModelConfig, shape, axes, fill: float):
+    return nnx.Param(jnp.full(shape, fill, cfg.storage_dtype), logical_axes=axes)
 
 
 def dense(x: jax.Array, weight: jax.Array, in_dims: int = 1) -> jax.Array:
@@ -46,35 +63,73 @@ def dense(x: jax.Array, weight: jax.Array, in_dims: int = 1) -> jax.Array:
     return flat.reshape(*lead, *out_shape)
 
 
-def _constant_param(cfg: ModelConfig, shape, axes, fill: float):
-    return nnx.Param(jnp.full(shape, fill, cfg.storage_dtype), logical_axes=axes)
+def _add_bias(x: jax.Array, bias: nnx.Param | None) -> jax.Array:
+    return x if bias is None else x + bias.value.astype(x.dtype)
 
 
-class RMSNorm(nnx.Module):
+class Norm(nnx.Module):
+    """RMSNorm (`cfg.norm="rms"`) or LayerNorm (`"layer"`, bias if `cfg.norm_bias`), in float32."""
+
     def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
         self.scale = _constant_param(cfg, (cfg.d_model,), ("norm",), 1.0)
-        self.eps = cfg.norm_eps
+        if cfg.norm_bias:
+            self.bias = _constant_param(cfg, (cfg.d_model,), ("norm",), 0.0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
+        if self.cfg.norm == "layer":
+            x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = x32 * jax.lax.rsqrt(variance + self.eps)
-        return (normed * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+        normed = x32 * jax.lax.rsqrt(variance + self.cfg.norm_eps)
+        normed = normed * self.scale.value.astype(jnp.float32)
+        if self.cfg.norm_bias:
+            normed = normed + self.bias.value.astype(jnp.float32)
+        return normed.astype(x.dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Applies rotary embeddings (the `rotate_half` convention of Llama checkpoints).
+def llama3_scaled_inv_freq(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Llama 3.x frequency remapping, as transformers' `_compute_llama3_parameters`.
 
-    x: [B, S, N, D]; positions: [B, S] int. Returns x rotated, same dtype.
+    Wavelengths longer than original_max_len / low_freq_factor are slowed down by
+    `rope_scaling_factor`, those shorter than original_max_len / high_freq_factor are
+    kept, and the ones between are interpolated smoothly. inv_freq: [D/2] float32.
     """
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, S, 1, D]
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rotary_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies of the rotated dims: [rotary_dim / 2] float32 (a trace-time constant)."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if cfg.rope_scaling == "llama3":
+        inv_freq = llama3_scaled_inv_freq(inv_freq, cfg)
+    return inv_freq
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates the first 2 * len(inv_freq) dims of each head (`rotate_half` convention).
+
+    x: [B, S, N, D]; positions: [B, S] int; inv_freq: [R/2] with R <= D. The other
+    D - R dims pass through (GPT-NeoX's partial rotary). Returns x's shape and dtype.
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, R/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, S, 1, R]
     x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
+    rotary, passthrough = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    first, second = jnp.split(rotary, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    rotary = rotary * jnp.cos(angles) + rotated * jnp.sin(angles)
+    return jnp.concatenate([rotary, passthrough], axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -89,13 +144,18 @@ class Attention(nnx.Module):
             self.bq = _constant_param(cfg, (h, hd), ("heads", "head_dim"), 0.0)
             self.bk = _constant_param(cfg, (kv, hd), ("kv_heads", "head_dim"), 0.0)
             self.bv = _constant_param(cfg, (kv, hd), ("kv_heads", "head_dim"), 0.0)
+        if cfg.attn_out_bias:
+            self.bo = _constant_param(cfg, (d,), ("embed",), 0.0)
 
     def _project(self, x, weight, bias_name):
         dt = self.cfg.compute_dtype
         out = dense(x, weight.value.astype(dt))
-        if self.cfg.qkv_bias:
-            out = out + getattr(self, bias_name).value.astype(dt)
-        return out
+        return _add_bias(out, getattr(self, bias_name) if self.cfg.qkv_bias else None)
+
+    def _rotate(self, x, positions):
+        if self.cfg.position_embedding != "rope":
+            return x
+        return rotary_embedding(x, positions, rotary_inv_freq(self.cfg))
 
     def __call__(self, x, positions, key_valid, cache_layer, cache_offset):
         """x: [B, S, D]; positions: [B, S]; key_valid: [B, S_kv] bool.
@@ -106,8 +166,8 @@ class Attention(nnx.Module):
         """
         cfg = self.cfg
         batch, seq_len, _ = x.shape
-        q = rotary_embedding(self._project(x, self.wq, "bq"), positions, cfg.rope_theta)
-        k = rotary_embedding(self._project(x, self.wk, "bk"), positions, cfg.rope_theta)
+        q = self._rotate(self._project(x, self.wq, "bq"), positions)
+        k = self._rotate(self._project(x, self.wk, "bk"), positions)
         v = self._project(x, self.wv, "bv")
         if cache_layer is not None:
             start = (0, cache_offset, 0, 0)
@@ -134,48 +194,89 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgst,btkd->bskgd", weights, v.astype(cfg.compute_dtype))
         out = out.reshape(batch, seq_len, cfg.num_heads, cfg.resolved_head_dim)
         out = dense(out, self.wo.value.astype(cfg.compute_dtype), in_dims=2)
-        return out, cache_layer
+        return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
 
 
-class SwiGLU(nnx.Module):
+class MLP(nnx.Module):
+    """`cfg.mlp="gated"`: act(x W_gate) * (x W_up) W_down (SwiGLU with silu);
+    `"dense"`: act(x W_up) W_down. Biases on every matrix if `cfg.mlp_bias`."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.w_gate = _param(rngs, cfg, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+        gated = cfg.mlp == "gated"
+        if gated:
+            self.w_gate = _param(rngs, cfg, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.w_up = _param(rngs, cfg, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
         self.w_down = _param(rngs, cfg, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+        if cfg.mlp_bias:
+            if gated:
+                self.b_gate = _constant_param(cfg, (cfg.d_ff,), ("mlp",), 0.0)
+            self.b_up = _constant_param(cfg, (cfg.d_ff,), ("mlp",), 0.0)
+            self.b_down = _constant_param(cfg, (cfg.d_model,), ("embed",), 0.0)
+
+    def _linear(self, x, name):
+        dt = self.cfg.compute_dtype
+        out = dense(x, getattr(self, f"w_{name}").value.astype(dt))
+        return _add_bias(out, getattr(self, f"b_{name}") if self.cfg.mlp_bias else None)
 
     def __call__(self, x):
-        dt = self.cfg.compute_dtype
-        gate = jax.nn.silu(dense(x, self.w_gate.value.astype(dt)))
-        return dense(gate * dense(x, self.w_up.value.astype(dt)), self.w_down.value.astype(dt))
+        activation = ACTIVATION_FNS[self.cfg.activation]
+        if self.cfg.mlp == "gated":
+            hidden = activation(self._linear(x, "gate")) * self._linear(x, "up")
+        else:
+            hidden = activation(self._linear(x, "up"))
+        return self._linear(hidden, "down")
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg)
+        self.parallel_residual = cfg.parallel_residual
+        self.attn_norm = Norm(cfg)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg)
-        self.mlp = SwiGLU(cfg, rngs)
+        self.mlp_norm = Norm(cfg)
+        self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, key_valid, cache_layer, cache_offset):
         attn_out, cache_layer = self.attn(
             self.attn_norm(x), positions, key_valid, cache_layer, cache_offset
         )
+        if self.parallel_residual:  # GPT-NeoX: both branches read the block's input.
+            return x + attn_out + self.mlp(self.mlp_norm(x)), cache_layer
         x = x + attn_out
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, cache_layer
+        return x + self.mlp(self.mlp_norm(x)), cache_layer
 
 
 class Decoder(nnx.Module):
-    """Decoder-only language model. Call it on tokens; it returns float32 logits."""
+    """Decoder-only model. Call it on tokens; it returns float32 vocabulary logits
+    (`cfg.head="lm"`) or per-slot scores (`cfg.head="score"`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        if cfg.position_embedding == "learned":
+            self.position_embedding = _param(
+                rngs, cfg, (cfg.max_seq_len, cfg.d_model), ("vocab", "embed")
+            )
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg)
-        if not cfg.tie_embeddings:
+        self.final_norm = Norm(cfg)
+        if cfg.head == "score":
+            self.score = _param(rngs, cfg, (cfg.d_model, cfg.num_labels), ("embed", "labels"))
+        elif cfg.has_lm_head:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        x = jnp.take(self.embedding.value, tokens, axis=0)
+        if self.cfg.position_embedding == "learned":
+            x = x + jnp.take(self.position_embedding.value, positions, axis=0)
+        return x.astype(self.cfg.compute_dtype)
+
+    def _output(self, x: jax.Array) -> jax.Array:
+        dt = self.cfg.compute_dtype
+        if self.cfg.head == "score":
+            return dense(x, self.score.value.astype(dt))
+        if self.cfg.tie_embeddings:
+            return dense(x, self.embedding.value.astype(dt).T)
+        return dense(x, self.lm_head.value.astype(dt))
 
     def __call__(
         self,
@@ -187,21 +288,17 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions: [B, S] int32; key_valid: [B, S_kv] bool.
 
-        Returns logits [B, S, V] float32 and the updated cache (None without one).
+        Returns logits [B, S, V] (or scores [B, S, num_labels]) float32 and the
+        updated cache (None without one).
         """
-        dt = self.cfg.compute_dtype
-        x = jnp.take(self.embedding.value, tokens, axis=0).astype(dt)
+        x = self._embed(tokens, positions)
         new_cache = []
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache[index]
             x, layer_cache = block(x, positions, key_valid, layer_cache, cache_offset)
             new_cache.append(layer_cache)
-        x = self.final_norm(x)
-        if self.cfg.tie_embeddings:
-            logits = dense(x, self.embedding.value.astype(dt).T)
-        else:
-            logits = dense(x, self.lm_head.value.astype(dt))
-        return logits.astype(jnp.float32), (None if cache is None else tuple(new_cache))
+        out = self._output(self.final_norm(x))
+        return out.astype(jnp.float32), (None if cache is None else tuple(new_cache))
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
@@ -214,5 +311,11 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache
 
 
 def positions_from_mask(valid: jax.Array) -> jax.Array:
-    """Rotary positions of each slot: number of real tokens before it. valid: [B, S]."""
+    """Position of each slot: number of real tokens before it. valid: [B, S]."""
     return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def last_valid_index(valid: jax.Array) -> jax.Array:
+    """Slot of the last real token of each row (left or right padding). valid: [B, S] -> [B]."""
+    width = valid.shape[-1]
+    return (width - 1 - jnp.argmax(valid[:, ::-1].astype(bool), axis=-1)).astype(jnp.int32)
