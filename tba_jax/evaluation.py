@@ -9,7 +9,7 @@ import numpy as np
 
 from tba_jax.models.tokenizers import Tokenizer
 
-RewardFn = Callable[[str, str], float]
+BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
 
 
 def fixed_size_batches(num_items: int, batch_size: int) -> list[np.ndarray]:
@@ -27,7 +27,7 @@ def greedy_accuracy(
     params,
     examples: Sequence[dict],
     tokenizer: Tokenizer,
-    reward_fn: RewardFn,
+    rewards_fn: BatchRewardFn,
     *,
     max_prompt_len: int,
     batch_size: int,
@@ -41,8 +41,8 @@ def greedy_accuracy(
         out = generate_fn(params, prompts, prompts != tokenizer.pad_id, jax.random.key(0))
         tokens, response_lengths = jax.device_get((out.tokens, out.lengths))
         real = min(len(rows), len(examples) - len(rewards))
-        for row in range(real):
-            text = tokenizer.decode(tokens[row])
-            rewards.append(reward_fn(text, examples[rows[row]]["answer"]))
-            lengths.append(response_lengths[row])
+        batch_examples = [examples[i] for i in rows[:real]]
+        texts = [tokenizer.decode(tokens[row]) for row in range(real)]
+        rewards.extend(rewards_fn(batch_examples, texts))
+        lengths.extend(response_lengths[:real])
     return {"accuracy": float(np.mean(rewards)), "response_length": float(np.mean(lengths))}

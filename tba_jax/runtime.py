@@ -23,8 +23,6 @@ from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.replay import ReplayBuffer, Trajectory
 
-RewardFn = Callable[[str, str], float]
-
 
 class PolicyStore:
     """The params the searchers sample with, and their version. Thread-safe."""
@@ -54,7 +52,7 @@ class SearchWorker:
     score_fn: Callable  # (params, prompt_tokens, prompt_mask, response_tokens, mask) -> [N, T]
     reference_params: object
     tokenizer: Tokenizer
-    reward_fn: RewardFn
+    rewards_fn: Callable  # (examples, response texts) -> float32 [N]; see tasks.Task.rewards
     max_prompt_len: int
     samples_per_prompt: int
     time_split: TimeSplit
@@ -79,17 +77,20 @@ class SearchWorker:
                 (gen.tokens, gen.lengths, gen.token_logp, token_logp_ref)
             )
             created_at = time.time()
+            sample_examples = [examples[row // s] for row in range(len(prompt_tokens))]
+            responses = [tokens[row, : lengths[row]] for row in range(len(prompt_tokens))]
+            rewards = self.rewards_fn(
+                sample_examples, [self.tokenizer.decode(r) for r in responses]
+            )
             trajectories = []
             for row, prompt_row in enumerate(prompt_tokens):
-                example = examples[row // s]
                 length = int(lengths[row])
-                response = tokens[row, :length]
                 trajectories.append(
                     Trajectory(
-                        prompt_id=int(example["id"]),
+                        prompt_id=int(sample_examples[row]["id"]),
                         prompt_tokens=prompt_row[prompt_mask[row]],
-                        response_tokens=response,
-                        reward=self.reward_fn(self.tokenizer.decode(response), example["answer"]),
+                        response_tokens=responses[row],
+                        reward=float(rewards[row]),
                         logp_behaviour=float(token_logp[row, :length].sum()),
                         logp_ref=float(token_logp_ref[row, :length].sum()),
                         token_logp_behaviour=token_logp[row, :length],

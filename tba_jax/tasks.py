@@ -11,22 +11,42 @@ import os
 from collections.abc import Callable, Sequence
 
 import ml_collections
+import numpy as np
 
 from tba_jax.data import arithmetic
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
 from tba_jax.rewards import arithmetic as arithmetic_reward
 
+# (examples, response texts) -> rewards float32 [N]; examples[i] is response i's prompt.
+BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
+
+
+def per_sample_rewards(reward_fn: Callable[[str, str], float]) -> BatchRewardFn:
+    """A batch reward from a per-sample `reward_fn(response_text, example["answer"])`."""
+
+    def rewards(examples: Sequence[dict], responses: Sequence[str]) -> np.ndarray:
+        return np.array(
+            [reward_fn(text, ex["answer"]) for ex, text in zip(examples, responses, strict=True)],
+            dtype=np.float32,
+        )
+
+    return rewards
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """train / test: examples with at least `id`, `prompt`, `answer` (and `solution`
-    for a supervised warm start); reward_fn(response_text, answer) -> float."""
+    """train / test: examples with at least `id` and `prompt` (plus what the reward reads,
+    e.g. `answer`, and `solution` for a supervised warm start).
+
+    `rewards(examples, responses)` scores a batch at once, so a reward model can run one
+    forward pass per batch; `per_sample_rewards` wraps a per-sample checker.
+    """
 
     name: str
     train: Sequence[dict]
     test: Sequence[dict]
     tokenizer: Tokenizer
-    reward_fn: Callable[[str, str], float]
+    rewards: BatchRewardFn
     identity: dict  # JSON-able: what makes two runs' tasks the same (for checkpoints)
 
 
@@ -78,6 +98,6 @@ def arithmetic_task(
         train=arithmetic.load_split(spec, "train", data_dir),
         test=arithmetic.load_split(spec, "test", data_dir),
         tokenizer=tokenizer or CharTokenizer.for_arithmetic(task_config.ops),
-        reward_fn=arithmetic_reward.reward,
+        rewards=per_sample_rewards(arithmetic_reward.reward),
         identity=task_identity(task_config),
     )

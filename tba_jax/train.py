@@ -215,7 +215,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             mesh_lib.publish(params, sampler_shardings),
             task.test[: config.eval.num_examples],
             tokenizer,
-            task.reward_fn,
+            task.rewards,
             max_prompt_len=config.max_prompt_len,
             batch_size=config.eval.batch_size,
         )
@@ -297,7 +297,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         score_fn=make_score_fn(model, temperature=config.sampling.temperature),
         reference_params=reference,
         tokenizer=tokenizer,
-        reward_fn=task.reward_fn,
+        rewards_fn=task.rewards,
         max_prompt_len=config.max_prompt_len,
         samples_per_prompt=samples_per_prompt,
         time_split=time_split,

@@ -139,13 +139,13 @@ def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
     def broken_task(task_config, workdir, tokenizer=None):
         task = tasks.arithmetic_task(task_config, workdir, tokenizer)
 
-        def failing_reward(response, answer):
+        def failing_rewards(examples, responses):
             if threading.current_thread() is threading.main_thread():  # evaluation
-                return task.reward_fn(response, answer)
+                return task.rewards(examples, responses)
             raise ZeroDivisionError("reward model exploded")
 
         return tasks.Task(
-            task.name, task.train, task.test, task.tokenizer, failing_reward, task.identity
+            task.name, task.train, task.test, task.tokenizer, failing_rewards, task.identity
         )
 
     monkeypatch.setitem(tasks._TASKS, "arithmetic", broken_task)
