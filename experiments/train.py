@@ -7,12 +7,12 @@ r"""Trains a policy with TBA (or a sync baseline) from a config file.
 Running again on the same workdir resumes from its latest checkpoint.
 """
 
-import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tba_jax import cli
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.train import train_and_evaluate
@@ -20,23 +20,6 @@ from tba_jax.train import train_and_evaluate
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and summary.json go.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with bad --config values reported in one line instead of a traceback."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as error:
-        # A ConfigError raised inside get_config reaches us as text in absl's message.
-        found = re.search(rf"{ConfigError.__name__}: (.*)", str(error))
-        sys.exit(f"error: {found.group(1) if found else error}")
-    except (AttributeError, KeyError) as error:
-        # ml_collections reports an unknown `--config.a.b=v` key as a bare key name.
-        key = str(error).strip("\"'")
-        pattern = rf"--config\.(.*\.)?{re.escape(key)}(=|$)"
-        overrides = [arg for arg in argv if re.match(pattern, arg)]
-        where = f" in {overrides[0]}" if overrides else ""
-        sys.exit(f"error: unknown config key {key!r}{where}; see the config file for the keys.")
 
 
 def main(argv):
@@ -49,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)

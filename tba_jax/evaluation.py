@@ -1,15 +1,36 @@
-"""Held-out evaluation: greedy accuracy (pass@1) of a policy on a task's test split."""
+"""Held-out evaluation: greedy accuracy (pass@1) and sampled pass@k of a policy on a task.
+
+- `greedy_accuracy`: mean reward of one greedy response per problem.
+- `pass_at_k`: the unbiased estimator 1 − C(n−c, k)/C(n, k) of Chen et al. (2021,
+  "Evaluating Large Language Models Trained on Code"), per problem, from n samples of
+  which c are correct.
+- `sampled_pass_at_k`: draws n responses per problem and reports pass@k for each k.
+- `evaluate_policy`: both, for a task's test split, as one JSON-able dict (what
+  `experiments/evaluate.py` writes).
+
+A sampled response is *correct* when its reward is at least `CORRECT_REWARD` (the
+verifiable rewards of the built-in tasks and GSM8K give 1.0 for a right answer).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from tba_jax.models.tokenizers import Tokenizer
+from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+
+if TYPE_CHECKING:
+    from tba_jax.models import Model, Params
+    from tba_jax.tasks import Task
 
 BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
+CORRECT_REWARD = 1.0
+GREEDY_RNG_SEED = 0  # greedy decoding ignores the key; one fixed key keeps calls identical
 
 
 def fixed_size_batches(num_items: int, batch_size: int) -> list[np.ndarray]:
@@ -20,6 +41,35 @@ def fixed_size_batches(num_items: int, batch_size: int) -> list[np.ndarray]:
         rows = np.arange(start, min(start + batch_size, num_items))
         batches.append(np.pad(rows, (0, batch_size - len(rows))))
     return batches
+
+
+def generate_and_score(
+    generate_fn,
+    params,
+    examples: Sequence[dict],
+    tokenizer: Tokenizer,
+    rewards_fn: BatchRewardFn,
+    *,
+    max_prompt_len: int,
+    batch_size: int,
+    rng: jax.Array,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One response per example (batch i drawn with `fold_in(rng, i)`): (rewards, lengths),
+    float32 and int32 arrays of len(examples)."""
+    rewards, lengths = [], []
+    for index, rows in enumerate(fixed_size_batches(len(examples), batch_size)):
+        prompts = tokenizer.encode_batch(
+            [examples[i]["prompt"] for i in rows], max_prompt_len, left_pad=True
+        )
+        batch_rng = jax.random.fold_in(rng, index)
+        out = generate_fn(params, prompts, prompts != tokenizer.pad_id, batch_rng)
+        tokens, response_lengths = jax.device_get((out.tokens, out.lengths))
+        real = min(len(rows), len(examples) - len(rewards))
+        batch_examples = [examples[i] for i in rows[:real]]
+        texts = [tokenizer.decode(tokens[row]) for row in range(real)]
+        rewards.extend(rewards_fn(batch_examples, texts))
+        lengths.extend(response_lengths[:real])
+    return np.asarray(rewards, np.float32), np.asarray(lengths, np.int32)
 
 
 def greedy_accuracy(
@@ -33,16 +83,174 @@ def greedy_accuracy(
     batch_size: int,
 ) -> dict[str, float]:
     """Mean reward of greedy responses. `generate_fn` is a greedy `make_generate_fn` result."""
-    rewards, lengths = [], []
-    for rows in fixed_size_batches(len(examples), batch_size):
-        prompts = tokenizer.encode_batch(
-            [examples[i]["prompt"] for i in rows], max_prompt_len, left_pad=True
-        )
-        out = generate_fn(params, prompts, prompts != tokenizer.pad_id, jax.random.key(0))
-        tokens, response_lengths = jax.device_get((out.tokens, out.lengths))
-        real = min(len(rows), len(examples) - len(rewards))
-        batch_examples = [examples[i] for i in rows[:real]]
-        texts = [tokenizer.decode(tokens[row]) for row in range(real)]
-        rewards.extend(rewards_fn(batch_examples, texts))
-        lengths.extend(response_lengths[:real])
+    rewards, lengths = generate_and_score(
+        generate_fn,
+        params,
+        examples,
+        tokenizer,
+        rewards_fn,
+        max_prompt_len=max_prompt_len,
+        batch_size=batch_size,
+        rng=jax.random.key(GREEDY_RNG_SEED),
+    )
     return {"accuracy": float(np.mean(rewards)), "response_length": float(np.mean(lengths))}
+
+
+def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
+    """Unbiased pass@k per problem: 1 − C(n−c, k) / C(n, k), for n samples with c correct.
+
+    `num_samples` and `num_correct` are ints or arrays (one entry per problem; they
+    broadcast). Computed as 1 − Π_{i=n−c+1..n} (1 − k/i), which is exact for c = 0
+    (0.0) and n − c < k (1.0) and never forms the large binomials. Needs n >= k.
+    """
+    n = np.asarray(num_samples, np.int64)
+    c = np.asarray(num_correct, np.int64)
+    n, c = np.broadcast_arrays(n, c)
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1.")
+    if np.any(c < 0) or np.any(c > n):
+        raise ValueError("Every num_correct must be in [0, num_samples] of its problem.")
+    if np.any(n < k):
+        raise ValueError(
+            f"pass@{k} needs at least {k} samples per problem but some have "
+            f"{int(n.min())}; draw more samples or lower k."
+        )
+    if n.size == 0:
+        return np.zeros(n.shape)
+    i = np.arange(1, int(n.max()) + 1)  # [I]
+    in_product = (i > (n - c)[..., None]) & (i <= n[..., None])  # [..., I]
+    factors = np.where(in_product, 1.0 - k / i, 1.0)
+    return 1.0 - np.prod(factors, axis=-1)
+
+
+def check_ks(ks: Sequence[int], num_samples: int) -> None:
+    """ValueError unless every k is in [1, num_samples]."""
+    bad = [k for k in ks if not 1 <= k <= num_samples]
+    if bad or not ks:
+        raise ValueError(
+            f"ks={list(ks)} must be non-empty, each in [1, num_samples={num_samples}]; "
+            "draw more samples or lower k."
+        )
+
+
+def sampled_pass_at_k(
+    generate_fn,
+    params,
+    examples: Sequence[dict],
+    tokenizer: Tokenizer,
+    rewards_fn: BatchRewardFn,
+    *,
+    num_samples: int,
+    ks: Sequence[int],
+    max_prompt_len: int,
+    batch_size: int,
+    rng: jax.Array,
+    correct_reward: float = CORRECT_REWARD,
+) -> dict[str, float]:
+    """pass@k (mean over problems) for each k, from `num_samples` sampled responses per problem.
+
+    `generate_fn` is a sampling `make_generate_fn` result; `batch_size` counts response
+    rows. Returns `pass@{k}` for each k, plus `mean_reward`, `response_length` (mean
+    over all samples) and `num_samples`.
+    """
+    check_ks(ks, num_samples)
+    repeated = [example for example in examples for _ in range(num_samples)]
+    rewards, lengths = generate_and_score(
+        generate_fn,
+        params,
+        repeated,
+        tokenizer,
+        rewards_fn,
+        max_prompt_len=max_prompt_len,
+        batch_size=batch_size,
+        rng=rng,
+    )
+    num_correct = (rewards.reshape(len(examples), num_samples) >= correct_reward).sum(axis=1)
+    result = {f"pass@{k}": float(pass_at_k(num_samples, num_correct, k).mean()) for k in ks}
+    result.update(
+        mean_reward=float(rewards.mean()),
+        response_length=float(lengths.mean()),
+        num_samples=num_samples,
+    )
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What `evaluate_policy` measures and how (see experiments/evaluate.py for the flags)."""
+
+    max_prompt_len: int
+    max_new_tokens: int
+    num_examples: int  # the first N test problems; 0: all of them
+    batch_size: int  # response rows per generate call
+    num_samples: int  # sampled responses per problem for pass@k; 0: greedy only
+    ks: tuple[int, ...]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+def check_sequence_fits(model: Model, settings: EvalSettings) -> None:
+    """ValueError when prompts plus new tokens overrun a learned position table."""
+    total = settings.max_prompt_len + settings.max_new_tokens
+    if model.config.position_embedding == "learned" and total > model.config.max_seq_len:
+        raise ValueError(
+            f"max_prompt_len={settings.max_prompt_len} + max_new_tokens="
+            f"{settings.max_new_tokens} is more than the model's {model.config.max_seq_len} "
+            "learned positions; lower max_new_tokens."
+        )
+
+
+def evaluation_generate_fns(model: Model, tokenizer: Tokenizer, settings: EvalSettings):
+    """(greedy, sampling) jitted generate functions with the settings' lengths."""
+    common = dict(max_new_tokens=settings.max_new_tokens, vocab_limit=tokenizer.vocab_size)
+    greedy = SamplingConfig(greedy=True, **common)
+    sampling = SamplingConfig(
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, **common
+    )
+    ids = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    return make_generate_fn(model, greedy, **ids), make_generate_fn(model, sampling, **ids)
+
+
+def evaluate_policy(model: Model, params: Params, task: Task, settings: EvalSettings) -> dict:
+    """Greedy pass@1 and sampled pass@k of `params` on the task's test split, JSON-able.
+
+    Keys: `greedy_pass@1` (= greedy accuracy), `greedy_response_length`, `num_problems`,
+    `max_new_tokens`, and with `num_samples > 0` also `pass@{k}` for each k,
+    `sampled_mean_reward`, `sampled_response_length`, `num_samples`, `temperature`.
+    """
+    check_sequence_fits(model, settings)
+    examples = task.test[: settings.num_examples or len(task.test)]
+    if not examples:
+        raise ValueError(f"The {task.name} task has no test problems to evaluate.")
+    greedy_fn, sampling_fn = evaluation_generate_fns(model, task.tokenizer, settings)
+    common = dict(max_prompt_len=settings.max_prompt_len, batch_size=settings.batch_size)
+    greedy = greedy_accuracy(greedy_fn, params, examples, task.tokenizer, task.rewards, **common)
+    result = {
+        "greedy_pass@1": greedy["accuracy"],
+        "greedy_response_length": greedy["response_length"],
+        "num_problems": len(examples),
+        "max_new_tokens": settings.max_new_tokens,
+    }
+    if settings.num_samples == 0:
+        return result
+    sampled = sampled_pass_at_k(
+        sampling_fn,
+        params,
+        examples,
+        task.tokenizer,
+        task.rewards,
+        num_samples=settings.num_samples,
+        ks=settings.ks,
+        rng=jax.random.key(settings.seed),
+        **common,
+    )
+    result.update({key: value for key, value in sampled.items() if key.startswith("pass@")})
+    result.update(
+        sampled_mean_reward=sampled["mean_reward"],
+        sampled_response_length=sampled["response_length"],
+        num_samples=settings.num_samples,
+        temperature=settings.temperature,
+    )
+    return result
