@@ -22,6 +22,7 @@ from tba_jax.data import arithmetic, gsm8k
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
 from tba_jax.rewards import arithmetic as arithmetic_reward
 from tba_jax.rewards import gsm8k as gsm8k_reward
+from tba_jax.rewards import score_pairs
 
 # (examples, response texts) -> rewards float32 [N]; examples[i] is response i's prompt.
 BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
@@ -31,10 +32,7 @@ def per_sample_rewards(reward_fn: Callable[[str, str], float]) -> BatchRewardFn:
     """A batch reward from a per-sample `reward_fn(response_text, example["answer"])`."""
 
     def rewards(examples: Sequence[dict], responses: Sequence[str]) -> np.ndarray:
-        return np.array(
-            [reward_fn(text, ex["answer"]) for ex, text in zip(examples, responses, strict=True)],
-            dtype=np.float32,
-        )
+        return score_pairs(reward_fn, responses, [ex["answer"] for ex in examples])
 
     return rewards
 

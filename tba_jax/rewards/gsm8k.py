@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tba_jax.rewards import score_pairs
+
 ANSWER_MARKER = "####"
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = 0.0
@@ -78,12 +80,4 @@ def reward(response: str, answer: str) -> float:
 
 def batch_rewards(responses: Sequence[str], answers: Sequence[str]) -> np.ndarray:
     """Rewards for paired responses and answers, as a float32 array of shape [N]."""
-    if len(responses) != len(answers):
-        raise ValueError(
-            f"Got {len(responses)} responses but {len(answers)} answers; "
-            "pass one reference answer per response."
-        )
-    return np.asarray(
-        [reward(response, answer) for response, answer in zip(responses, answers, strict=True)],
-        dtype=np.float32,
-    )
+    return score_pairs(reward, responses, answers)
