@@ -127,11 +127,7 @@ def abstract_train_state(
         jax.eval_shape(optimizer.init, abstract_params),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    return jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        shapes,
-        shardings,
-    )
+    return mesh_lib.abstract_on(shapes, shardings)
 
 
 def init_train_state(

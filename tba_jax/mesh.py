@@ -123,6 +123,16 @@ def param_shardings(logical_axes: Any, abstract_params: Any, mesh: Mesh, rules: 
     return jax.tree.map(one, logical_axes, abstract_params, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def abstract_on(shapes: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `shapes` carrying `shardings` (same tree): restore targets and
+    jit templates that allocate nothing."""
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (example) dimension split over data and fsdp; the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

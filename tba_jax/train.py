@@ -452,19 +452,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return summary
 
 
-def _abstract_on(abstract_params, shardings):
-    return jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        abstract_params,
-        shardings,
-    )
-
-
 def checkpoint_template(optimizer, abstract_params, state_sharding, sampler_shardings) -> dict:
     """The abstract pytree a run's checkpoint restores into (allocates nothing)."""
     return {
         "train": learner.abstract_train_state(optimizer, abstract_params, state_sharding)._asdict(),
-        "reference": _abstract_on(abstract_params, sampler_shardings),
+        "reference": mesh_lib.abstract_on(abstract_params, sampler_shardings),
     }
 
 
