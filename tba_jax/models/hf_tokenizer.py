@@ -52,9 +52,7 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
-from tba_jax.models.tokenizers import Tokenizer, pad_sequences
+from tba_jax.models.tokenizers import BatchCoding, Tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -473,7 +471,7 @@ def _resolve_special_tokens(backend: _Backend, configs: _CheckpointConfigs) -> S
 # ----------------------------------------------------------------------- tokenizer
 
 
-class HFTokenizer:
+class HFTokenizer(BatchCoding):
     """A Hugging Face checkpoint's tokenizer implementing `Tokenizer`.
 
     Build it with `from_pretrained`. `encode`'s ``add_bos`` / ``add_eos`` default to
@@ -554,22 +552,6 @@ class HFTokenizer:
         ids = [int(token_id) for token_id in ids]
         self._check_in_vocab(ids)
         return self._backend.decode(self._content_ids(ids))
-
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        max_len: int,
-        *,
-        left_pad: bool,
-        add_bos: bool | None = None,
-        add_eos: bool | None = None,
-    ) -> np.ndarray:
-        """int32 [len(texts), max_len], padded with `pad_id` (left for prompts)."""
-        sequences = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
-        return pad_sequences(sequences, max_len, pad_id=self.pad_id, left_pad=left_pad, texts=texts)
-
-    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]:
-        return [self.decode(row) for row in ids]
 
     def _content_ids(self, ids: list[int]) -> list[int]:
         """The ids that carry text: padding before the first EOS never ends a sequence."""

@@ -98,7 +98,27 @@ def pad_sequences(
     return batch
 
 
-class CharTokenizer:
+class BatchCoding:
+    """`encode_batch` / `decode_batch` for a tokenizer with `encode`, `decode` and `pad_id`."""
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        max_len: int,
+        *,
+        left_pad: bool,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
+    ) -> np.ndarray:
+        """int32 [len(texts), max_len], padded with `pad_id` (left for prompts)."""
+        sequences = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
+        return pad_sequences(sequences, max_len, pad_id=self.pad_id, left_pad=left_pad, texts=texts)
+
+    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode(row) for row in ids]
+
+
+class CharTokenizer(BatchCoding):
     """One id per character of `alphabet`, after pad=0, bos=1 and eos=2."""
 
     TYPE_NAME = "char"
@@ -173,21 +193,6 @@ class CharTokenizer:
                 )
             chars.append(self._alphabet[token_id - NUM_SPECIAL_IDS])
         return "".join(chars)
-
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        max_len: int,
-        *,
-        left_pad: bool,
-        add_bos: bool | None = None,
-        add_eos: bool | None = None,
-    ) -> np.ndarray:
-        sequences = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
-        return pad_sequences(sequences, max_len, pad_id=PAD_ID, left_pad=left_pad, texts=texts)
-
-    def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]:
-        return [self.decode(row) for row in ids]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable description, e.g. for checkpoint metadata."""
