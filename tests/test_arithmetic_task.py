@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from support import HIDE_TENSORFLOW
 
 from tba_jax.data import arithmetic
 from tba_jax.data.arithmetic import (
@@ -205,27 +206,8 @@ def test_builder_config_names_encode_every_parameter():
     assert builder_config_for(SMALL_TASK).name == builder_config_for(SMALL_TASK).name
 
 
-# Every import finder is wrapped so that it cannot see TensorFlow: `import tensorflow` raises
-# ModuleNotFoundError and find_spec returns None, exactly as if it were not installed.
-_PREPARE_WITHOUT_TENSORFLOW = textwrap.dedent(
+_PREPARE_WITHOUT_TENSORFLOW = HIDE_TENSORFLOW + textwrap.dedent(
     """
-    import importlib.util, json, sys
-
-    class HideTensorFlow:
-        def __init__(self, finder):
-            self._finder = finder
-
-        def find_spec(self, name, path=None, target=None):
-            if name == "tensorflow" or name.startswith("tensorflow."):
-                return None
-            return self._finder.find_spec(name, path, target)
-
-        def __getattr__(self, attribute):
-            return getattr(self._finder, attribute)
-
-    sys.meta_path[:] = [HideTensorFlow(finder) for finder in sys.meta_path]
-    assert importlib.util.find_spec("tensorflow") is None
-
     from tba_jax.data.arithmetic import ArithmeticTaskConfig, load_split
 
     task = ArithmeticTaskConfig(**json.loads(sys.argv[1]))

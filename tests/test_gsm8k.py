@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from support import HIDE_TENSORFLOW
 
 from tba_jax.data import gsm8k
 from tba_jax.rewards.gsm8k import (
@@ -46,27 +47,8 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 # ------------------------------------------------------------------ builder (real data)
 
-# Every import finder is wrapped so that it cannot see TensorFlow: `import tensorflow` raises
-# ModuleNotFoundError and find_spec returns None, exactly as if it were not installed.
-_PREPARE_WITHOUT_TENSORFLOW = textwrap.dedent(
+_PREPARE_WITHOUT_TENSORFLOW = HIDE_TENSORFLOW + textwrap.dedent(
     """
-    import importlib.util, json, sys
-
-    class HideTensorFlow:
-        def __init__(self, finder):
-            self._finder = finder
-
-        def find_spec(self, name, path=None, target=None):
-            if name == "tensorflow" or name.startswith("tensorflow."):
-                return None
-            return self._finder.find_spec(name, path, target)
-
-        def __getattr__(self, attribute):
-            return getattr(self._finder, attribute)
-
-    sys.meta_path[:] = [HideTensorFlow(finder) for finder in sys.meta_path]
-    assert importlib.util.find_spec("tensorflow") is None
-
     from tba_jax.data.gsm8k import load_split
 
     data_dir, manual_dir = sys.argv[1], sys.argv[2]
