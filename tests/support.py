@@ -25,3 +25,41 @@ HIDE_TENSORFLOW = textwrap.dedent(
     assert importlib.util.find_spec("tensorflow") is None
     """
 )
+
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def save_tiny_llama_folder(
+    folder, corpus: list[str], *, vocab_size: int, max_position_embeddings: int
+) -> str:
+    """Saves a small random Llama and a byte-level BPE tokenizer trained on `corpus` to
+    `folder` in Hugging Face layout (what a user's local checkpoint folder looks like)."""
+    import tokenizers
+    import transformers
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, **SPECIAL_TOKENS)
+    fast.save_pretrained(folder)
+    config = transformers.LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)

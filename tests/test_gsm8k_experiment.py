@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import save_tiny_llama_folder
 
 from configs.gsm8k_rho1b import get_config
 from tba_jax import tasks
@@ -179,45 +180,24 @@ def test_tiny_variant_trains_sync_end_to_end(tmp_path, data_dir):
     assert summary["max_policy_lag"] == 0.0
 
 
-HF_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 HF_VOCAB_SIZE = 400
+HF_MAX_POSITIONS = 512
 HF_CORPUS_PROBLEMS = 300
 
 
 def make_hf_folder(folder: Path) -> str:
     """A small random Llama with a byte-level BPE tokenizer trained on GSM8K text: the
     shape of the paper-scale run (policy, tokenizer and π_ref from one HF folder)."""
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
     lines = (GSM8K_DIR / "train.jsonl").read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines[:HF_CORPUS_PROBLEMS]]
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
+    return save_tiny_llama_folder(
+        folder,
+        [r["question"] + r["answer"] for r in records],
         vocab_size=HF_VOCAB_SIZE,
-        special_tokens=HF_SPECIAL_TOKENS,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        max_position_embeddings=HF_MAX_POSITIONS,
     )
-    bpe.train_from_iterator([r["question"] + r["answer"] for r in records], trainer)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(folder)
-    config = transformers.LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
 
 
 @requires_gsm8k

@@ -7,56 +7,36 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from support import save_tiny_llama_folder  # noqa: E402
+
 from configs.arithmetic import get_config  # noqa: E402
 from tba_jax.data import arithmetic  # noqa: E402
 from tba_jax.models import hf  # noqa: E402
 from tba_jax.train import restore_policy, train_and_evaluate  # noqa: E402
 
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+ARITHMETIC_CORPUS_SIZE = 300
+TOKENIZER_VOCAB_SIZE = 80
+MAX_POSITIONS = 64
 
 
-def _train_arithmetic_tokenizer() -> tokenizers.Tokenizer:
-    """A small BPE tokenizer that covers the arithmetic task's prompts and solutions."""
+def arithmetic_corpus() -> list[str]:
+    """Prompts and solutions of the arithmetic task, to train the test tokenizer on."""
     splits = arithmetic.generate_splits(
-        arithmetic.ArithmeticTaskConfig(max_operand=9, max_result=20, num_train=300, num_test=20)
+        arithmetic.ArithmeticTaskConfig(
+            max_operand=9, max_result=20, num_train=ARITHMETIC_CORPUS_SIZE, num_test=20
+        )
     )
-    corpus = [ex["prompt"] + ex["solution"] for ex in splits["train"]]
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=80,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    return tokenizer
+    return [ex["prompt"] + ex["solution"] for ex in splits["train"]]
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf_llama")
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_train_arithmetic_tokenizer(),
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
+    return save_tiny_llama_folder(
+        tmp_path_factory.mktemp("hf_llama"),
+        arithmetic_corpus(),
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITIONS,
     )
-    fast.save_pretrained(folder)
-    config = transformers.LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
 
 
 def test_main_job_trains_from_a_hugging_face_folder(hf_folder, tmp_path):
