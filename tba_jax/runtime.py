@@ -178,6 +178,10 @@ class SearcherPool:
         self.raise_if_failed()
 
 
-def policy_lag(learner_step: int, sample_versions: np.ndarray) -> dict[str, float]:
-    lag = learner_step - sample_versions.astype(np.int64)
-    return {"policy_lag_mean": float(lag.mean()), "policy_lag_max": float(lag.max())}
+def policy_lags(learner_step: int, sample_versions: np.ndarray) -> np.ndarray:
+    """Each sample's lag in learner steps: `learner_step` minus its version. int64 [N]."""
+    return learner_step - sample_versions.astype(np.int64)
+
+
+def lag_metrics(lags: np.ndarray) -> dict[str, float]:
+    return {"policy_lag_mean": float(lags.mean()), "policy_lag_max": float(lags.max())}

@@ -387,12 +387,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 )
                 state, metrics = train_step(state, device_batch)
                 metrics = jax.device_get(metrics)
-            lag = runtime.policy_lag(step, batch.policy_version)
-            lags.append(step - batch.policy_version)
+            batch_lags = runtime.policy_lags(step, batch.policy_version)
+            lags.append(batch_lags)
             step += 1
             if config.mode == "sync" or step % config.sync_period == 0:
                 store.publish(state.params, version=step)
-            metrics.update(lag)
+            metrics.update(runtime.lag_metrics(batch_lags))
             metrics.update({f"{k}_per_second": v for k, v in rates.rates_since_start().items()})
             if config.mode == "async":
                 metrics.update({f"buffer_{k}": v for k, v in buffer.stats(step).items()})
