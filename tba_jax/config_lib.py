@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import ml_collections
 
+from tba_jax import mesh as mesh_lib
 from tba_jax.losses import get_loss, registered_losses
 
 
@@ -163,14 +164,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
 
 
 def _learner_device_count(config: ml_collections.ConfigDict, num_devices: int) -> int:
-    mesh = config.mesh
-    if mesh.colocate or num_devices == 1:
-        return num_devices
-    sampler = mesh.sampler_devices
-    count = max(1, round(sampler * num_devices)) if 0 < sampler < 1 else int(sampler)
-    if count >= num_devices:
-        raise ConfigError(
-            f"mesh.sampler_devices={sampler} leaves no device for the learner out of "
-            f"{num_devices}; lower it or set mesh.colocate=True."
+    """How many devices the learner gets, by the same split the run will make."""
+    try:
+        _, learner = mesh_lib.split_devices(
+            range(num_devices), config.mesh.sampler_devices, config.mesh.colocate
         )
-    return num_devices - count
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    return len(learner)
