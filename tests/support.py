@@ -1,6 +1,17 @@
 """Helpers shared by several test files (not collected: the name has no test_ prefix)."""
 
 import textwrap
+from pathlib import Path
+
+import pytest
+
+# The GSM8K files of the shared folder beside the repository (as in CI's checkout).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+requires_gsm8k = pytest.mark.skipif(
+    not all((GSM8K_DIR / name).is_file() for name in ("train.jsonl", "test.jsonl")),
+    reason=f"the GSM8K files (train.jsonl, test.jsonl) are not in {GSM8K_DIR}",
+)
 
 # Python source that hides TensorFlow from every import finder: afterwards `import tensorflow`
 # raises ModuleNotFoundError and find_spec returns None, exactly as if it were not installed.

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from support import HIDE_TENSORFLOW
+from support import GSM8K_DIR, HIDE_TENSORFLOW, requires_gsm8k
 
 from tba_jax.data import gsm8k
 from tba_jax.rewards.gsm8k import (
@@ -21,14 +21,8 @@ from tba_jax.rewards.gsm8k import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 EXPECTED_SIZES = {"train": 7473, "test": 1319}
 GOLD_MARKER = "####"
-
-requires_gsm8k = pytest.mark.skipif(
-    not all((GSM8K_DIR / f"{split}.jsonl").is_file() for split in EXPECTED_SIZES),
-    reason=f"the GSM8K files are not in {GSM8K_DIR}",
-)
 
 
 def read_source(split: str) -> list[dict]:

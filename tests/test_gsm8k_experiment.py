@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import save_tiny_llama_folder
+from support import GSM8K_DIR, requires_gsm8k, save_tiny_llama_folder
 
 from configs.gsm8k_rho1b import get_config
 from tba_jax import tasks
@@ -19,14 +19,8 @@ from tba_jax.metrics import read_scalars
 from tba_jax.train import optim_config, train_and_evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 SUBPROCESS_TIMEOUT_S = 300
 TINY_STEPS = 4
-
-requires_gsm8k = pytest.mark.skipif(
-    not all((GSM8K_DIR / name).is_file() for name in ("train.jsonl", "test.jsonl")),
-    reason=f"the GSM8K files (train.jsonl, test.jsonl) are not in {GSM8K_DIR}",
-)
 
 
 # ------------------------------------------------------------------ the paper's config
