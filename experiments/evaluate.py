@@ -27,7 +27,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tba_jax import cli, evaluation, tasks, train
+from tba_jax import cli, evaluation, runs, tasks
 from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
@@ -124,7 +124,7 @@ def resolve_step(config, workdir: str, step: int | None) -> int:
     """`step`, or the workdir's latest checkpoint step when None."""
     if step is not None:
         return step
-    identity = train.experiment_identity(config, train.stored_model_config(workdir))
+    identity = runs.experiment_identity(config, runs.stored_model_config(workdir))
     with Checkpointer(workdir, experiment=identity) as checkpointer:
         latest = checkpointer.latest_step()
     if latest is None:
@@ -135,8 +135,8 @@ def resolve_step(config, workdir: str, step: int | None) -> int:
 def evaluate_run(config, workdir: str, step: int | None, settings) -> dict:
     """The metrics of the run's policy at `step` (latest: None) on its task's test split."""
     step = resolve_step(config, workdir, step)
-    task = tasks.build_task(config.task, workdir, tokenizer=train.policy_tokenizer(config))
-    run = train.restore_run(config, workdir, step)
+    task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
+    run = runs.restore_run(config, workdir, step)
     metrics = evaluation.evaluate_policy(
         run.model, run.params, task, settings, reference_params=run.reference_params
     )
@@ -155,7 +155,7 @@ def main(argv):
     logging.set_verbosity(logging.INFO)
     try:
         workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
-        config = _CONFIG.value or train.load_config(workdir)
+        config = _CONFIG.value or runs.load_config(workdir)
         settings = eval_settings(config)
         check_settings(settings)
         result = evaluate_run(config, workdir, step, settings)

@@ -16,7 +16,8 @@ from tba_jax import tasks
 from tba_jax.config_lib import ConfigError, validate
 from tba_jax.learner import make_lr_schedule
 from tba_jax.metrics import read_scalars
-from tba_jax.train import optim_config, train_and_evaluate
+from tba_jax.runs import optim_config
+from tba_jax.train import train_and_evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 300

@@ -497,7 +497,7 @@ def test_compare_cli_prints_a_json_last_line(checkpoint):
 
 def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path, monkeypatch, capsys):
     ckpt = checkpoint("llama")
-    import tba_jax.train
+    import tba_jax.runs
 
     calls = []
 
@@ -505,10 +505,10 @@ def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path, monkeypatch,
         calls.append((workdir, step))
         return ckpt.model.config, ckpt.params
 
-    monkeypatch.setattr(tba_jax.train, "load_trained_policy", fake_load_trained_policy)
+    monkeypatch.setattr(tba_jax.runs, "load_trained_policy", fake_load_trained_policy)
     # A run from a preset (no model.hf_path): no tokenizer files to carry over.
     monkeypatch.setattr(
-        tba_jax.train,
+        tba_jax.runs,
         "load_config",
         lambda workdir: ml_collections.ConfigDict({"model": {"hf_path": ""}}),
     )

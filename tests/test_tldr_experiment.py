@@ -22,9 +22,10 @@ from tba_jax.evaluation import EvalSettings
 from tba_jax.learner import make_lr_schedule
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.replay import ReplayBuffer
+from tba_jax.runs import optim_config, restore_run
 from tba_jax.runtime import SearchWorker
 from tba_jax.sampling.generate import Generation
-from tba_jax.train import optim_config, restore_run, train_and_evaluate
+from tba_jax.train import train_and_evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 300

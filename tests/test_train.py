@@ -22,8 +22,9 @@ from configs.arithmetic import get_config
 from tba_jax import tasks
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.metrics import read_scalars
+from tba_jax.runs import load_config, load_trained_policy, restore_policy
 from tba_jax.tasks import arithmetic as arithmetic_tasks
-from tba_jax.train import load_config, load_trained_policy, restore_policy, train_and_evaluate
+from tba_jax.train import train_and_evaluate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_SUMMARY_KEYS = {

@@ -12,7 +12,8 @@ from support import save_tiny_llama_folder  # noqa: E402
 from configs.arithmetic import get_config  # noqa: E402
 from tba_jax.data import arithmetic  # noqa: E402
 from tba_jax.models import hf  # noqa: E402
-from tba_jax.train import restore_policy, train_and_evaluate  # noqa: E402
+from tba_jax.runs import restore_policy  # noqa: E402
+from tba_jax.train import train_and_evaluate  # noqa: E402
 
 ARITHMETIC_CORPUS_SIZE = 300
 TOKENIZER_VOCAB_SIZE = 80

@@ -1062,7 +1062,7 @@ def export_run(
     A run started from a Hugging Face folder (`model.hf_path`) also gets that folder's
     tokenizer files and its token ids in config.json, so the export is usable as is.
     """
-    from tba_jax.train import load_config, load_trained_policy  # only when exporting
+    from tba_jax.runs import load_config, load_trained_policy  # only when exporting
 
     model_cfg, params = load_trained_policy(workdir, step)
     source = load_config(workdir).model.hf_path
