@@ -87,11 +87,11 @@ def flag_or(flag, default):
     return default if flag.value is None else flag.value
 
 
-def eval_settings(config) -> evaluation.EvalSettings:
+def eval_settings(config) -> tasks.EvalSettings:
     """The config's eval section and sampling settings, overridden by the flags."""
     eval_config = config.eval
     ks = _KS.value or eval_config.get("ks", FALLBACK_KS)
-    return evaluation.EvalSettings(
+    return tasks.EvalSettings(
         max_prompt_len=config.max_prompt_len,
         max_new_tokens=flag_or(
             _MAX_NEW_TOKENS, eval_config.get("max_new_tokens", config.max_response_len)
@@ -107,7 +107,7 @@ def eval_settings(config) -> evaluation.EvalSettings:
     )
 
 
-def check_settings(settings: evaluation.EvalSettings) -> None:
+def check_settings(settings: tasks.EvalSettings) -> None:
     """ConfigError for settings that cannot work, before anything is loaded."""
     if settings.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={settings.max_new_tokens} must be >= 1.")

@@ -14,62 +14,23 @@ verifiable rewards of the built-in tasks and GSM8K give 1.0 for a right answer).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from tba_jax.models.tokenizers import Tokenizer
-from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn
+from tba_jax.sampling.generate import generated_batches
+from tba_jax.tasks.base import EvalSettings, check_sequence_fits, evaluation_generate_fns
 
 if TYPE_CHECKING:
     from tba_jax.models import Model, Params
-    from tba_jax.tasks import Task
+    from tba_jax.tasks.base import Task
 
 BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
 CORRECT_REWARD = 1.0
 GREEDY_RNG_SEED = 0  # greedy decoding ignores the key; one fixed key keeps calls identical
-
-
-def fixed_size_batches(num_items: int, batch_size: int) -> list[np.ndarray]:
-    """Index batches of exactly `batch_size` (the last one padded by repeating index 0),
-    so a jitted generate function compiles once."""
-    batches = []
-    for start in range(0, num_items, batch_size):
-        rows = np.arange(start, min(start + batch_size, num_items))
-        batches.append(np.pad(rows, (0, batch_size - len(rows))))
-    return batches
-
-
-def fixed_batches(num_items: int, batch_size: int) -> Iterator[tuple[np.ndarray, int]]:
-    """(row indices [batch_size], number of real rows) per batch of `fixed_size_batches`:
-    the last batch is filled by repeating row 0, so every call has the same shape."""
-    for index, rows in enumerate(fixed_size_batches(num_items, batch_size)):
-        yield rows, min(batch_size, num_items - index * batch_size)
-
-
-def generated_batches(
-    generate_fn,
-    params,
-    examples: Sequence[dict],
-    tokenizer: Tokenizer,
-    *,
-    max_prompt_len: int,
-    batch_size: int,
-    rng: jax.Array,
-) -> Iterator[tuple[list[dict], np.ndarray, np.ndarray, Generation]]:
-    """One response per example, generated `batch_size` rows at a time (batch i drawn with
-    `fold_in(rng, i)`). Yields, per batch, (the batch's real examples, prompt tokens
-    [batch_size, P], prompt mask [batch_size, P], Generation): the arrays hold
-    `batch_size` rows, of which the first len(real examples) are real."""
-    for index, (rows, real) in enumerate(fixed_batches(len(examples), batch_size)):
-        prompts, prompt_mask = tokenizer.encode_prompts(
-            [examples[i]["prompt"] for i in rows], max_prompt_len
-        )
-        out = generate_fn(params, prompts, prompt_mask, jax.random.fold_in(rng, index))
-        yield [examples[i] for i in rows[:real]], prompts, prompt_mask, out
 
 
 def generate_and_score(
@@ -204,44 +165,6 @@ def sampled_pass_at_k(
         num_samples=num_samples,
     )
     return result
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    """What `evaluate_policy` measures and how (see experiments/evaluate.py for the flags)."""
-
-    max_prompt_len: int
-    max_new_tokens: int
-    num_examples: int  # the first N test problems; 0: all of them
-    batch_size: int  # response rows per generate call
-    num_samples: int  # sampled responses per problem for pass@k; 0: greedy only
-    ks: tuple[int, ...]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-
-
-def check_sequence_fits(model: Model, settings: EvalSettings) -> None:
-    """ValueError when prompts plus new tokens overrun a learned position table."""
-    total = settings.max_prompt_len + settings.max_new_tokens
-    if model.config.position_embedding == "learned" and total > model.config.max_seq_len:
-        raise ValueError(
-            f"max_prompt_len={settings.max_prompt_len} + max_new_tokens="
-            f"{settings.max_new_tokens} is more than the model's {model.config.max_seq_len} "
-            "learned positions; lower max_new_tokens."
-        )
-
-
-def evaluation_generate_fns(model: Model, tokenizer: Tokenizer, settings: EvalSettings):
-    """(greedy, sampling) jitted generate functions with the settings' lengths."""
-    common = dict(max_new_tokens=settings.max_new_tokens, vocab_limit=tokenizer.vocab_size)
-    greedy = SamplingConfig(greedy=True, **common)
-    sampling = SamplingConfig(
-        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, **common
-    )
-    ids = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    return make_generate_fn(model, greedy, **ids), make_generate_fn(model, sampling, **ids)
 
 
 def evaluate_policy(

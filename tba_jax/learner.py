@@ -1,7 +1,7 @@
 """Learner: train state, optimiser and schedules, the jitted sharded train step.
 
 The train step takes a batch of B prompts × K responses (rows prompt-major,
-as `replay.SampledBatch` lays them out), recomputes the current policy's
+as `trajectories.SampledBatch` lays them out), recomputes the current policy's
 log-probs, and applies a registered loss (`tba_jax.losses`). Micro-batches
 hold whole prompt groups, since TB's logZ is a per-prompt quantity; their
 gradients are averaged with a `lax.scan`.

@@ -21,8 +21,9 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
-from tba_jax.replay import ReplayBuffer, Trajectory
-from tba_jax.rewards import apply_non_eos_penalty
+from tba_jax.replay import ReplayBuffer
+from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
+from tba_jax.trajectories import Trajectory
 
 
 class PolicyStore:
@@ -105,12 +106,6 @@ class SearchWorker:
         self.rates.add("samples", len(trajectories))
         self.rates.add("tokens", int(lengths.sum()))
         return trajectories
-
-
-def ended_with_eos(tokens: np.ndarray, lengths: np.ndarray, eos_id: int) -> np.ndarray:
-    """Whether each response's last token is EOS. tokens: [N, T]; lengths: [N] -> bool [N]."""
-    last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
-    return (lengths > 0) & (last == eos_id)
 
 
 class Searcher(threading.Thread):

@@ -32,9 +32,10 @@ from tba_jax.checkpoint import (
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.metrics import MetricsWriter, RateMeter, TimeSplit, write_json_atomically
 from tba_jax.models import Params, abstract_model, init_model
-from tba_jax.replay import ReplayBuffer, collate
+from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
+from tba_jax.trajectories import collate
 from tba_jax.warmstart import WarmStartConfig, check_warm_start_data, warm_start
 
 SEARCHER_JOIN_TIMEOUT_S = 60.0

@@ -10,7 +10,7 @@ from tba_jax import evaluation
 from tba_jax.models import abstract_model, init_model, preset
 from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.sampling.generate import Generation
-from tba_jax.tasks import Task
+from tba_jax.tasks import EvalSettings, Task
 
 
 def comb_pass_at_k(n: int, c: int, k: int) -> float:
@@ -176,7 +176,7 @@ def toy_task(num_problems: int = 6) -> Task:
     return Task("toy", examples, examples, tokenizer, rewards, {})
 
 
-def settings(**overrides) -> evaluation.EvalSettings:
+def settings(**overrides) -> EvalSettings:
     values = dict(
         max_prompt_len=4,
         max_new_tokens=5,
@@ -189,7 +189,7 @@ def settings(**overrides) -> evaluation.EvalSettings:
         top_p=1.0,
         seed=0,
     )
-    return evaluation.EvalSettings(**{**values, **overrides})
+    return EvalSettings(**{**values, **overrides})
 
 
 @pytest.fixture(scope="module")

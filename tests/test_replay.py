@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tba_jax import replay
-from tba_jax.replay import ReplayBuffer, SampledBatch, Trajectory
+from tba_jax.replay import ReplayBuffer
+from tba_jax.trajectories import SampledBatch, Trajectory
 
 MAX_PROMPT_LEN = 6
 MAX_RESPONSE_LEN = 5

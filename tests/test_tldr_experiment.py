@@ -18,13 +18,13 @@ from configs.tldr_pythia import TINY_DATA_DIR, get_config
 from tba_jax import tasks
 from tba_jax.config_lib import ConfigError, validate
 from tba_jax.data.tldr import whitespace_cut_points
-from tba_jax.evaluation import EvalSettings
 from tba_jax.learner import make_lr_schedule
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.replay import ReplayBuffer
 from tba_jax.runs import optim_config, restore_run
 from tba_jax.runtime import SearchWorker
 from tba_jax.sampling.generate import Generation
+from tba_jax.tasks import EvalSettings
 from tba_jax.train import train_and_evaluate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

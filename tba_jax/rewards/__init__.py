@@ -37,3 +37,9 @@ def apply_non_eos_penalty(
     if penalty is None:
         return rewards
     return np.where(np.asarray(ended_with_eos, bool), rewards, np.float32(penalty))
+
+
+def ended_with_eos(tokens: np.ndarray, lengths: np.ndarray, eos_id: int) -> np.ndarray:
+    """Whether each response's last token is EOS. tokens: [N, T]; lengths: [N] -> bool [N]."""
+    last = tokens[np.arange(len(tokens)), np.maximum(lengths - 1, 0)]
+    return (lengths > 0) & (last == eos_id)

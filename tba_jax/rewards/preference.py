@@ -41,9 +41,9 @@ from absl import logging
 
 from tba_jax import learner
 from tba_jax import mesh as mesh_lib
+from tba_jax.batching import fixed_size_batches
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
-from tba_jax.evaluation import fixed_size_batches
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
 from tba_jax.models import sequence_scores as model_sequence_scores

@@ -53,8 +53,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from tba_jax.batching import fixed_batches
 from tba_jax.config_lib import ConfigError
-from tba_jax.evaluation import fixed_batches
 from tba_jax.models import FAMILIES, Model, Params, positions_from_mask, sequence_scores
 from tba_jax.models.frozen import FrozenModel, frozen_role_config, load_frozen_model
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask

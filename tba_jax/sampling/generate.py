@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from tba_jax.batching import fixed_batches
 from tba_jax.models import Model, Params, positions_from_mask
+from tba_jax.models.tokenizers import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,3 +200,25 @@ def make_generate_fn(model: Model, sampling: SamplingConfig, *, eos_id: int, pad
     return jax.jit(
         functools.partial(generate, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
     )
+
+
+def generated_batches(
+    generate_fn,
+    params,
+    examples: Sequence[dict],
+    tokenizer: Tokenizer,
+    *,
+    max_prompt_len: int,
+    batch_size: int,
+    rng: jax.Array,
+) -> Iterator[tuple[list[dict], np.ndarray, np.ndarray, Generation]]:
+    """One response per example, generated `batch_size` rows at a time (batch i drawn with
+    `fold_in(rng, i)`). Yields, per batch, (the batch's real examples, prompt tokens
+    [batch_size, P], prompt mask [batch_size, P], Generation): the arrays hold
+    `batch_size` rows, of which the first len(real examples) are real."""
+    for index, (rows, real) in enumerate(fixed_batches(len(examples), batch_size)):
+        prompts, prompt_mask = tokenizer.encode_prompts(
+            [examples[i]["prompt"] for i in rows], max_prompt_len
+        )
+        out = generate_fn(params, prompts, prompt_mask, jax.random.fold_in(rng, index))
+        yield [examples[i] for i in rows[:real]], prompts, prompt_mask, out

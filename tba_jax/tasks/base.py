@@ -12,8 +12,10 @@ import numpy as np
 from absl import logging
 
 from tba_jax.config_lib import ConfigError
+from tba_jax.models import Model
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
 from tba_jax.rewards import score_pairs
+from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
 # (examples, response texts) -> rewards float32 [N]; examples[i] is response i's prompt.
 BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
@@ -170,3 +172,41 @@ def keep_fitting(
     if not kept:
         raise ConfigError(f"{description}: no example fits; raise these limits.")
     return kept[:limit] if limit else kept
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What `evaluate_policy` measures and how (see experiments/evaluate.py for the flags)."""
+
+    max_prompt_len: int
+    max_new_tokens: int
+    num_examples: int  # the first N test problems; 0: all of them
+    batch_size: int  # response rows per generate call
+    num_samples: int  # sampled responses per problem for pass@k; 0: greedy only
+    ks: tuple[int, ...]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+def check_sequence_fits(model: Model, settings: EvalSettings) -> None:
+    """ValueError when prompts plus new tokens overrun a learned position table."""
+    total = settings.max_prompt_len + settings.max_new_tokens
+    if model.config.position_embedding == "learned" and total > model.config.max_seq_len:
+        raise ValueError(
+            f"max_prompt_len={settings.max_prompt_len} + max_new_tokens="
+            f"{settings.max_new_tokens} is more than the model's {model.config.max_seq_len} "
+            "learned positions; lower max_new_tokens."
+        )
+
+
+def evaluation_generate_fns(model: Model, tokenizer: Tokenizer, settings: EvalSettings):
+    """(greedy, sampling) jitted generate functions with the settings' lengths."""
+    common = dict(max_new_tokens=settings.max_new_tokens, vocab_limit=tokenizer.vocab_size)
+    greedy = SamplingConfig(greedy=True, **common)
+    sampling = SamplingConfig(
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, **common
+    )
+    ids = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    return make_generate_fn(model, greedy, **ids), make_generate_fn(model, sampling, **ids)

@@ -34,13 +34,15 @@ import jax
 import ml_collections
 import numpy as np
 
-from tba_jax import evaluation
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import redteam as redteam_data
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import redteam
+from tba_jax.sampling.generate import generated_batches
 from tba_jax.tasks.base import (
+    EvalSettings,
     Task,
+    evaluation_generate_fns,
     fits,
     keep_fitting,
     register_task,
@@ -137,14 +139,14 @@ class LazyRedTeamReward:
 
 
 def sample_attacks(
-    model, params, tokenizer: Tokenizer, prompt: str, settings: evaluation.EvalSettings
+    model, params, tokenizer: Tokenizer, prompt: str, settings: EvalSettings
 ) -> tuple[list[str], np.ndarray]:
     """`settings.num_samples` attacks sampled from `prompt` (batch i drawn with
     fold_in(key(seed), i)): (texts, lengths int32 [N] in tokens, EOS included)."""
-    _, sampling_fn = evaluation.evaluation_generate_fns(model, tokenizer, settings)
+    _, sampling_fn = evaluation_generate_fns(model, tokenizer, settings)
     attacks: list[str] = []
     lengths: list[int] = []
-    for batch_examples, _, _, out in evaluation.generated_batches(
+    for batch_examples, _, _, out in generated_batches(
         sampling_fn,
         params,
         [{"prompt": prompt}] * settings.num_samples,
@@ -209,7 +211,7 @@ def make_evaluator(
 ):
     """`Task.evaluate` for red-teaming: sample attacks, judge them, embed them."""
 
-    def evaluate(model, params, settings: evaluation.EvalSettings, reference_params) -> dict:
+    def evaluate(model, params, settings: EvalSettings, reference_params) -> dict:
         del reference_params  # the metrics need no π_ref
         if settings.num_samples < 1:
             raise ConfigError(

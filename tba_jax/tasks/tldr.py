@@ -35,16 +35,18 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from tba_jax import evaluation
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import tldr
 from tba_jax.models import Model, Params
 from tba_jax.models.tokenizers import Tokenizer
+from tba_jax.rewards import ended_with_eos
 from tba_jax.rewards.reward_model import RewardModel
-from tba_jax.runtime import ended_with_eos
+from tba_jax.sampling.generate import generated_batches
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.tasks.base import (
+    EvalSettings,
     Task,
+    evaluation_generate_fns,
     fits,
     register_task,
     task_data_dir,
@@ -180,7 +182,7 @@ def draw_summaries(
     params: Params,
     examples: Sequence[dict],
     tokenizer: Tokenizer,
-    settings: evaluation.EvalSettings,
+    settings: EvalSettings,
     rng: jax.Array,
     reference: ReferenceScorer | None,
 ) -> Summaries:
@@ -188,7 +190,7 @@ def draw_summaries(
     when `reference` is given."""
     columns: dict[str, list] = {name: [] for name in ("texts", "lengths", "ended", "policy")}
     columns.update(ref=[], ref_t1=[])
-    for batch_examples, prompts, prompt_mask, out in evaluation.generated_batches(
+    for batch_examples, prompts, prompt_mask, out in generated_batches(
         generate_fn,
         params,
         examples,
@@ -281,7 +283,7 @@ class TldrEvaluator:
         return hf.load_params(self.task_config.reference_hf_path, model)
 
     def reference_scorer(
-        self, model: Model, reference_params: Params | None, settings: evaluation.EvalSettings
+        self, model: Model, reference_params: Params | None, settings: EvalSettings
     ) -> ReferenceScorer | None:
         """π_ref (`reference`) with its jitted scorers, or None without π_ref."""
         ref_params = self.reference(model, reference_params)
@@ -294,7 +296,7 @@ class TldrEvaluator:
             make_score_fn(model, temperature=PERPLEXITY_TEMPERATURE, **chunk),
         )
 
-    def check_settings(self, settings: evaluation.EvalSettings) -> None:
+    def check_settings(self, settings: EvalSettings) -> None:
         chunk = self.task_config.eval_score_rows_per_chunk
         if chunk and settings.batch_size % chunk:
             raise ConfigError(
@@ -308,7 +310,7 @@ class TldrEvaluator:
         generate_fn,
         params: Params,
         examples: Sequence[dict],
-        settings: evaluation.EvalSettings,
+        settings: EvalSettings,
         scorer: ReferenceScorer | None,
         reference_gold: np.ndarray,
     ) -> dict[str, float]:
@@ -331,7 +333,7 @@ class TldrEvaluator:
         self,
         model: Model,
         params: Params,
-        settings: evaluation.EvalSettings,
+        settings: EvalSettings,
         reference_params: Params | None,
     ) -> dict:
         self.check_settings(settings)
@@ -348,7 +350,7 @@ class TldrEvaluator:
             "rm_score_reference": float(np.mean(self.reward_model.scores(prompts, references))),
         }
         scorer = self.reference_scorer(model, reference_params, settings)
-        greedy_fn, sampling_fn = evaluation.evaluation_generate_fns(model, self.tokenizer, settings)
+        greedy_fn, sampling_fn = evaluation_generate_fns(model, self.tokenizer, settings)
         common = dict(params=params, settings=settings, scorer=scorer)
         result.update(
             self.draw_metrics(
