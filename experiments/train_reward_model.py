@@ -10,7 +10,7 @@ Hugging Face folder.
 Writes `<workdir>/hf` (the model, config.json and tokenizer files; loads in transformers as
 *ForSequenceClassification and in configs/tldr_pythia.py as task.reward_model.hf_path),
 `<workdir>/rm_summary.json` (held-out pairwise accuracy before and after training) and
-`<workdir>/tensorboard/`. See tba_jax/rewards/preference.py.
+`<workdir>/tensorboard/`. See tba_jax/train_reward_model.py.
 """
 
 import sys
@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from tba_jax import cli
 from tba_jax.config_lib import ConfigError
-from tba_jax.rewards.preference import train_reward_model
+from tba_jax.train_reward_model import train_reward_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the model, logs and rm_summary.json go.")

@@ -23,7 +23,7 @@ found from the mask (`tba_jax.models.sequence_scores`).
 Note for tokenizers whose pad id is their EOS id (Pythia's): transformers'
 *ForSequenceClassification finds the last token by `input_ids != pad_token_id` and so
 skips a final EOS; this module reads the score at the EOS itself, as the reward-model
-trainer (`tba_jax.rewards.preference`) trains it.
+trainer (`tba_jax.train_reward_model`) trains it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bradley–Terry reward-model training (tba_jax/rewards/preference.py), the preference-pair
+"""Bradley–Terry reward-model training (tba_jax/train_reward_model.py), the preference-pair
 builder and converter (tba_jax/data/preferences.py) and configs/reward_model.py."""
 
 import json
@@ -12,11 +12,11 @@ from support import save_tiny_llama_folder
 
 from configs.reward_model import TINY_PREFERENCES_DIR, get_config
 from tba_jax import mesh as mesh_lib
+from tba_jax import train_reward_model
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
 from tba_jax.models import hf
 from tba_jax.models.frozen import load_frozen_model
-from tba_jax.rewards import preference
 from tba_jax.rewards.reward_model import RewardModel, reward_model_role_config
 from tba_jax.tasks.base import char_tokenizer
 
@@ -40,27 +40,27 @@ def test_bradley_terry_loss_and_gradient_equal_numpy():
     rng = np.random.default_rng(0)
     chosen, rejected = rng.normal(size=7), rng.normal(size=7)
     chosen[0], rejected[0] = -60.0, 60.0  # a far-off pair: stable, loss ≈ 120
-    loss = preference.bradley_terry_loss(jnp.asarray(chosen), jnp.asarray(rejected))
+    loss = train_reward_model.bradley_terry_loss(jnp.asarray(chosen), jnp.asarray(rejected))
     assert float(loss) == pytest.approx(numpy_bradley_terry(chosen, rejected), rel=1e-6)
-    grad_chosen = jax.grad(preference.bradley_terry_loss)(jnp.asarray(chosen), rejected)
+    grad_chosen = jax.grad(train_reward_model.bradley_terry_loss)(jnp.asarray(chosen), rejected)
     sigmoid = 1.0 / (1.0 + np.exp(-(chosen - rejected)))
     np.testing.assert_allclose(grad_chosen, -(1.0 - sigmoid) / len(chosen), rtol=1e-5)
-    assert float(preference.bradley_terry_loss(jnp.zeros(3), jnp.zeros(3))) == pytest.approx(
-        np.log(2.0)
-    )
+    assert float(
+        train_reward_model.bradley_terry_loss(jnp.zeros(3), jnp.zeros(3))
+    ) == pytest.approx(np.log(2.0))
 
 
 def test_pairwise_accuracy_counts_ties_as_half():
     chosen = jnp.array([2.0, 1.0, 0.5, 3.0])
     rejected = jnp.array([1.0, 1.0, 0.7, -1.0])
-    assert float(preference.pairwise_accuracy(chosen, rejected)) == pytest.approx(2.5 / 4)
+    assert float(train_reward_model.pairwise_accuracy(chosen, rejected)) == pytest.approx(2.5 / 4)
 
 
 def test_score_head_init_has_huang_et_als_std():
-    head = preference.score_head_init(4095, 1.0, seed=0, dtype=jnp.float32)
+    head = train_reward_model.score_head_init(4095, 1.0, seed=0, dtype=jnp.float32)
     assert head.shape == (4095, 1)
     assert float(jnp.std(head)) == pytest.approx(1.0 / 64.0, rel=0.05)  # 1/sqrt(4096)
-    assert not jnp.any(preference.score_head_init(8, 0.0, seed=0, dtype=jnp.float32))
+    assert not jnp.any(train_reward_model.score_head_init(8, 0.0, seed=0, dtype=jnp.float32))
 
 
 # ---------------------------------------------------------------------------- the data
@@ -123,16 +123,17 @@ def test_paper_config_is_huang_et_als_recipe():
     assert config.optim.learning_rate == 3e-6 and config.optim.eps == 1e-5
     assert config.model.score_init_scale == 1.0 and config.append_eos
     assert config.max_len == 512 + 53 + 1
-    assert preference.train_steps(config, 92_858) == 92_858 // 64  # one epoch of OpenAI's pairs
+    one_epoch_of_openai_pairs = 92_858 // 64
+    assert train_reward_model.train_steps(config, 92_858) == one_epoch_of_openai_pairs
 
 
 def test_config_errors_come_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"--config\.model\.hf_path=/path/to/sft-policy"):
-        preference.train_reward_model(get_config(), str(tmp_path))
+        train_reward_model.train_reward_model(get_config(), str(tmp_path))
     with pytest.raises(ConfigError, match=r"multiple of train\.num_microbatches"):
-        preference.train_reward_model(get_config("tiny,batch=9"), str(tmp_path))
+        train_reward_model.train_reward_model(get_config("tiny,batch=9"), str(tmp_path))
     with pytest.raises(ConfigError, match="48 training pairs make no batch"):
-        preference.train_reward_model(
+        train_reward_model.train_reward_model(
             get_config(f"tiny,batch=64,data.data_dir={tmp_path}/data"), str(tmp_path)
         )
     assert not (tmp_path / "hf").exists()
@@ -141,7 +142,7 @@ def test_config_errors_come_before_any_work(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("rm_tiny")
-    return workdir, preference.train_reward_model(get_config("tiny"), str(workdir))
+    return workdir, train_reward_model.train_reward_model(get_config("tiny"), str(workdir))
 
 
 def test_tiny_reward_model_learns_the_synthetic_preference(tiny_rm):
@@ -152,7 +153,7 @@ def test_tiny_reward_model_learns_the_synthetic_preference(tiny_rm):
     assert summary["test_loss_before"] == pytest.approx(np.log(2.0), rel=1e-6)
     assert summary["test_accuracy_after"] >= 0.9
     assert summary["test_loss_after"] < 0.5 * np.log(2.0)
-    assert json.loads((workdir / preference.SUMMARY_FILENAME).read_text()) == summary
+    assert json.loads((workdir / train_reward_model.SUMMARY_FILENAME).read_text()) == summary
 
 
 def test_saved_reward_model_scores_the_same_in_transformers_and_as_a_reward_model(tiny_rm):
@@ -184,7 +185,10 @@ def test_saved_reward_model_scores_the_same_in_transformers_and_as_a_reward_mode
     np.testing.assert_allclose(scores, theirs, atol=TOL)
     chosen, rejected = np.split(scores, 2)
     assert np.mean(chosen - rejected) == pytest.approx(summary["test_margin_after"], abs=TOL)
-    assert float(preference.pairwise_accuracy(chosen, rejected)) == summary["test_accuracy_after"]
+    assert (
+        float(train_reward_model.pairwise_accuracy(chosen, rejected))
+        == summary["test_accuracy_after"]
+    )
 
 
 def test_reward_model_starts_from_a_causal_lm_checkpoint(tmp_path):
@@ -196,19 +200,19 @@ def test_reward_model_starts_from_a_causal_lm_checkpoint(tmp_path):
         max_position_embeddings=256,
     )
     config = get_config(f"tiny,tokenizer=checkpoint,hf_path={folder},model.score_init_scale=1.0")
-    tokenizer = preference.rm_tokenizer(config)
+    tokenizer = train_reward_model.rm_tokenizer(config)
     mesh = mesh_lib.make_mesh(jax.devices(), config.mesh.axes)
-    model, params = preference.init_reward_model(config, tokenizer, mesh)
+    model, params = train_reward_model.init_reward_model(config, tokenizer, mesh)
     assert model.config.head == "score" and model.config.num_labels == 1
     _, lm_params = hf.load_model(folder)
     assert "lm_head" in lm_params and "lm_head" not in params
     body = {name: value for name, value in lm_params.items() if name != "lm_head"}
     jax.tree.map(np.testing.assert_array_equal, {**body, "score": params["score"]}, params)
-    expected_head = preference.score_head_init(model.config.d_model, 1.0, 0, jnp.float32)
+    expected_head = train_reward_model.score_head_init(model.config.d_model, 1.0, 0, jnp.float32)
     np.testing.assert_array_equal(params["score"], expected_head)
 
     out = str(tmp_path / "rm")
-    files = preference.save_reward_model(config, model, params, tokenizer, out)
+    files = train_reward_model.save_reward_model(config, model, params, tokenizer, out)
     assert "tokenizer.json" in {Path(path).name for path in files}  # copied from the SFT folder
     role = reward_model_role_config(max_len=128)
     role.hf_path = out
