@@ -1,4 +1,5 @@
-"""Hugging Face import / export (`tba_jax.models.hf`) against transformers itself.
+"""Hugging Face import / export (`tba_jax.models.hf`) against transformers itself, and the
+command-line tools experiments/compare_hf.py and experiments/export_hf.py.
 
 Every family (llama with llama3 rope scaling, qwen2 tied with qkv bias, gpt_neox
 with partial rotary and both residual layouts, gpt2 with Conv1D and learned
@@ -19,7 +20,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -27,6 +27,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from experiments import compare_hf
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import (
     PUBLISHED_NUM_PARAMS,
@@ -39,6 +40,9 @@ from tba_jax.models import (
 )
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPARE_SCRIPT = os.path.join(REPO_ROOT, "experiments", "compare_hf.py")
+EXPORT_SCRIPT = os.path.join(REPO_ROOT, "experiments", "export_hf.py")
 TOL = 1e-4
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FF, MAX_POS = 96, 32, 2, 4, 2, 48, 64
 PAD, BOS, EOS = 0, 1, 2
@@ -152,7 +156,7 @@ def checkpoint(tmp_path_factory):
 
 
 def torch_logits(ckpt: Checkpoint, tokens, mask) -> np.ndarray:
-    return hf.torch_outputs(ckpt.torch_model, tokens, mask)
+    return compare_hf.torch_outputs(ckpt.torch_model, tokens, mask)
 
 
 def our_logits(ckpt: Checkpoint, tokens, mask, params=None) -> np.ndarray:
@@ -163,7 +167,7 @@ def our_logits(ckpt: Checkpoint, tokens, mask, params=None) -> np.ndarray:
 
 def padded_batch(seed: int = 0, width: int = 12, batch: int = 4, side: str = "left"):
     """tokens [B, S] int32 (PAD on padding), mask [B, S] bool; rows of different lengths."""
-    tokens, mask = hf.left_padded_batch(VOCAB, batch, width, seed)
+    tokens, mask = compare_hf.left_padded_batch(VOCAB, batch, width, seed)
     if side == "right":  # move each row's padding to its end, tokens kept in order
         pads = (~mask).sum(axis=1)
         tokens = np.stack([np.roll(row, -pad) for row, pad in zip(tokens, pads, strict=True)])
@@ -262,7 +266,7 @@ def test_the_comparison_has_teeth(checkpoint, variant, wrong):
 def test_greedy_generation_matches_transformers(checkpoint, variant):
     ckpt = checkpoint(variant)
     prompt_width = 6
-    tokens, mask = hf.left_padded_batch(VOCAB, 3, prompt_width, seed=3)
+    tokens, mask = compare_hf.left_padded_batch(VOCAB, 3, prompt_width, seed=3)
     # EOS = VOCAB is never produced, so neither side stops early.
     generate = make_generate_fn(
         ckpt.model, SamplingConfig(max_new_tokens=NEW_TOKENS, greedy=True), eos_id=VOCAB, pad_id=PAD
@@ -337,7 +341,7 @@ def test_export_loads_in_transformers_with_same_logits(
     tokens, mask = padded_batch(seed=4)
     head = ckpt.model.config.head
     np.testing.assert_allclose(
-        real_outputs(hf.torch_outputs(reloaded.eval(), tokens, mask), mask, head),
+        real_outputs(compare_hf.torch_outputs(reloaded.eval(), tokens, mask), mask, head),
         real_outputs(torch_logits(ckpt, tokens, mask), mask, head),
         atol=TOL,
     )
@@ -404,6 +408,7 @@ def test_params_land_on_the_requested_shardings(checkpoint):
 
 MULTI_DEVICE_SCRIPT = """
 import json, sys, jax, numpy as np
+from experiments import compare_hf
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import hf
 mesh = mesh_lib.make_mesh(jax.devices(), {"fsdp": 2})
@@ -464,7 +469,7 @@ def test_sequence_scores_match_transformers(checkpoint, variant, padding):
 
 
 def test_compare_handles_classifiers(checkpoint):
-    summary = hf.compare(checkpoint("llama_score").path)
+    summary = compare_hf.compare(checkpoint("llama_score").path)
     assert (summary["family"], summary["head"]) == ("llama", "score")
     assert summary["max_abs_logit_diff"] <= TOL
 
@@ -484,7 +489,7 @@ def test_sequence_scores_needs_a_score_head(checkpoint):
 def test_compare_cli_prints_a_json_last_line(checkpoint):
     ckpt = checkpoint("gpt_neox")
     result = subprocess.run(
-        [sys.executable, "-m", "tba_jax.models.hf", "compare", f"--hf_path={ckpt.path}"],
+        [sys.executable, COMPARE_SCRIPT, f"--hf_path={ckpt.path}"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -495,36 +500,62 @@ def test_compare_cli_prints_a_json_last_line(checkpoint):
     assert 0.0 <= summary["max_abs_logit_diff"] <= TOL
 
 
-def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path, monkeypatch, capsys):
+# experiments/export_hf.py as a script, with the run reading (tba_jax.runs) replaced: the
+# "trained policy" is the checkpoint folder's own weights.
+EXPORT_CLI_SCRIPT = """
+import runpy, sys
+import ml_collections
+import tba_jax.runs
+from tba_jax.models import hf
+
+hf_path, script, *argv = sys.argv[1:]
+
+def fake_load_trained_policy(workdir, step=None):
+    print(f"load_trained_policy({workdir!r}, {step!r})", file=sys.stderr)
+    model, params = hf.load_model(hf_path)
+    return model.config, params
+
+tba_jax.runs.load_trained_policy = fake_load_trained_policy
+# A run from a preset (no model.hf_path): no tokenizer files to carry over.
+tba_jax.runs.load_config = lambda workdir: ml_collections.ConfigDict({"model": {"hf_path": ""}})
+sys.argv = [script, *argv]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path):
     ckpt = checkpoint("llama")
-    import tba_jax.runs
-
-    calls = []
-
-    def fake_load_trained_policy(workdir, step=None):
-        calls.append((workdir, step))
-        return ckpt.model.config, ckpt.params
-
-    monkeypatch.setattr(tba_jax.runs, "load_trained_policy", fake_load_trained_policy)
-    # A run from a preset (no model.hf_path): no tokenizer files to carry over.
-    monkeypatch.setattr(
-        tba_jax.runs,
-        "load_config",
-        lambda workdir: ml_collections.ConfigDict({"model": {"hf_path": ""}}),
-    )
     out = str(tmp_path / "exported")
-    argv = [
-        "export",
-        "--workdir=/some/run",
-        f"--out={out}",
-        '--hf_config_overrides={"eos_token_id": 2}',
-    ]
-    assert hf.main(argv) == 0
-    assert calls == [("/some/run", None)]
+    argv = ["--workdir=/some/run", f"--out={out}", '--hf_config_overrides={"eos_token_id": 2}']
+    result = subprocess.run(
+        [sys.executable, "-c", EXPORT_CLI_SCRIPT, ckpt.path, EXPORT_SCRIPT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "load_trained_policy('/some/run', None)" in result.stderr
     assert read_json(os.path.join(out, "config.json"))["eos_token_id"] == 2
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["family"] == "llama" and "model.safetensors" in summary["files"]
     assert_trees_equal(hf.load_params(out, ckpt.model), ckpt.params)
+
+
+def test_export_cli_rejects_overrides_that_are_not_a_json_object(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            EXPORT_SCRIPT,
+            f"--workdir={tmp_path}",
+            f"--out={tmp_path / 'out'}",
+            "--hf_config_overrides=[2]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --hf_config_overrides=[2]")
 
 
 # ----------------------------------------------------------------------------------------

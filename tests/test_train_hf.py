@@ -10,6 +10,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from support import save_tiny_llama_folder  # noqa: E402
 
 from configs.arithmetic import get_config  # noqa: E402
+from experiments.export_hf import export_run  # noqa: E402
 from tba_jax.data import arithmetic  # noqa: E402
 from tba_jax.models import hf  # noqa: E402
 from tba_jax.runs import restore_policy  # noqa: E402
@@ -61,7 +62,7 @@ def test_a_trained_run_exports_to_a_folder_transformers_loads(hf_folder, tmp_pat
     torch = pytest.importorskip("torch")
     workdir, out = str(tmp_path / "run"), str(tmp_path / "exported")
     train_and_evaluate(get_config(f"smoke,hf_path={hf_folder},warm_start.steps=2"), workdir)
-    hf.export_run(workdir, out)
+    export_run(workdir, out)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -1,0 +1,107 @@
+r"""Exports a training run's policy as a Hugging Face folder transformers loads.
+
+    python experiments/export_hf.py --workdir=/tmp/from_hf --out=/tmp/exported
+    python experiments/export_hf.py --workdir=W --out=DIR --dtype=bfloat16 --step=100 \
+        --hf_config_overrides='{"eos_token_id": 2}'
+
+Writes config.json and the weights (sharded with an index past 5 GB) of the latest (or
+`--step`'s) checkpoint in `--workdir`. A run started from a Hugging Face folder
+(`model.hf_path`) also gets that folder's tokenizer files and its token ids in config.json,
+so the export is usable as it is. Prints one JSON line: workdir, out, family, num_params and
+the files written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from absl import app, flags
+
+from tba_jax import cli, runs
+from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.config_lib import ConfigError
+from tba_jax.models import hf
+from tba_jax.models.config import DTYPES
+
+
+def export_run(
+    workdir: str,
+    out: str,
+    *,
+    dtype: str | None = None,
+    step: int | None = None,
+    hf_config_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Writes the latest (or `step`'s) policy of the training run in `workdir` to `out`.
+
+    A run started from a Hugging Face folder (`model.hf_path`) also gets that folder's
+    tokenizer files and its token ids in config.json, so the export is usable as is.
+    Returns the summary the command line prints.
+    """
+    model_cfg, params = runs.load_trained_policy(workdir, step)
+    source = runs.load_config(workdir).model.hf_path
+    overrides = {**(hf.token_ids_of(source) if source else {}), **(hf_config_overrides or {})}
+    files = hf.save_hf(out, model_cfg, params, dtype=dtype, hf_config_overrides=overrides)
+    if source:
+        files += hf.copy_tokenizer_files(source, out)
+    return dict(
+        workdir=workdir,
+        out=out,
+        family=model_cfg.family,
+        num_params=model_cfg.num_params(),
+        files=[os.path.basename(path) for path in files],
+    )
+
+
+def parse_overrides(text: str | None) -> dict[str, Any] | None:
+    """--hf_config_overrides as a dict; ConfigError when it is not a JSON object."""
+    if text is None:
+        return None
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--hf_config_overrides={text} is not JSON ({error}).") from None
+    if not isinstance(overrides, dict):
+        raise ConfigError(
+            f"--hf_config_overrides={text} must be a JSON object, e.g. '{{\"eos_token_id\": 2}}'."
+        )
+    return overrides
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+    flags.DEFINE_string("out", None, "Output folder.")
+    flags.DEFINE_enum("dtype", None, sorted(DTYPES), "Stored dtype; default the params'.")
+    flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
+    flags.DEFINE_string(
+        "hf_config_overrides",
+        None,
+        "JSON object of extra config.json keys, e.g. '{\"eos_token_id\": 2}'.",
+    )
+    flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main(argv):
+    del argv
+    values = flags.FLAGS
+    try:
+        result = export_run(
+            values.workdir,
+            values.out,
+            dtype=values.dtype,
+            step=values.step,
+            hf_config_overrides=parse_overrides(values.hf_config_overrides),
+        )
+    except (ConfigError, CheckpointMismatchError, FileNotFoundError) as error:
+        sys.exit(f"error: {error}")
+    print(json.dumps(result, sort_keys=True))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)
