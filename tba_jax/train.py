@@ -1,11 +1,17 @@
 """`train_and_evaluate(config, workdir)`: one TBA (or sync baseline) run, start to end.
 
-Setup → (resume, or warm start + initial evaluation) → the training loop →
-final evaluation → `workdir/summary.json`. The loop is one function for both
-modes: in `async` mode searcher threads fill the replay buffer and the
-learner samples from it, publishing every `sync_period` steps; in `sync` mode
-each step generates K fresh samples per prompt with the current params,
-scores them and trains on them (publishing after every step).
+It reads top to bottom in three parts:
+
+1. `setup`: checks the config and builds everything cheap (task, model, meshes,
+   shardings, optimiser, train step, the checkpointer's experiment check) before any
+   long work.
+2. The start: `resume` from the latest checkpoint, or `warm_start_and_evaluate`.
+3. The loop over a `sources.BatchSource` (async: searcher threads + replay buffer;
+   sync: fresh on-policy samples each step): draw a batch, take a train step, publish
+   every `source.publish_every` steps, log, evaluate, checkpoint. The loop has no mode
+   branches; the source is the mode.
+
+Then the final evaluation and `workdir/summary.json`.
 """
 
 from __future__ import annotations
@@ -13,33 +19,147 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
-from tba_jax import config_lib, evaluation, learner, losses, runs, runtime, tasks
+from tba_jax import config_lib, evaluation, learner, losses, runs, runtime, sources, tasks
 from tba_jax import mesh as mesh_lib
-from tba_jax.checkpoint import (
-    Checkpointer,
-    StopSignal,
-    install_sigterm_handler,
-)
-from tba_jax.data.pipeline import PromptStream
-from tba_jax.metrics import MetricsWriter, RateMeter, TimeSplit, write_json_atomically
-from tba_jax.models import Params, abstract_model, init_model
-from tba_jax.replay import ReplayBuffer
-from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
-from tba_jax.sampling.scoring import make_score_fn
-from tba_jax.trajectories import collate
+from tba_jax.checkpoint import Checkpointer, StopSignal, install_sigterm_handler
+from tba_jax.metrics import MetricsWriter, write_json_atomically
+from tba_jax.models import Model, Params, abstract_model, init_model
+from tba_jax.sampling.generate import make_generate_fn
+from tba_jax.trajectories import SampledBatch
 from tba_jax.warmstart import WarmStartConfig, check_warm_start_data, warm_start
 
-SEARCHER_JOIN_TIMEOUT_S = 60.0
-BUFFER_POLL_S = 0.05
+SUMMARY_FILENAME = "summary.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything a run is built from, made and checked before any long work."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    task: tasks.Task
+    model: Model
+    abstract_params: Params  # ShapeDtypeStructs
+    meshes: mesh_lib.RoleMeshes
+    learner_shardings: Any
+    sampler_shardings: Any
+    optimizer: Any
+    state_sharding: Any
+    train_step: Callable  # (TrainState, batch) -> (TrainState, metrics)
+    evaluate: Callable[[Params], float]  # mean greedy reward on the test prompts
+    checkpointer: Checkpointer
+
+
+class Start(NamedTuple):
+    """Where the loop starts: the train state, π_ref, the run's history so far and (when
+    resuming) the batch source's saved state."""
+
+    state: learner.TrainState
+    reference: Params
+    history: dict
+    source_state: sources.SourceState | None
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
+    """Validates `config` and builds the run; raises ConfigError / CheckpointMismatchError
+    (one line each) before anything long runs."""
+    config_lib.validate(config, jax.device_count())
+    os.makedirs(workdir, exist_ok=True)
+    task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
+    check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
+    model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
+    checkpointer = Checkpointer(
+        workdir,
+        experiment=runs.experiment_identity(config, model_cfg),
+        max_to_keep=config.keep_checkpoints,
+    )
+    runs.write_config(workdir, config)
+    meshes = mesh_lib.make_role_meshes(
+        config.mesh.sampler_devices,
+        config.mesh.colocate,
+        config.mesh.sampler_axes,
+        config.mesh.learner_axes,
+    )
+    model, abstract_params = abstract_model(model_cfg)
+    learner_shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract_params, meshes.learner, config.mesh.learner_rules
+    )
+    sampler_shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract_params, meshes.sampler, config.mesh.sampler_rules
+    )
+    optimizer = learner.make_optimizer(runs.optim_config(config))
+    state_sharding = learner.train_state_shardings(
+        optimizer, abstract_params, learner_shardings, meshes.learner
+    )
+    train_step = learner.make_train_step(
+        model,
+        losses.get_loss(config.method),
+        optimizer,
+        losses.make_beta_schedule(
+            config.loss.beta_schedule,
+            config.loss.beta_start,
+            config.loss.beta_end,
+            config.loss.beta_anneal_steps,
+        ),
+        samples_per_prompt=config.batch.samples_per_prompt,
+        num_microbatches=config.batch.num_microbatches,
+        temperature=config.sampling.temperature,
+        state_sharding=state_sharding,
+        mesh=meshes.learner,
+    )
+    return Setup(
+        config=config,
+        workdir=workdir,
+        task=task,
+        model=model,
+        abstract_params=abstract_params,
+        meshes=meshes,
+        learner_shardings=learner_shardings,
+        sampler_shardings=sampler_shardings,
+        optimizer=optimizer,
+        state_sharding=state_sharding,
+        train_step=train_step,
+        evaluate=make_evaluate(config, task, model, sampler_shardings),
+        checkpointer=checkpointer,
+    )
+
+
+def make_evaluate(
+    config: ml_collections.ConfigDict, task: tasks.Task, model: Model, sampler_shardings
+) -> Callable[[Params], float]:
+    """The in-training evaluation: mean reward of greedy responses to the first
+    `eval.num_examples` test prompts (0: all), on the sampler mesh."""
+    tokenizer = task.tokenizer
+    greedy_fn = make_generate_fn(
+        model,
+        sources.sampling_config(config, tokenizer.vocab_size, greedy=True),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+    )
+
+    def evaluate(params: Params) -> float:
+        result = evaluation.greedy_accuracy(
+            greedy_fn,
+            mesh_lib.publish(params, sampler_shardings),
+            task.test[: config.eval.num_examples or None],
+            tokenizer,
+            task.rewards,
+            max_prompt_len=config.max_prompt_len,
+            batch_size=config.eval.batch_size,
+        )
+        return result["accuracy"]
+
+    return evaluate
 
 
 def initial_policy_params(config: ml_collections.ConfigDict, model, shardings) -> Params:
@@ -71,277 +191,164 @@ def reference_params(config: ml_collections.ConfigDict, model, start_params, sha
     return hf.load_params(config.reference.hf_path, model, shardings=shardings)
 
 
-def sampler_config(
-    config: ml_collections.ConfigDict, vocab_limit: int, greedy: bool = False
-) -> SamplingConfig:
-    """`vocab_limit`: the tokenizer's vocabulary size (ids past it are never drawn)."""
-    if greedy:
-        return SamplingConfig(
-            max_new_tokens=config.max_response_len, greedy=True, vocab_limit=vocab_limit
+def eval_key(run: Setup) -> str:
+    """The in-training evaluation's metric name, e.g. `eval_accuracy` (see `Task.eval_metric`)."""
+    return f"eval_{run.task.eval_metric}"
+
+
+def warm_start_and_evaluate(run: Setup) -> Start:
+    """A fresh run's start: the initial policy, `warm_start.steps` supervised steps (the
+    warm-started policy is also π_ref unless `reference.hf_path` is set), and the first
+    evaluation."""
+    config = run.config
+    logging.info("Warm start: %d supervised steps.", config.warm_start.steps)
+    begin = time.time()
+    params = initial_policy_params(config, run.model, run.learner_shardings)
+    if config.warm_start.steps > 0:
+        params = warm_start(
+            run.model,
+            params,
+            run.task.train,
+            run.task.tokenizer,
+            WarmStartConfig(**config.warm_start.to_dict()),
+            max_prompt_len=config.max_prompt_len,
+            max_response_len=config.max_response_len,
+            mesh=run.meshes.learner,
+            seed=config.seed,
         )
-    return SamplingConfig(
-        max_new_tokens=config.max_response_len, vocab_limit=vocab_limit, **config.sampling.to_dict()
+    reference = reference_params(config, run.model, params, run.sampler_shardings)
+    state = learner.init_train_state(params, run.optimizer, run.state_sharding)
+    score_start = run.evaluate(state.params)
+    logging.info("Held-out greedy %s after warm start: %.3f", run.task.eval_metric, score_start)
+    history = {
+        f"{eval_key(run)}_start": score_start,
+        "warm_start_seconds": time.time() - begin,
+        "samples_generated": 0,
+        "tokens_generated": 0,
+    }
+    return Start(state, reference, history, source_state=None)
+
+
+def resume(run: Setup) -> Start:
+    """The latest checkpoint's train state, π_ref, history and batch-source state."""
+    logging.info("Resuming from step %d in %s.", run.checkpointer.latest_step(), run.workdir)
+    template = runs.checkpoint_template(
+        run.optimizer, run.abstract_params, run.state_sharding, run.sampler_shardings
+    )
+    restored, buffer_state, metadata = run.checkpointer.restore(train_state_template=template)
+    source_state = sources.SourceState(
+        buffer_state, metadata["data_position"], metadata["policy_version"]
+    )
+    return Start(
+        learner.TrainState(**restored["train"]),
+        restored["reference"],
+        metadata["history"],
+        source_state,
     )
 
 
-def write_summary(workdir: str, summary: dict) -> None:
-    write_json_atomically(os.path.join(workdir, "summary.json"), summary)
+def save_checkpoint(
+    run: Setup,
+    step: int,
+    state: learner.TrainState,
+    reference: Params,
+    source: sources.BatchSource,
+    history: dict,
+    *,
+    force: bool,
+) -> None:
+    """Saves at `step` if it is a save step (or `force`): train state, π_ref, the source's
+    buffer and data position, and the run's history for the summary."""
+    source_state = source.state()
+    run.checkpointer.save(
+        step,
+        train_state={"train": state._asdict(), "reference": reference},
+        buffer_state=source_state.buffer,
+        metadata={
+            "policy_version": source_state.policy_version,
+            "data_position": source_state.data_position,
+            "seed": run.config.seed,
+            "history": history,
+        },
+        force=force,
+    )
+
+
+def history_so_far(history: dict, meters: sources.Meters) -> dict:
+    """The run's history with this segment's generated samples and tokens added."""
+    totals = meters.rates.totals()
+    return {
+        **history,
+        "samples_generated": history["samples_generated"] + totals.get("samples", 0),
+        "tokens_generated": history["tokens_generated"] + totals.get("tokens", 0),
+    }
+
+
+def device_batch(batch: SampledBatch, sharding) -> dict[str, jax.Array]:
+    """The fields the train step reads, on the learner mesh split over its batch axes."""
+    return jax.device_put({name: getattr(batch, name) for name in learner.BATCH_FIELDS}, sharding)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs `config` in `workdir` (resuming if it holds a checkpoint); returns the summary."""
+    """Runs `config` in `workdir` (resuming if it holds a checkpoint); returns the summary
+    ({} when stopped by SIGTERM)."""
     wall_start = time.time()
-    config_lib.validate(config, jax.device_count())
-    os.makedirs(workdir, exist_ok=True)
-    runs.write_config(workdir, config)
+    run = setup(config, workdir)
+    resuming = run.checkpointer.latest_step() is not None
+    start = resume(run) if resuming else warm_start_and_evaluate(run)
+    state, reference = start.state, start.reference
+    step = int(jax.device_get(state.step))
+    meters = sources.Meters()
+    source = sources.make_source(
+        config,
+        task=run.task,
+        model=run.model,
+        sampler_shardings=run.sampler_shardings,
+        params=state.params,
+        version=step,
+        reference_params=reference,
+        meters=meters,
+    )
+    if start.source_state is not None:
+        source.restore(start.source_state)
 
-    # --- Setup: everything cheap and checkable comes before any long work. ---
-    task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
-    check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
-    tokenizer = task.tokenizer
-    model_cfg = runs.model_config(config, tokenizer.vocab_size)
-    checkpointer = Checkpointer(
-        workdir,
-        experiment=runs.experiment_identity(config, model_cfg),
-        max_to_keep=config.keep_checkpoints,
-    )
-    meshes = mesh_lib.make_role_meshes(
-        config.mesh.sampler_devices,
-        config.mesh.colocate,
-        config.mesh.sampler_axes,
-        config.mesh.learner_axes,
-    )
-    model, abstract_params = abstract_model(model_cfg)
-    learner_shardings = mesh_lib.param_shardings(
-        model.logical_axes, abstract_params, meshes.learner, config.mesh.learner_rules
-    )
-    sampler_shardings = mesh_lib.param_shardings(
-        model.logical_axes, abstract_params, meshes.sampler, config.mesh.sampler_rules
-    )
-    optimizer = learner.make_optimizer(runs.optim_config(config))
-    state_sharding = learner.train_state_shardings(
-        optimizer, abstract_params, learner_shardings, meshes.learner
-    )
-    loss = losses.get_loss(config.method)
-    beta_schedule = losses.make_beta_schedule(
-        config.loss.beta_schedule,
-        config.loss.beta_start,
-        config.loss.beta_end,
-        config.loss.beta_anneal_steps,
-    )
-    batch_cfg = config.batch
-    buffer = ReplayBuffer(
-        max_prompt_len=config.max_prompt_len,
-        max_response_len=config.max_response_len,
-        pad_id=tokenizer.pad_id,
-        capacity=config.replay.capacity,
-        capacity_per_prompt=config.replay.capacity_per_prompt,
-        recency_prob=config.replay.recency_prob,
-        priority=config.replay.priority,
-        priority_inverse_temperature=config.replay.priority_inverse_temperature,
-    )
-    stream = PromptStream(task.train, seed=config.seed)
-    greedy_fn = make_generate_fn(
-        model,
-        sampler_config(config, tokenizer.vocab_size, greedy=True),
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-    )
+    def save(force: bool) -> None:
+        history = history_so_far(start.history, meters)
+        save_checkpoint(run, step, state, reference, source, history, force=force)
 
-    def evaluate(params) -> float:
-        result = evaluation.greedy_accuracy(
-            greedy_fn,
-            mesh_lib.publish(params, sampler_shardings),
-            task.test[: config.eval.num_examples or None],  # 0: all
-            tokenizer,
-            task.rewards,
-            max_prompt_len=config.max_prompt_len,
-            batch_size=config.eval.batch_size,
-        )
-        return result["accuracy"]
-
+    if not resuming:
+        save(force=True)  # the warm start is never redone
     writer = MetricsWriter(
         workdir,
         log_every=config.log_every,
         total_steps=config.learner_steps,
         show_progress=config.progress_bar,
     )
-
-    # --- Resume, or warm start. ---
-    resume_step = checkpointer.latest_step()
-    if resume_step is None:
-        logging.info("Warm start: %d supervised steps.", config.warm_start.steps)
-        warm_start_begin = time.time()
-        params = initial_policy_params(config, model, learner_shardings)
-        if config.warm_start.steps > 0:
-            params = warm_start(
-                model,
-                params,
-                task.train,
-                tokenizer,
-                WarmStartConfig(**config.warm_start.to_dict()),
-                max_prompt_len=config.max_prompt_len,
-                max_response_len=config.max_response_len,
-                mesh=meshes.learner,
-                seed=config.seed,
-            )
-        reference = reference_params(config, model, params, sampler_shardings)
-        state = learner.init_train_state(params, optimizer, state_sharding)
-        accuracy_start = evaluate(state.params)
-        history = {
-            "eval_accuracy_start": accuracy_start,
-            "warm_start_seconds": time.time() - warm_start_begin,
-            "samples_generated": 0,
-            "tokens_generated": 0,
-        }
-        logging.info("Held-out greedy accuracy after warm start: %.3f", accuracy_start)
-    else:
-        logging.info("Resuming from step %d in %s.", resume_step, workdir)
-        template = runs.checkpoint_template(
-            optimizer, abstract_params, state_sharding, sampler_shardings
-        )
-        restored, buffer_state, metadata = checkpointer.restore(train_state_template=template)
-        state = learner.TrainState(**restored["train"])
-        reference = restored["reference"]
-        buffer.load_state_dict(buffer_state)
-        stream.restore(metadata["data_position"])
-        history = metadata["history"]
-
-    step = int(jax.device_get(state.step))
-    train_step = learner.make_train_step(
-        model,
-        loss,
-        optimizer,
-        beta_schedule,
-        samples_per_prompt=batch_cfg.samples_per_prompt,
-        num_microbatches=batch_cfg.num_microbatches,
-        temperature=config.sampling.temperature,
-        state_sharding=state_sharding,
-        mesh=meshes.learner,
-    )
-    time_split = TimeSplit()
-    rates = RateMeter()
-    samples_per_prompt = (
-        batch_cfg.samples_generated_per_prompt
-        if config.mode == "async"
-        else batch_cfg.samples_per_prompt
-    )
-    worker = runtime.SearchWorker(
-        generate_fn=make_generate_fn(
-            model,
-            sampler_config(config, tokenizer.vocab_size),
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-        ),
-        score_fn=make_score_fn(
-            model,
-            temperature=config.sampling.temperature,
-            rows_per_chunk=config.search.score_rows_per_chunk,
-        ),
-        reference_params=reference,
-        tokenizer=tokenizer,
-        rewards_fn=task.rewards,
-        max_prompt_len=config.max_prompt_len,
-        samples_per_prompt=samples_per_prompt,
-        time_split=time_split,
-        rates=rates,
-        non_eos_penalty=task.non_eos_penalty,
-    )
-    store = runtime.PolicyStore(sampler_shardings, state.params, version=step)
-    batch_sharding = mesh_lib.batch_sharding(meshes.learner)
-
-    def save(force: bool) -> None:
-        metadata = {
-            "policy_version": store.get()[1],
-            "data_position": stream.position,
-            "seed": config.seed,
-            "history": {
-                **history,
-                "samples_generated": history["samples_generated"]
-                + rates.totals().get("samples", 0),
-                "tokens_generated": history["tokens_generated"] + rates.totals().get("tokens", 0),
-            },
-        }
-        checkpointer.save(
-            step,
-            train_state={"train": state._asdict(), "reference": reference},
-            buffer_state=buffer.state_dict(),
-            metadata=metadata,
-            force=force,
-        )
-
-    if resume_step is None:
-        save(force=True)  # the warm start is never redone
-
-    # --- The training loop. ---
+    batch_sharding = mesh_lib.batch_sharding(run.meshes.learner)
     stop_signal = StopSignal()
     on_main_thread = threading.current_thread() is threading.main_thread()
     restore_sigterm = install_sigterm_handler(stop_signal.request) if on_main_thread else None
-    stop, errors = threading.Event(), queue.Queue()
-    pool = runtime.SearcherPool(
-        [
-            runtime.Searcher(
-                index,
-                worker,
-                store,
-                stream,
-                buffer,
-                prompts_per_call=config.search.prompts_per_call,
-                seed=config.seed + step,
-                stop=stop,
-                errors=errors,
-            )
-            for index in range(config.search.num_searchers if config.mode == "async" else 0)
-        ],
-        stop,
-        errors,
-    )
     lags: list[np.ndarray] = []
     rl_start = time.time()
     interrupted = False
     try:
-        pool.start()
-        if config.mode == "async":
-            with time_split.measure("waiting"):
-                pool.wait_for_buffer(buffer, config.replay.min_prompts, BUFFER_POLL_S, stop_signal)
+        source.start(stop_signal)
         while step < config.learner_steps and not stop_signal.requested:
-            if config.mode == "async":
-                pool.raise_if_failed()
-                batch = buffer.sample(
-                    batch_cfg.prompts_per_batch,
-                    batch_cfg.samples_per_prompt,
-                    np.random.default_rng([config.seed, step]),
-                )
-            else:
-                params, version = store.get()
-                examples = stream.next_batch(batch_cfg.prompts_per_batch)
-                rng = jax.random.fold_in(jax.random.key(config.seed), step)
-                trajectories = worker.search(params, version, examples, rng)
-                batch = collate(
-                    trajectories,
-                    max_prompt_len=config.max_prompt_len,
-                    max_response_len=config.max_response_len,
-                    pad_id=tokenizer.pad_id,
-                    prompt_ids=np.array([ex["id"] for ex in examples]),
-                    from_recency=np.ones(len(examples), bool),
-                )
-            with time_split.measure("training"):
-                device_batch = jax.device_put(
-                    {name: getattr(batch, name) for name in learner.BATCH_FIELDS}, batch_sharding
-                )
-                state, metrics = train_step(state, device_batch)
+            batch = source.next_batch(step)
+            with meters.time_split.measure("training"):
+                state, metrics = run.train_step(state, device_batch(batch, batch_sharding))
                 metrics = jax.device_get(metrics)
             batch_lags = runtime.policy_lags(step, batch.policy_version)
             lags.append(batch_lags)
             step += 1
-            if config.mode == "sync" or step % config.sync_period == 0:
-                store.publish(state.params, version=step)
+            if step % source.publish_every == 0:
+                source.publish(state.params, version=step)
             metrics.update(runtime.lag_metrics(batch_lags))
-            metrics.update({f"{k}_per_second": v for k, v in rates.rates_since_start().items()})
-            if config.mode == "async":
-                metrics.update({f"buffer_{k}": v for k, v in buffer.stats(step).items()})
+            rates = meters.rates.rates_since_start()
+            metrics.update({f"{name}_per_second": value for name, value in rates.items()})
+            metrics.update(source.metrics(step))
             if config.eval.every_steps and step % config.eval.every_steps == 0:
-                metrics["eval_accuracy"] = evaluate(state.params)
+                metrics[eval_key(run)] = run.evaluate(state.params)
             writer.write(step, metrics)
             if step % config.checkpoint_every == 0:
                 save(force=False)
@@ -349,48 +356,73 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         interrupted = True
         logging.warning("Interrupted: saving a checkpoint at step %d and stopping.", step)
     finally:
-        pool.close(SEARCHER_JOIN_TIMEOUT_S)
+        source.close()
         if restore_sigterm is not None:
             restore_sigterm()
     rl_seconds = time.time() - rl_start
     save(force=True)
-    checkpointer.wait_until_finished()
+    run.checkpointer.wait_until_finished()
     if interrupted or stop_signal.requested:
         writer.close()
-        checkpointer.close()
+        run.checkpointer.close()
         if interrupted:
             raise KeyboardInterrupt
         logging.warning("SIGTERM: saved step %d and stopped.", step)
         return {}
 
-    # --- Final evaluation and summary. ---
-    accuracy_end = evaluate(state.params)
+    score_end = run.evaluate(state.params)
+    summary = run_summary(
+        run,
+        history_so_far(start.history, meters),
+        meters,
+        lags,
+        score_end=score_end,
+        learner_steps=step,
+        wall_seconds=time.time() - wall_start,
+        rl_seconds=rl_seconds,
+    )
+    write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
+    writer.close()
+    run.checkpointer.close()
+    logging.info("Summary: %s", json.dumps(summary, sort_keys=True))
+    return summary
+
+
+def run_summary(
+    run: Setup,
+    history: dict,
+    meters: sources.Meters,
+    lags: list[np.ndarray],
+    *,
+    score_end: float,
+    learner_steps: int,
+    wall_seconds: float,
+    rl_seconds: float,
+) -> dict:
+    """summary.json: what ran, how well (start/end evaluation), how fast, and how stale."""
+    config, key = run.config, eval_key(run)
     all_lags = np.concatenate(lags) if lags else np.zeros(1)
-    samples = rates.totals().get("samples", 0)
-    summary = {
+    segment = meters.rates.totals()
+    per_second = lambda amount: amount / max(rl_seconds, 1e-9)
+    return {
         "config_name": config.name,
         "variant": config.variant,
         "mode": config.mode,
         "method": config.method,
-        "learner_steps": step,
-        "samples_generated": history["samples_generated"] + samples,
-        "tokens_generated": history["tokens_generated"] + rates.totals().get("tokens", 0),
-        "wall_seconds": time.time() - wall_start,
+        "learner_steps": learner_steps,
+        "samples_generated": history["samples_generated"],
+        "tokens_generated": history["tokens_generated"],
+        "wall_seconds": wall_seconds,
         "warm_start_seconds": history.get("warm_start_seconds", 0.0),
         "rl_seconds": rl_seconds,
-        "eval_accuracy_start": history["eval_accuracy_start"],
-        "eval_accuracy_end": accuracy_end,
+        f"{key}_start": history[f"{key}_start"],
+        f"{key}_end": score_end,
         "max_policy_lag": float(all_lags.max()),
         "mean_policy_lag": float(all_lags.mean()),
-        "samples_per_second": samples / max(rl_seconds, 1e-9),
-        "tokens_per_second": rates.totals().get("tokens", 0) / max(rl_seconds, 1e-9),
-        "learner_steps_per_second": len(lags) / max(rl_seconds, 1e-9),
-        "time_split_seconds": time_split.totals(),
+        "samples_per_second": per_second(segment.get("samples", 0)),
+        "tokens_per_second": per_second(segment.get("tokens", 0)),
+        "learner_steps_per_second": per_second(len(lags)),
+        "time_split_seconds": meters.time_split.totals(),
         "num_devices": jax.device_count(),
-        "colocated": meshes.colocated,
+        "colocated": run.meshes.colocated,
     }
-    write_summary(workdir, summary)
-    writer.close()
-    checkpointer.close()
-    logging.info("Summary: %s", json.dumps(summary, sort_keys=True))
-    return summary

@@ -92,7 +92,7 @@ def test_tiny_llama_trains_and_evaluates_with_a_generative_judge(tmp_path, data_
     config = redteam_llama.get_config(f"tiny,task.data_dir={data_dir}")
     summary = train_and_evaluate(config, str(tmp_path))
     assert summary["config_name"] == "redteam_llama" and summary["learner_steps"] == TINY_STEPS
-    assert summary["eval_accuracy_start"] < 0.0  # the greedy attack's mean toxic log-prob
+    assert summary["eval_mean_reward_start"] < 0.0  # the greedy attack's mean toxic log-prob
     result = run_script("evaluate.py", f"--workdir={tmp_path}", "--num_samples=16")
     assert result.returncode == 0, result.stderr[-3000:]
     check_red_teaming_metrics(json.loads((tmp_path / "eval.json").read_text()), 16, 48)

@@ -290,7 +290,7 @@ def test_tiny_variant_trains_end_to_end(sync_run):
     _, _, summary = sync_run
     assert summary["config_name"] == "tldr_pythia" and summary["learner_steps"] == TINY_STEPS
     assert summary["samples_generated"] == TINY_STEPS * 2 * 4  # steps × prompts × K
-    assert np.isfinite(summary["eval_accuracy_start"]) and np.isfinite(summary["eval_accuracy_end"])
+    assert np.isfinite(summary["eval_mean_reward_start"]) and np.isfinite(summary["eval_mean_reward_end"])
 
 
 def test_evaluate_writes_the_tldr_metrics(sync_run):
@@ -316,7 +316,7 @@ def test_evaluate_writes_the_tldr_metrics(sync_run):
         assert 0.0 <= metrics[f"{prefix}_eos_fraction"] <= 1.0
     assert np.isfinite(metrics["sampled_kl"]) and "greedy_kl" not in metrics
     # The in-training evaluation is the mean reward of the same greedy summaries.
-    assert metrics["greedy_rm_score"] == pytest.approx(summary["eval_accuracy_end"], abs=1e-5)
+    assert metrics["greedy_rm_score"] == pytest.approx(summary["eval_mean_reward_end"], abs=1e-5)
 
 
 def test_kl_of_the_policy_against_itself_is_zero(sync_run, data_dir):

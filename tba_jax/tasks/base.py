@@ -19,6 +19,8 @@ from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
 # (examples, response texts) -> rewards float32 [N]; examples[i] is response i's prompt.
 BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
+ACCURACY = "accuracy"
+MEAN_REWARD = "mean_reward"
 # (model, params, settings, reference_params) -> JSON-able metrics; see `Task.evaluate`.
 TaskEvaluator = Callable[[Any, Any, Any, Any], dict]
 
@@ -44,6 +46,11 @@ class Task:
     metrics (`tba_jax.evaluation.evaluate_policy` calls it); None: greedy pass@1 and
     sampled pass@k, the verifiable-reward metrics.
 
+    `eval_metric`: what the mean reward of greedy responses on the test split is called in
+    training logs and summary.json (`eval_<metric>`, `eval_<metric>_start|_end`):
+    `ACCURACY` where the reward is a 0/1 verifier, `MEAN_REWARD` where it is a score (a
+    reward model, a red-team judge).
+
     `non_eos_penalty`: the reward of a sampled response that did not end with EOS
     (`tba_jax.rewards.apply_non_eos_penalty`); None: no penalty.
     """
@@ -56,6 +63,7 @@ class Task:
     identity: dict  # JSON-able: what makes two runs' tasks the same (for checkpoints)
     evaluate: TaskEvaluator | None = None
     non_eos_penalty: float | None = None
+    eval_metric: str = ACCURACY
 
 
 # (task config, workdir, tokenizer or None for the task's own) -> Task

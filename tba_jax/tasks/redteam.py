@@ -40,6 +40,7 @@ from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import redteam
 from tba_jax.sampling.generate import generated_batches
 from tba_jax.tasks.base import (
+    MEAN_REWARD,
     EvalSettings,
     Task,
     evaluation_generate_fns,
@@ -268,4 +269,5 @@ def redteam_task(
         rewards=reward,
         identity=task_identity(task_config),
         evaluate=make_evaluator(task_config, tokenizer, reward),
+        eval_metric=MEAN_REWARD,
     )

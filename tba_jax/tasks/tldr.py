@@ -44,6 +44,7 @@ from tba_jax.rewards.reward_model import RewardModel
 from tba_jax.sampling.generate import generated_batches
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.tasks.base import (
+    MEAN_REWARD,
     EvalSettings,
     Task,
     evaluation_generate_fns,
@@ -413,4 +414,5 @@ def tldr_task(
         identity=task_identity(task_config),
         evaluate=TldrEvaluator(task_config, tokenizer, test, reward_model),
         non_eos_penalty=task_config.non_eos_penalty,
+        eval_metric=MEAN_REWARD,
     )
