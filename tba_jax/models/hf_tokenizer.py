@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from tba_jax.models.hf_checkpoint import CONFIG_FILENAME, read_optional_json_object
 from tba_jax.models.tokenizers import BatchCoding, Tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -59,7 +59,7 @@ SENTENCEPIECE_MODEL = "tokenizer.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
-MODEL_CONFIG = "config.json"
+MODEL_CONFIG = CONFIG_FILENAME
 
 # transformers' LlamaTokenizer defaults, used for a SentencePiece model whose
 # tokenizer_config.json does not say whether to add BOS / EOS.
@@ -123,24 +123,6 @@ class SpecialTokens:
 # --------------------------------------------------------------------------- files
 
 
-def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
-    """The JSON object in `path`, or {} when the file does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(
-            f"Could not read {path} as JSON ({error}); fix or remove the file."
-        ) from error
-    if not isinstance(content, dict):
-        raise ValueError(
-            f"{path} holds a JSON {type(content).__name__}, expected an object "
-            "({...}) as written by Hugging Face save_pretrained."
-        )
-    return content
-
-
 @dataclasses.dataclass(frozen=True)
 class _CheckpointConfigs:
     """The JSON files of a checkpoint folder that describe special tokens."""
@@ -155,17 +137,18 @@ class _CheckpointConfigs:
     def read(cls, folder: pathlib.Path) -> _CheckpointConfigs:
         return cls(
             folder=folder,
-            tokenizer_config=_read_json_object(folder / TOKENIZER_CONFIG),
-            special_tokens_map=_read_json_object(folder / SPECIAL_TOKENS_MAP),
-            generation_config=_read_json_object(folder / GENERATION_CONFIG),
-            model_config=_read_json_object(folder / MODEL_CONFIG),
+            tokenizer_config=read_optional_json_object(folder / TOKENIZER_CONFIG),
+            special_tokens_map=read_optional_json_object(folder / SPECIAL_TOKENS_MAP),
+            generation_config=read_optional_json_object(folder / GENERATION_CONFIG),
+            model_config=read_optional_json_object(folder / MODEL_CONFIG),
         )
 
 
 # ------------------------------------------------------------------------ backends
 
 
-def _import_or_explain(module_name: str, needed_for: pathlib.Path) -> Any:
+def import_or_explain(module_name: str, needed_for: pathlib.Path) -> Any:
+    """The module `module_name`, or an ImportError saying what needs it and how to install it."""
     try:
         return importlib.import_module(module_name)
     except ImportError as error:
@@ -184,7 +167,7 @@ class _FastBackend:
 
     @classmethod
     def load(cls, path: pathlib.Path) -> _FastBackend:
-        tokenizers = _import_or_explain("tokenizers", path)
+        tokenizers = import_or_explain("tokenizers", path)
         try:
             return cls(tokenizers.Tokenizer.from_file(str(path)))
         except Exception as error:  # tokenizers raises a bare Exception on bad files.
@@ -274,7 +257,7 @@ class _SentencePieceBackend:
 
     @classmethod
     def load(cls, path: pathlib.Path, tokenizer_config: dict[str, Any]) -> _SentencePieceBackend:
-        sentencepiece = _import_or_explain("sentencepiece", path)
+        sentencepiece = import_or_explain("sentencepiece", path)
         try:
             processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
         except (OSError, RuntimeError) as error:
