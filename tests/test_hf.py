@@ -729,6 +729,24 @@ def test_missing_and_unexpected_tensors(checkpoint, tmp_path):
         hf.load_model(path)
 
 
+def test_bare_base_model_names_tied_head_copies_and_buffers_load_the_same(checkpoint, tmp_path):
+    """Stored names without the base-model prefix, a stored copy of a tied output embedding
+    and a causal-mask buffer (as older GPT-2 checkpoints have) load like the original."""
+    ckpt = checkpoint("gpt2")
+    path = copy_checkpoint(ckpt, tmp_path)
+
+    def edit(tensors):
+        bare = {name.removeprefix("transformer."): value for name, value in tensors.items()}
+        assert len(bare) == len(tensors) and "wte.weight" in bare
+        bare["lm_head.weight"] = bare["wte.weight"].copy()
+        bare["h.0.attn.bias"] = np.tril(np.ones((1, 1, MAX_POS, MAX_POS), np.float32))
+        tensors.clear()
+        tensors.update(bare)
+
+    rewrite_weights(path, edit)
+    assert_trees_equal(hf.load_params(path, ckpt.model), ckpt.params)
+
+
 def test_export_refuses_a_config_its_family_cannot_express(checkpoint, tmp_path):
     ckpt = checkpoint("qwen2")
     no_bias = dataclasses.replace(ckpt.model.config, qkv_bias=False)

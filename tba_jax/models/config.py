@@ -14,9 +14,11 @@ family and a handful of switches select its parts:
 | position_embedding   | rope    | rope    | rope (rotary_pct 0.25) | learned |
 | tie_embeddings       | no      | no      | no       | yes      |
 
-A switch left as None takes its family's value (`FAMILY_DEFAULTS`); any switch
-may be set explicitly (e.g. a Llama with attention biases). `head="score"` turns
-the language-model head into a `num_labels`-way score head (reward models).
+A switch left as None takes its family's value (`FAMILY_DEFAULTS`, the table above in
+code). Presets and the Hugging Face import leave a switch None unless it differs, and the
+export checks the switches transformers hard-codes against these values, so each is stated
+once. Any switch may be set explicitly (e.g. a Llama with attention biases). `head="score"`
+turns the language-model head into a `num_labels`-way score head (reward models).
 """
 
 from __future__ import annotations
@@ -300,7 +302,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_kv_heads=16,
         d_ff=4096,
         max_seq_len=2048,
-        rotary_pct=0.25,
     ),
     # EleutherAI/pythia-1b: 1,011,781,632 params.
     "pythia-1b": dict(
@@ -312,7 +313,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_kv_heads=8,
         d_ff=8192,
         max_seq_len=2048,
-        rotary_pct=0.25,
     ),
     # EleutherAI/pythia-2.8b: 2,775,208,960 params.
     "pythia-2.8b": dict(
@@ -324,7 +324,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_kv_heads=32,
         d_ff=10_240,
         max_seq_len=2048,
-        rotary_pct=0.25,
     ),
     # openai-community/gpt2: 124,439,808 params (tied head).
     "gpt2": dict(
