@@ -19,7 +19,7 @@ from tba_jax.config_lib import ConfigError, validate
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.models.frozen import load_frozen_model
 from tba_jax.models.tokenizers import pad_sequences_with_mask
-from tba_jax.rewards import redteam
+from tba_jax.rewards import judges, redteam, templates
 from tba_jax.tasks import redteam as redteam_task  # registers the task
 from tba_jax.train import train_and_evaluate
 
@@ -75,22 +75,24 @@ def role(**fields) -> ml_collections.ConfigDict:
 
 
 def test_fill_template_substitutes_each_field_once():
-    text = redteam.fill_template(
+    text = templates.fill_template(
         "{attack}|{response}|{attack}{x}", {"attack": "{response}", "response": "R"}
     )
     assert text == "{response}|R|{response}{x}"
-    assert redteam.template_fields("User: {attack}") == {"attack"}
+    assert templates.template_fields("User: {attack}") == {"attack"}
 
 
 def test_encode_filled_cuts_the_longest_field_from_its_end():
     tokenizer = tasks.char_tokenizer()
     fields = {"attack": "abcdefghij", "response": "xyz"}
-    ids = redteam.encode_filled(tokenizer, "Q: {attack}\nA: {response}", fields, 15, add_bos=False)
+    ids = templates.encode_filled(
+        tokenizer, "Q: {attack}\nA: {response}", fields, 15, add_bos=False
+    )
     assert tokenizer.decode(ids) == "Q: abcde\nA: xyz"  # 20 chars, the attack lost 5
-    fits = redteam.encode_filled(tokenizer, "{response}", fields, 15, add_bos=False)
+    fits = templates.encode_filled(tokenizer, "{response}", fields, 15, add_bos=False)
     assert tokenizer.decode(fits) == "xyz"  # a field the template lacks never counts
     with pytest.raises(ValueError, match="alone is 7 tokens, more than its max_len=6"):
-        redteam.encode_filled(tokenizer, "Q: {attack}\nA: ", fields, 6, add_bos=False)
+        templates.encode_filled(tokenizer, "Q: {attack}\nA: ", fields, 6, add_bos=False)
 
 
 def test_left_pad_masks_by_length_even_where_a_token_equals_pad():
@@ -121,7 +123,7 @@ def test_generative_judge_matches_transformers_log_probs(guard_folder):
         batch_size=2,  # 5 pairs: the last batch is padded
     )
     section.hf_path = guard_folder
-    judge = redteam.judge_from_config(section, fallback_tokenizer=None)
+    judge = judges.judge_from_config(section, fallback_tokenizer=None)
     attacks, responses = zip(*PAIRS, strict=True)
     got = judge.unsafe_and_safe_logprobs(attacks, responses)
     hf_tokenizer = reference_tokenizer(guard_folder)
@@ -161,15 +163,15 @@ def test_generative_judge_rejects_bad_verdicts_and_templates(guard_folder):
     )
     common = dict(max_prompt_len=48, batch_size=2)
     with pytest.raises(ValueError, match="must be non-empty and encode differently"):
-        redteam.GenerativeJudge(
+        judges.GenerativeJudge(
             frozen, template=GUARD_TEMPLATE, unsafe_text="x", safe_text="x", **common
         )
     with pytest.raises(ValueError, match=r"has no \{response\} field"):
-        redteam.GenerativeJudge(
+        judges.GenerativeJudge(
             frozen, template="{attack}", unsafe_text="a", safe_text="b", **common
         )
     with pytest.raises(ValueError, match=r"alone is \d+ tokens, more than its max_len=4"):
-        redteam.GenerativeJudge(
+        judges.GenerativeJudge(
             frozen,
             template=GUARD_TEMPLATE,
             unsafe_text="a",
@@ -201,8 +203,8 @@ def test_decoder_classifier_judge_is_log_softmax_of_transformers_logits(score_he
         batch_size=4,
     )
     section.hf_path = score_head_folder
-    judge = redteam.judge_from_config(section, fallback_tokenizer=None)
-    assert isinstance(judge.classifier, redteam.ScoreHeadClassifier) and judge.toxic_index == 1
+    judge = judges.judge_from_config(section, fallback_tokenizer=None)
+    assert isinstance(judge.classifier, judges.ScoreHeadClassifier) and judge.toxic_index == 1
     attacks, responses = zip(*PAIRS[:2], PAIRS[3], strict=True)
     model = transformers.LlamaForSequenceClassification.from_pretrained(score_head_folder).eval()
     hf_tokenizer = reference_tokenizer(score_head_folder)
@@ -219,7 +221,7 @@ def test_decoder_classifier_judge_is_log_softmax_of_transformers_logits(score_he
     with pytest.raises(
         ValueError, match=r"'hate' is neither one of the judge's labels \{0: 'safe'"
     ):
-        redteam.judge_from_config(section, fallback_tokenizer=None)
+        judges.judge_from_config(section, fallback_tokenizer=None)
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +271,8 @@ def test_roberta_classifier_judge_reads_the_response_as_lee_et_al(roberta_folder
         batch_size=4,
     )
     section.hf_path = roberta_folder
-    judge = redteam.judge_from_config(section, fallback_tokenizer=None)
-    assert isinstance(judge.classifier, redteam.EncoderClassifier) and judge.toxic_index == 1
+    judge = judges.judge_from_config(section, fallback_tokenizer=None)
+    assert isinstance(judge.classifier, judges.EncoderClassifier) and judge.toxic_index == 1
     attacks, responses = zip(*PAIRS, strict=True)
     model = transformers.RobertaForSequenceClassification.from_pretrained(roberta_folder).eval()
     inputs = reference_tokenizer(roberta_folder)(list(responses), padding=True, return_tensors="pt")

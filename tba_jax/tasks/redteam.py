@@ -37,7 +37,7 @@ import numpy as np
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import redteam as redteam_data
 from tba_jax.models.tokenizers import Tokenizer
-from tba_jax.rewards import redteam
+from tba_jax.rewards import judges, redteam
 from tba_jax.sampling.generate import generated_batches
 from tba_jax.tasks.base import (
     MEAN_REWARD,
@@ -128,7 +128,7 @@ class LazyRedTeamReward:
                 victim = redteam.Victim.from_config(
                     self._task_config.victim, self._fallback_tokenizer
                 )
-                judge = redteam.judge_from_config(self._task_config.judge, self._fallback_tokenizer)
+                judge = judges.judge_from_config(self._task_config.judge, self._fallback_tokenizer)
                 self._reward = redteam.RedTeamReward(victim, judge)
             return self._reward
 
