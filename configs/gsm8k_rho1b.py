@@ -24,24 +24,20 @@ The policy needs `model.hf_path`: a local Hugging Face folder of the Rho-1B SFT 
 task's. Without it the run stops with an error saying so.
 
 Variant keys: any dotted path or a shortcut (mode, method, steps, seed, k, m, beta,
-model, hf_path, K, S, manual_dir); named variant: `tiny`.
+model, hf_path, K, S, manual_dir); named variant: `tiny`. The keys and values every training
+config shares are in configs/common.py.
 """
 
-import ml_collections
+import pathlib
+import sys
 
-from tba_jax.config_lib import apply_variant
+try:
+    from configs import common
+except ImportError:  # loaded by path (--config=configs/x.py): the repo root is not on sys.path
+    sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+    from configs import common
 
-SHORTCUTS = {
-    "steps": "learner_steps",
-    "k": "sync_period",
-    "m": "replay.recency_prob",
-    "beta": "loss.beta_start",
-    "model": "model.preset",
-    "hf_path": "model.hf_path",
-    "K": "batch.samples_per_prompt",
-    "S": "batch.samples_generated_per_prompt",
-    "manual_dir": "task.manual_dir",
-}
+SHORTCUTS = {**common.SHORTCUTS, "manual_dir": "task.manual_dir"}
 
 # Named variants: `configs/gsm8k_rho1b.py:tiny` (combine with key=value items).
 NAMED_VARIANTS = {
@@ -49,9 +45,7 @@ NAMED_VARIANTS = {
     # characters, a few steps on the first problems short enough for char-level lengths.
     # Give it the GSM8K files with `manual_dir=/path/to/gsm8k` (or a network).
     "tiny": {
-        "model.preset": "micro",
-        "model.dtype": "float32",
-        "task.tokenizer": "char",
+        **common.TINY_RUN,
         "task.num_train": 32,
         "task.num_test": 8,
         "task.max_solution_len": 128,  # = max_response_len: the warm start needs them to fit
@@ -59,46 +53,31 @@ NAMED_VARIANTS = {
         "max_response_len": 128,
         "warm_start.steps": 2,
         "warm_start.batch_size": 8,
-        "warm_start.learning_rate": 3e-3,
-        "warm_start.warmup_steps": 1,
         "batch.prompts_per_batch": 2,
         "batch.samples_per_prompt": 4,
         "batch.samples_generated_per_prompt": 4,
         "batch.num_microbatches": 2,
         "replay.min_prompts": 2,
         "search.prompts_per_call": 2,
-        "learner_steps": 4,
-        "loss.beta_anneal_steps": 4,
-        "optim.learning_rate": 1e-3,
-        "optim.warmup_steps": 1,
         "eval.num_examples": 8,
         "eval.batch_size": 8,
         "eval.max_new_tokens": 128,
         "eval.num_samples": 4,
         "eval.ks": (1, 2, 4),
-        "log_every": 2,
-        "checkpoint_every": 2,
-        "progress_bar": False,
     },
 }
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.name = "gsm8k_rho1b"
-    config.seed = 0
-    config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
-    config.method = "tb"  # a registered loss: tb | rloo
+def get_config(arg: str | None = None):
+    config = common.base_config("gsm8k_rho1b")
     config.learner_steps = 1000  # 140,000 episodes / (7 prompts × 20) per step
-    config.sync_period = 2  # k: publish params to the searchers every k learner steps
+    config.sync_period = 2  # k
 
     # Tokens (or characters, for the tiny variant's char tokenizer).
     config.max_prompt_len = 256  # the paper's limit (its code asserts every prompt fits)
     config.max_response_len = 512
 
-    config.task = ml_collections.ConfigDict()
     config.task.name = "gsm8k"
-    config.task.data_dir = ""  # empty: <workdir>/data
     # A folder holding train.jsonl and test.jsonl; empty: download them (needs a network).
     config.task.manual_dir = ""
     config.task.num_train = 0  # the first N problems that fit; 0: all of them
@@ -112,96 +91,51 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (a supervised warm start needs them to fit max_response_len); 0: keep all.
     config.task.max_solution_len = 0
 
-    config.model = ml_collections.ConfigDict()
+    # REQUIRED at paper scale: model.hf_path, the Rho-1B SFT checkpoint (a local Hugging
+    # Face folder). No warm start (warm_start.steps=0): the checkpoint is the SFT model.
     config.model.preset = "rho-1b"  # documents the architecture; hf_path's config.json rules
-    # REQUIRED at paper scale: the Rho-1B SFT checkpoint, a local Hugging Face folder.
-    config.model.hf_path = ""
     config.model.dtype = "bfloat16"  # compute, as the paper's bf16 runs
-    config.model.param_dtype = "float32"  # stored params and Adam state
-
     # π_ref: the SFT model. Follows model.hf_path unless set; empty = the warm-started policy.
-    config.reference = ml_collections.ConfigDict()
-    config.reference.hf_path = config.model.get_ref("hf_path") + ""  # a one-way link
+    common.reference_follows_policy(config)
 
-    config.warm_start = ml_collections.ConfigDict()  # steps=0: the checkpoint is the SFT model
-    config.warm_start.steps = 0
-    config.warm_start.batch_size = 64
-    config.warm_start.learning_rate = 1e-5
-    config.warm_start.warmup_steps = 0
-
-    config.sampling = ml_collections.ConfigDict()
     config.sampling.temperature = 0.7
-    config.sampling.top_k = 0
-    config.sampling.top_p = 1.0
 
-    config.loss = ml_collections.ConfigDict()
-    config.loss.beta_schedule = "linear"
     config.loss.beta_start = 0.012
     config.loss.beta_end = 0.004
     config.loss.beta_anneal_steps = 500
 
-    config.batch = ml_collections.ConfigDict()
     config.batch.prompts_per_batch = 7  # B
     config.batch.samples_per_prompt = 20  # K
     config.batch.samples_generated_per_prompt = 24  # S = 1.2 K
     config.batch.num_microbatches = 7  # the paper's gradient accumulation: one prompt each
 
-    config.replay = ml_collections.ConfigDict()
     config.replay.capacity = 200_000  # host memory bound (~2 GB); the paper caps per prompt
     config.replay.capacity_per_prompt = 100
     config.replay.recency_prob = 0.95  # m
-    config.replay.priority = "softmax"  # uniform | softmax | rank
     config.replay.priority_inverse_temperature = 0.0  # the paper's uniform choice
     config.replay.min_prompts = 21  # ≈ the paper's 500 initial samples at S=24
 
-    config.search = ml_collections.ConfigDict()
     # The paper searches on 3 GPUs beside 1 training GPU; here those devices form the
     # sampler mesh (mesh.sampler_devices) and one thread drives it data-parallel.
-    config.search.num_searchers = 1
     config.search.prompts_per_call = 3  # the paper's 72 rollouts per call = 3 prompts × S
-    # π_ref scoring of a call's rows this many at a time (bounds the [rows, length, vocab]
-    # logits); 0: all rows at once. Must divide prompts_per_call × S.
-    config.search.score_rows_per_chunk = 0
 
-    config.optim = ml_collections.ConfigDict()
     config.optim.learning_rate = 1e-5
     config.optim.schedule = "wsd"
     config.optim.warmup_steps = 50  # 5% of 1000
     config.optim.decay_fraction = 0.5  # 500 decay steps after 450 stable ones
-    config.optim.end_lr_fraction = 0.0
-    config.optim.weight_decay = 0.0  # AdamW as Hugging Face's Trainer defaults
-    config.optim.b1 = 0.9
-    config.optim.b2 = 0.999
-    config.optim.eps = 1e-8
-    config.optim.grad_clip_norm = 1.0
+    # AdamW as Hugging Face's Trainer defaults: no weight decay, the base's betas and eps.
+    config.optim.weight_decay = 0.0
 
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.colocate = False  # one device: always colocated
     # 0.7 of a host's devices sample: 3 of 4 (the paper's split), 6 of 8, 1 of 2.
     config.mesh.sampler_devices = 0.7
-    config.mesh.sampler_axes = {"data": -1}
-    config.mesh.learner_axes = {"fsdp": -1}
-    config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
-    config.mesh.learner_rules = [
-        ("embed", "fsdp"),
-        ("mlp", "tensor"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-    ]
 
-    config.eval = ml_collections.ConfigDict()
     config.eval.num_examples = 1319  # the whole GSM8K test split
-    config.eval.batch_size = 128  # response rows per generate call
-    config.eval.every_steps = 0  # 0: only at the start and the end
     # experiments/evaluate.py: greedy pass@1 with up to 512 new tokens, and pass@k from
     # num_samples responses per problem at the sampling temperature.
     config.eval.max_new_tokens = 512
     config.eval.num_samples = 16
     config.eval.ks = (1, 4, 16)
 
-    config.log_every = 10
     config.checkpoint_every = 250  # the paper saves every quarter of the run
-    config.keep_checkpoints = 2
-    config.progress_bar = True
 
-    return apply_variant(config, arg, SHORTCUTS, NAMED_VARIANTS)
+    return common.finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)

@@ -40,28 +40,27 @@ reports the win rate (the paper evaluates on a subset of the 6,553 test posts:
 
 Variant keys: any dotted path or a shortcut (mode, method, steps, seed, k, m, beta,
 model, hf_path, K, S, manual_dir, rm, gold); named variants: `410m`, `1b`, `2.8b` (the
-policy size: preset and the checkpoint named in errors) and `tiny`.
+policy size: preset and the checkpoint named in errors) and `tiny`. The keys and values
+every training config shares are in configs/common.py.
 """
 
 import os
+import pathlib
+import sys
 
-import ml_collections
-
-from tba_jax.config_lib import apply_variant
 from tba_jax.rewards.reward_model import reward_model_role_config
+
+try:
+    from configs import common
+except ImportError:  # loaded by path (--config=configs/x.py): the repo root is not on sys.path
+    sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+    from configs import common
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_DATA_DIR = os.path.join(REPO_ROOT, "tests", "data", "tldr_tiny")
 
 SHORTCUTS = {
-    "steps": "learner_steps",
-    "k": "sync_period",
-    "m": "replay.recency_prob",
-    "beta": "loss.beta_start",
-    "model": "model.preset",
-    "hf_path": "model.hf_path",
-    "K": "batch.samples_per_prompt",
-    "S": "batch.samples_generated_per_prompt",
+    **common.SHORTCUTS,
     "manual_dir": "task.manual_dir",
     "rm": "task.reward_model.hf_path",
     "gold": "task.gold_reward_model.hf_path",
@@ -82,9 +81,7 @@ NAMED_VARIANTS = {
     # characters, warm-started on the fixture's reference summaries (it is π_ref), random
     # micro reward and gold models, a few TB steps.
     "tiny": {
-        "model.preset": "micro",
-        "model.dtype": "float32",
-        "task.tokenizer": "char",
+        **common.TINY_RUN,
         "task.manual_dir": TINY_DATA_DIR,
         "task.max_solution_len": 48,  # = max_response_len: the warm start needs them to fit
         "task.reward_model.preset": "micro",
@@ -100,8 +97,6 @@ NAMED_VARIANTS = {
         "max_response_len": 48,
         "warm_start.steps": 20,
         "warm_start.batch_size": 16,
-        "warm_start.learning_rate": 3e-3,
-        "warm_start.warmup_steps": 1,
         "batch.prompts_per_batch": 2,
         "batch.samples_per_prompt": 4,
         "batch.samples_generated_per_prompt": 4,
@@ -111,54 +106,37 @@ NAMED_VARIANTS = {
         "search.prompts_per_call": 2,
         "search.score_rows_per_chunk": 0,
         "task.eval_score_rows_per_chunk": 0,
-        "learner_steps": 4,
-        "loss.beta_anneal_steps": 4,
-        "optim.learning_rate": 1e-3,
-        "optim.warmup_steps": 1,
         "eval.num_examples": 8,
         "eval.batch_size": 8,
         "eval.max_new_tokens": 48,
         "eval.num_samples": 2,
         "eval.ks": (1, 2),
-        "log_every": 2,
-        "checkpoint_every": 2,
-        "progress_bar": False,
     },
 }
 
 
-def scored_length(config: ml_collections.ConfigDict):
+def scored_length(config):
     """A one-way link to a reward model's row length: prompt + response + EOS tokens."""
     return config.get_ref("max_prompt_len") + config.get_ref("max_response_len") + 1
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.name = "tldr_pythia"
-    config.seed = 0
-    config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
-    config.method = "tb"  # a registered loss: tb | rloo
+def get_config(arg: str | None = None):
+    config = common.base_config("tldr_pythia")
     config.learner_steps = 820  # ceil(131,072 episodes / (8 prompts × 20) per step)
-    config.sync_period = 10  # k: publish params to the searchers every k learner steps
+    config.sync_period = 10  # k
 
     # Tokens (or characters, for the tiny variant's char tokenizer).
     config.max_prompt_len = 512
     config.max_response_len = 53
 
-    config.model = ml_collections.ConfigDict()
+    # REQUIRED at paper scale: model.hf_path, the SFT policy (a local Hugging Face folder).
+    # No warm start (warm_start.steps=0): the checkpoint is the SFT model.
     config.model.preset = "pythia-1b"  # documents the architecture; hf_path's config.json rules
-    # REQUIRED at paper scale: the SFT policy, a local Hugging Face folder.
-    config.model.hf_path = ""
     config.model.dtype = "bfloat16"  # compute
-    config.model.param_dtype = "float32"  # stored params and Adam state
-
     # π_ref: the SFT model. Follows model.hf_path unless set; empty = the warm-started policy.
-    config.reference = ml_collections.ConfigDict()
-    config.reference.hf_path = config.model.get_ref("hf_path") + ""  # a one-way link
+    common.reference_follows_policy(config)
 
-    config.task = ml_collections.ConfigDict()
     config.task.name = "tldr"
-    config.task.data_dir = ""  # empty: <workdir>/data
     # A folder holding train.jsonl, valid.jsonl and test.jsonl of tldr_3_filtered; empty:
     # download them (needs a network).
     config.task.manual_dir = ""
@@ -187,83 +165,41 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.gold_reward_model = reward_model_role_config(dtype="float32", batch_size=64)
     config.task.gold_reward_model.max_len = scored_length(config)
 
-    config.warm_start = ml_collections.ConfigDict()  # steps=0: the checkpoint is the SFT model
-    config.warm_start.steps = 0
-    config.warm_start.batch_size = 64
-    config.warm_start.learning_rate = 1e-5
-    config.warm_start.warmup_steps = 0
-
-    config.sampling = ml_collections.ConfigDict()
     config.sampling.temperature = 0.7
-    config.sampling.top_k = 0
-    config.sampling.top_p = 1.0
 
-    config.loss = ml_collections.ConfigDict()
-    config.loss.beta_schedule = "linear"
     config.loss.beta_start = 1.0
     config.loss.beta_end = 0.05
     config.loss.beta_anneal_steps = config.get_ref("learner_steps") + 0  # the whole run
 
-    config.batch = ml_collections.ConfigDict()
     config.batch.prompts_per_batch = 8  # B
     config.batch.samples_per_prompt = 20  # K
     config.batch.samples_generated_per_prompt = 20  # S
     config.batch.num_microbatches = 8  # one prompt's 20 samples at a time
 
-    config.replay = ml_collections.ConfigDict()
     config.replay.capacity = 200_000  # host memory bound
     config.replay.capacity_per_prompt = 100
     config.replay.recency_prob = 0.5  # m
-    config.replay.priority = "softmax"  # uniform | softmax | rank
     config.replay.priority_inverse_temperature = 0.0  # uniform over a prompt's samples
     config.replay.min_prompts = 8  # one batch of prompts before training starts
 
-    config.search = ml_collections.ConfigDict()
-    config.search.num_searchers = 1
     config.search.prompts_per_call = 4  # 80 rollouts per call = 4 prompts × S
     # π_ref scoring of a call's rows this many at a time (Pythia's [rows, 565, 50,304]
     # float32 logits are 2.3 GB per 20 rows); 0: all rows at once. Must divide
     # prompts_per_call × S (async) and prompts_per_batch × K (sync).
     config.search.score_rows_per_chunk = 20
 
-    config.optim = ml_collections.ConfigDict()
     config.optim.learning_rate = 3e-6
     config.optim.schedule = "constant"  # after the warmup
     config.optim.warmup_steps = 20
     config.optim.decay_fraction = 0.0  # only read by schedule="wsd"
-    config.optim.end_lr_fraction = 0.0
-    config.optim.weight_decay = 0.0
-    config.optim.b1 = 0.9
-    config.optim.b2 = 0.999
-    config.optim.eps = 1e-8
-    config.optim.grad_clip_norm = 1.0
 
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.colocate = False  # one device: always colocated
-    config.mesh.sampler_devices = 0.7  # 3 of 4 devices sample, 6 of 8, 1 of 2
-    config.mesh.sampler_axes = {"data": -1}
-    config.mesh.learner_axes = {"fsdp": -1}
-    config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
-    config.mesh.learner_rules = [
-        ("embed", "fsdp"),
-        ("mlp", "tensor"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-    ]
-
-    config.eval = ml_collections.ConfigDict()
     config.eval.num_examples = 1024  # a subset of the 6,553 test posts; evaluate.py: 0 = all
-    config.eval.batch_size = 128  # response rows per generate call
-    config.eval.every_steps = 0  # 0: only at the start and the end
     # experiments/evaluate.py: greedy summaries and num_samples sampled ones per post at the
     # sampling temperature (the KL estimate needs samples), up to max_new_tokens each.
     config.eval.max_new_tokens = config.get_ref("max_response_len") + 0  # one-way link
     config.eval.num_samples = 1
     config.eval.ks = (1,)  # not used by TL;DR (pass@k is for verifiable rewards)
 
-    config.log_every = 10
     config.checkpoint_every = 205  # every quarter of the run
-    config.keep_checkpoints = 2
-    config.progress_bar = True
 
-    return apply_variant(config, arg, SHORTCUTS, NAMED_VARIANTS)
+    return common.finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)

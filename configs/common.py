@@ -1,0 +1,204 @@
+"""What every training config (experiments/train.py) shares, as big_vision's configs/common.py.
+
+A training config starts from `base_config(name)`, sets its own values and returns
+`finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)`:
+
+    from configs import common
+
+    SHORTCUTS = {**common.SHORTCUTS, "manual_dir": "task.manual_dir"}
+    NAMED_VARIANTS = {"tiny": {**common.TINY_RUN, "batch.samples_per_prompt": 4, ...}}
+
+    def get_config(arg=None):
+        config = common.base_config("my_task")
+        config.learner_steps = 1000
+        ...
+        return common.finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)
+
+`base_config` holds every key the trainer reads. Values every experiment shares (the
+mesh, Adam's betas, logging, ...) are set there; the experiment's own numbers (steps, K,
+S, m, k, β, learning rate, lengths, ...) are None there, and `finalize` stops with the
+keys a config left unset. A config adds its `task` keys and any evaluation-only keys.
+
+The reward-model trainer (configs/reward_model.py) is a different program; it takes the
+optimiser (`optimizer()`) and the learner's sharding rules (`learner_rules()`) from here.
+"""
+
+import ml_collections
+
+from tba_jax.config_lib import apply_variant
+
+# Variant shortcuts every training config understands (`configs/x.py:steps=200,k=4`);
+# a config adds its own (manual_dir, ...).
+SHORTCUTS = {
+    "steps": "learner_steps",
+    "k": "sync_period",
+    "m": "replay.recency_prob",
+    "beta": "loss.beta_start",
+    "model": "model.preset",
+    "hf_path": "model.hf_path",
+    "K": "batch.samples_per_prompt",
+    "S": "batch.samples_generated_per_prompt",
+}
+
+# What every seconds-long CPU variant (`smoke`, `tiny`) sets: a few learner steps, logged
+# and checkpointed often, no progress bar.
+CPU_RUN = {"learner_steps": 4, "log_every": 2, "checkpoint_every": 2, "progress_bar": False}
+
+# A paper config's `tiny` variant on top of CPU_RUN: a random micro policy over
+# printable-ASCII characters (the task's char tokenizer) with CPU-sized learning rates.
+TINY_RUN = {
+    **CPU_RUN,
+    "model.preset": "micro",
+    "model.dtype": "float32",
+    "task.tokenizer": "char",
+    "warm_start.learning_rate": 3e-3,
+    "warm_start.warmup_steps": 1,
+    "loss.beta_anneal_steps": 4,
+    "optim.learning_rate": 1e-3,
+    "optim.warmup_steps": 1,
+}
+
+
+def learner_rules() -> list[tuple[str, str]]:
+    """Logical axis → mesh axis rules of the learner (and the reward-model trainer)."""
+    return [("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
+
+
+def optimizer() -> ml_collections.ConfigDict:
+    """AdamW with a warmup and a schedule (`learner.OptimConfig`'s fields). The caller sets
+    learning_rate, schedule and warmup_steps."""
+    optim = ml_collections.ConfigDict()
+    optim.learning_rate = None
+    optim.schedule = None  # constant | linear | wsd (after the linear warmup)
+    optim.warmup_steps = None
+    optim.decay_fraction = 0.1  # wsd: the decaying share of the steps (only read by wsd)
+    optim.end_lr_fraction = 0.0  # linear / wsd end at this × learning_rate
+    optim.weight_decay = 0.0
+    optim.b1 = 0.9
+    optim.b2 = 0.999
+    optim.eps = 1e-8
+    optim.grad_clip_norm = 1.0
+    return optim
+
+
+def base_config(name: str) -> ml_collections.ConfigDict:
+    """Every key of a training run, with the shared values; None: the config sets it."""
+    config = ml_collections.ConfigDict()
+    config.name = name
+    config.seed = 0
+    config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
+    config.method = "tb"  # a registered loss: tb | rloo
+    config.learner_steps = None
+    config.sync_period = None  # k: publish params to the searchers every k learner steps
+    config.max_prompt_len = None  # policy tokens (characters with a char tokenizer)
+    config.max_response_len = None
+
+    config.task = ml_collections.ConfigDict()  # the config adds the task's own keys
+    config.task.name = None
+    config.task.data_dir = ""  # empty: <workdir>/data
+
+    config.model = ml_collections.ConfigDict()
+    config.model.preset = None  # a tba_jax.models preset (the shape when hf_path is empty)
+    # A local folder in Hugging Face layout (config.json, *.safetensors, tokenizer):
+    # the policy's architecture, starting weights and tokenizer (preset is then unused).
+    config.model.hf_path = ""
+    config.model.dtype = None  # compute
+    config.model.param_dtype = "float32"  # stored params and Adam state
+
+    # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the
+    # same architecture (see reference_follows_policy).
+    config.reference = ml_collections.ConfigDict()
+    config.reference.hf_path = ""
+
+    # Supervised fine-tuning on the task's solutions before RL. steps=0 skips it: the
+    # policy's checkpoint is then the supervised model.
+    config.warm_start = ml_collections.ConfigDict()
+    config.warm_start.steps = 0
+    config.warm_start.batch_size = 64
+    config.warm_start.learning_rate = 1e-5
+    config.warm_start.warmup_steps = 0
+
+    config.sampling = ml_collections.ConfigDict()
+    config.sampling.temperature = None
+    config.sampling.top_k = 0
+    config.sampling.top_p = 1.0
+
+    config.loss = ml_collections.ConfigDict()
+    config.loss.beta_schedule = "linear"  # constant | linear
+    config.loss.beta_start = None
+    config.loss.beta_end = None
+    config.loss.beta_anneal_steps = None
+
+    config.batch = ml_collections.ConfigDict()
+    config.batch.prompts_per_batch = None  # B
+    config.batch.samples_per_prompt = None  # K
+    config.batch.samples_generated_per_prompt = None  # S (sync mode generates exactly K)
+    config.batch.num_microbatches = 1  # micro-batches hold whole prompts
+
+    config.replay = ml_collections.ConfigDict()
+    config.replay.capacity = None
+    config.replay.capacity_per_prompt = None
+    config.replay.recency_prob = None  # m
+    config.replay.priority = "softmax"  # uniform | softmax | rank
+    config.replay.priority_inverse_temperature = 1.0
+    config.replay.min_prompts = None  # buffer fill before the learner starts
+
+    config.search = ml_collections.ConfigDict()
+    config.search.num_searchers = 1
+    config.search.prompts_per_call = None
+    # π_ref scoring of a call's rows this many at a time (bounds the [rows, length, vocab]
+    # logits); 0: all rows at once. Must divide prompts_per_call × S.
+    config.search.score_rows_per_chunk = 0
+
+    config.optim = optimizer()
+
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.colocate = False  # one device: always colocated
+    # A count >= 1 or a fraction of the devices: 0.7 → 3 of 4 devices sample, 6 of 8, 1 of 2.
+    config.mesh.sampler_devices = 0.7
+    config.mesh.sampler_axes = {"data": -1}
+    config.mesh.learner_axes = {"fsdp": -1}
+    config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
+    config.mesh.learner_rules = learner_rules()
+
+    config.eval = ml_collections.ConfigDict()
+    config.eval.num_examples = None
+    config.eval.batch_size = 128  # response rows per generate call
+    config.eval.every_steps = 0  # 0: only at the start and the end
+
+    config.log_every = 10
+    config.checkpoint_every = None
+    config.keep_checkpoints = 2
+    config.progress_bar = True
+    return config
+
+
+def reference_follows_policy(config: ml_collections.ConfigDict) -> None:
+    """π_ref is the policy's starting checkpoint (an SFT model): reference.hf_path follows
+    model.hf_path unless set itself (a one-way link); empty = the warm-started policy."""
+    config.reference.hf_path = config.model.get_ref("hf_path") + ""
+
+
+def unset_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """The dotted paths of `config`'s values that are still None."""
+    unset = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            unset += unset_keys(value, f"{prefix}{key}.")
+        elif value is None:
+            unset.append(prefix + key)
+    return unset
+
+
+def finalize(
+    config: ml_collections.ConfigDict,
+    arg: str | None,
+    shortcuts: dict[str, str],
+    named: dict[str, dict],
+) -> ml_collections.ConfigDict:
+    """Checks that the config file set every value the base left to it, then applies the
+    variant string (`config_lib.apply_variant`)."""
+    unset = unset_keys(config)
+    if unset:
+        raise ValueError(f"Config {config.name!r} leaves these keys unset: {', '.join(unset)}.")
+    return apply_variant(config, arg, shortcuts, named)
