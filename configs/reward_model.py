@@ -21,14 +21,21 @@ choices. Inputs are prompt + " " + summary + EOS, at most 512 + 53 + 1 tokens (t
 TL;DR run's prompt and response limits), the prompt truncated from the left beyond that.
 
 Variant keys: any dotted path or a shortcut (steps, lr, batch, hf_path, manual_dir,
-model); named variant: `tiny`.
+model); named variant: `tiny`. The optimiser's fields and defaults and the learner's
+sharding rules are configs/common.py's.
 """
 
 import os
+import pathlib
+import sys
 
 import ml_collections
 
-from tba_jax.config_lib import apply_variant
+try:
+    from configs import common
+except ImportError:  # loaded by path (--config=configs/x.py): the repo root is not on sys.path
+    sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
+    from configs import common
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_PREFERENCES_DIR = os.path.join(REPO_ROOT, "tests", "data", "tldr_tiny", "preferences")
@@ -95,28 +102,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.num_microbatches = 4  # gradient accumulation: 16 pairs (32 rows) at a time
     config.train.eval_batch_size = 64  # pairs per forward when measuring held-out accuracy
 
-    config.optim = ml_collections.ConfigDict()
+    config.optim = common.optimizer()
     config.optim.learning_rate = 3e-6
     config.optim.schedule = "linear"  # to end_lr_fraction × lr at the last step
     config.optim.warmup_steps = 0
-    config.optim.decay_fraction = 0.1  # only read by schedule="wsd"
-    config.optim.end_lr_fraction = 0.0
-    config.optim.weight_decay = 0.0
-    config.optim.b1 = 0.9
-    config.optim.b2 = 0.999
     config.optim.eps = 1e-5
-    config.optim.grad_clip_norm = 1.0
 
     config.mesh = ml_collections.ConfigDict()
     config.mesh.axes = {"fsdp": -1}  # every device; params and the batch split over fsdp
-    config.mesh.rules = [
-        ("embed", "fsdp"),
-        ("mlp", "tensor"),
-        ("heads", "tensor"),
-        ("kv_heads", "tensor"),
-    ]
+    config.mesh.rules = common.learner_rules()
 
     config.log_every = 10
     config.progress_bar = True
 
-    return apply_variant(config, arg, SHORTCUTS, NAMED_VARIANTS)
+    return common.finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)
