@@ -4,7 +4,8 @@
     python experiments/train.py --config=configs/arithmetic.py:mode=sync,method=rloo ...
 
 Variant keys: any dotted path (`optim.learning_rate=3e-4`) or a shortcut:
-mode, method, steps, seed, k (sync period), m (recency prob), beta, model.
+mode, method, steps, seed, k (sync period), m (recency prob), beta, model, hf_path,
+K (samples per prompt in a batch), S (samples generated per prompt).
 The keys and values every training config shares are in configs/common.py.
 """
 
@@ -13,7 +14,7 @@ import sys
 
 try:
     from configs import common
-except ImportError:  # loaded by path (--config=configs/x.py): the repo root is not on sys.path
+except ImportError:  # loaded by path (--config=<file>): the repo root is not on sys.path
     sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
     from configs import common
 

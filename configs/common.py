@@ -27,7 +27,7 @@ import ml_collections
 
 from tba_jax.config_lib import apply_variant
 
-# Variant shortcuts every training config understands (`configs/x.py:steps=200,k=4`);
+# Variant shortcuts every training config understands (`configs/arithmetic.py:steps=200,k=4`);
 # a config adds its own (manual_dir, ...).
 SHORTCUTS = {
     "steps": "learner_steps",

@@ -74,7 +74,7 @@ def base_config(
     config.sync_period = 2  # k
 
     # Attacker tokens (characters for the tiny variant's char tokenizer).
-    config.max_prompt_len = 64  # the attacker prompt is about 50 tokens (Llama 3: with BOS)
+    config.max_prompt_len = 64  # the attacker prompt: about 50 GPT-2 or Llama 3 (+ BOS) tokens
     config.max_response_len = 20  # attacks
 
     config.task.name = "redteam"

@@ -47,7 +47,7 @@ from tba_jax.rewards.redteam import judge_role_config
 
 try:
     from configs import common
-except ImportError:  # loaded by path (--config=configs/x.py): the repo root is not on sys.path
+except ImportError:  # loaded by path (--config=<file>): the repo root is not on sys.path
     sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
     from configs import common
 from configs import redteam_common
@@ -64,7 +64,7 @@ ALPACA_TEMPLATE = (
 
 # Named variants: `configs/redteam_gpt2.py:tiny` (combine with key=value items).
 NAMED_VARIANTS = {
-    # redteam_common.TINY, with a decoder stand-in judge with a 2-label score head.
+    # redteam_common.TINY; the judge's stand-in is a decoder with a 2-label score head.
     "tiny": {
         **redteam_common.TINY,
         "task.victim.max_prompt_len": 192,

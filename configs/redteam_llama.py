@@ -52,7 +52,7 @@ from tba_jax.rewards.redteam import judge_role_config
 
 try:
     from configs import common
-except ImportError:  # loaded by path (--config=configs/x.py): the repo root is not on sys.path
+except ImportError:  # loaded by path (--config=<file>): the repo root is not on sys.path
     sys.path.append(str(pathlib.Path(__file__).resolve().parents[1]))
     from configs import common
 from configs import redteam_common
