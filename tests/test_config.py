@@ -1,15 +1,28 @@
 """Config variants and the clear errors a bad config gets before any long work."""
 
+import glob
 import os
+import re
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
+from configs import (
+    arithmetic,
+    common,
+    gsm8k_rho1b,
+    redteam_gpt2,
+    redteam_llama,
+    reward_model,
+    tldr_pythia,
+)
 from configs.arithmetic import get_config
-from tba_jax.config_lib import ConfigError, parse_variant, validate
+from tba_jax.config_lib import ConfigError, apply_variant, parse_variant, validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINING_CONFIGS = [arithmetic, gsm8k_rho1b, tldr_pythia, redteam_gpt2, redteam_llama]
 
 
 def test_default_config_is_valid_on_one_and_on_eight_devices():
@@ -126,3 +139,135 @@ def test_evaluate_finds_workdir_and_step_from_a_checkpoint_folder(tmp_path):
         evaluate.run_and_step(None, str(folder), 20)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         evaluate.run_and_step(None, str(tmp_path / "run" / "checkpoints" / "41"), None)
+
+
+def flat(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
+    """{dotted path: value} of a config's leaves."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+# Base values no training config changes: the mesh, Adam's betas and clipping, logging...
+NEVER_OVERRIDDEN = [
+    "seed",
+    "mode",
+    "method",
+    "task.data_dir",
+    "model.hf_path",
+    "model.param_dtype",
+    "sampling.top_k",
+    "sampling.top_p",
+    "loss.beta_schedule",
+    "replay.priority",
+    "search.num_searchers",
+    "optim.end_lr_fraction",
+    "optim.b1",
+    "optim.eps",
+    "optim.grad_clip_norm",
+    "mesh.colocate",
+    "mesh.sampler_axes.data",
+    "mesh.learner_axes.fsdp",
+    "mesh.sampler_rules",
+    "mesh.learner_rules",
+    "eval.batch_size",
+    "eval.every_steps",
+    "log_every",
+    "keep_checkpoints",
+    "progress_bar",
+]
+
+
+@pytest.mark.parametrize("module", TRAINING_CONFIGS, ids=lambda m: m.__name__)
+def test_training_configs_have_every_base_key_and_the_shared_values(module):
+    base, config = flat(common.base_config("base")), flat(module.get_config())
+    for path, value in base.items():
+        assert path in config, path
+        if value is not None:
+            assert type(config[path]) is type(value), path
+    for path in NEVER_OVERRIDDEN:
+        assert config[path] == base[path], path
+    assert not common.unset_keys(module.get_config())
+    assert set(common.SHORTCUTS.items()) <= set(module.SHORTCUTS.items())
+
+
+def test_a_key_added_to_the_base_reaches_every_training_config(monkeypatch):
+    original = common.base_config
+
+    def with_new_keys(name):
+        config = original(name)
+        config.new_key = "base"
+        config.optim.new_key = 0.5
+        return config
+
+    monkeypatch.setattr(common, "base_config", with_new_keys)
+    for module in TRAINING_CONFIGS:
+        assert module.get_config().new_key == "base", module.__name__
+        assert module.get_config("optim.new_key=0.25").optim.new_key == 0.25, module.__name__
+
+
+def test_reward_model_config_takes_the_optimiser_and_rules_from_the_base():
+    config = reward_model.get_config()
+    assert list(config.optim.keys()) == list(common.optimizer().keys())
+    assert config.mesh.rules == common.learner_rules() == arithmetic.get_config().mesh.learner_rules
+
+
+def test_a_config_that_leaves_a_base_value_unset_fails_when_built():
+    with pytest.raises(ValueError, match=r"'base' leaves these keys unset: .*learner_steps"):
+        common.finalize(common.base_config("base"), None, common.SHORTCUTS, {})
+
+
+def documented_commands():
+    """(source, config file name, variant, --config.path=value overrides) of every config
+    command in README.md and the config docstrings, with `\\` continuations joined."""
+    sources = [os.path.join(REPO_ROOT, "README.md")]
+    sources += sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "*.py")))
+    for source in sources:
+        with open(source) as f:
+            text = f.read().replace("\\\n", " ")
+        for line in text.splitlines():
+            overrides = re.findall(r"--config\.([\w.]+)=(\S+)", line)
+            for name, variant in re.findall(r"configs/(\w+)\.py(?::([^\s`\])]*))?", line):
+                yield os.path.basename(source), name, variant, overrides
+
+
+def test_documented_config_commands_still_parse():
+    commands = list(documented_commands())
+    assert len(commands) > 20 and {c[1] for c in commands} >= {
+        m.__name__[8:] for m in TRAINING_CONFIGS
+    }
+    for source, name, variant, overrides in commands:
+        where = f"{source}: configs/{name}.py:{variant} {overrides}"
+        assert os.path.isfile(os.path.join(REPO_ROOT, "configs", f"{name}.py")), where
+        if name in ("common", "redteam_common"):  # helpers, not config files
+            continue
+        config = __import__(f"configs.{name}", fromlist=["get_config"]).get_config(variant)
+        for path, value in overrides:
+            apply_variant(config, f"{path}={value}", shortcuts={})  # raises for unknown keys
+
+
+def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
+    """As `python experiments/train.py --config=configs/x.py` loads them (configs/ is not
+    an installed package, and the script's folder is experiments/)."""
+    variants = {"arithmetic": "smoke", "reward_model": "tiny"}
+    names = [m.__name__.split(".")[1] for m in [*TRAINING_CONFIGS, reward_model]]
+    lines = ["from absl import flags", "from ml_collections import config_flags"]
+    lines += [f"config_flags.DEFINE_config_file({name!r})" for name in names]
+    argv = [f"--{n}={REPO_ROOT}/configs/{n}.py:{variants.get(n, 'tiny')}" for n in names]
+    lines.append(f"flags.FLAGS(['python', *{argv!r}])")
+    lines.append(f"print(' '.join(flags.FLAGS[n].value.name for n in {names!r}))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == names
