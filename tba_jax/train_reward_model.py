@@ -17,7 +17,7 @@ pairwise accuracy (ties count 1/2) before and after training, and saves the mode
 Hugging Face folder (`<workdir>/hf`, or `config.out_dir`) that a TL;DR run uses as
 `task.reward_model.hf_path` and transformers loads as *ForSequenceClassification. The
 tokenizer files go with it: copied from `model.hf_path`, or, for the char tokenizer of
-the tiny variant, written as an equivalent tokenizer.json (`save_char_tokenizer`), so
+the tiny variant, written as an equivalent tokenizer.json (`CharTokenizer.save_pretrained`), so
 the folder is complete either way. `<workdir>/rm_summary.json` holds the numbers.
 
 Training runs on one mesh over all devices (`mesh.axes`, `mesh.rules`: FSDP by default),
@@ -54,13 +54,11 @@ from tba_jax.rewards.reward_model import (
     bucket_lengths,
     encode_scored_text,
 )
-from tba_jax.tasks.base import CHAR_TOKENIZER, CHECKPOINT_TOKENIZER, char_tokenizer
+from tba_jax.tasks.base import CHAR_TOKENIZER, CHECKPOINT_TOKENIZER
 
 SUMMARY_FILENAME = "rm_summary.json"
 HF_SUBDIR = "hf"
 PAIR_ARRAYS = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask")
-# Special-token spellings of an exported char tokenizer (ids 0, 1, 2 as in CharTokenizer).
-CHAR_SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 
 
 # ---------------------------------------------------------------------------- the math
@@ -165,7 +163,7 @@ def load_pairs(config: ml_collections.ConfigDict, split: str, workdir: str) -> l
 def rm_tokenizer(config: ml_collections.ConfigDict) -> Tokenizer:
     """`model.hf_path`'s tokenizer, or the char tokenizer (`tokenizer="char"`, tiny runs)."""
     if config.tokenizer == CHAR_TOKENIZER:
-        return char_tokenizer()
+        return CharTokenizer.for_text()
     from tba_jax.models.hf_tokenizer import HFTokenizer
 
     return HFTokenizer.from_pretrained(config.model.hf_path)
@@ -229,38 +227,6 @@ def init_reward_model(
     return model, jax.device_put(params, shardings)
 
 
-def char_tokenizer_json(tokenizer: CharTokenizer):
-    """A `tokenizers.Tokenizer` with the same ids and decoding as the char tokenizer: a BPE
-    over single characters with no merges, joined back without spaces."""
-    import tokenizers
-
-    specials = list(CHAR_SPECIAL_TOKENS.values())
-    ids = [tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id]
-    vocab = dict(zip(specials, ids, strict=True))
-    vocab.update({char: tokenizer.encode(char)[0] for char in tokenizer.alphabet})
-    fast = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token=None))
-    fast.decoder = tokenizers.decoders.Fuse()
-    fast.add_special_tokens([tokenizers.AddedToken(token, special=True) for token in specials])
-    return fast
-
-
-def save_char_tokenizer(tokenizer: CharTokenizer, out_dir: str) -> list[str]:
-    """Writes tokenizer.json and tokenizer_config.json equivalent to the char tokenizer
-    (same ids, no BOS/EOS added by default), which `HFTokenizer` and transformers load."""
-    json_path = os.path.join(out_dir, "tokenizer.json")
-    char_tokenizer_json(tokenizer).save(json_path)
-    config_path = os.path.join(out_dir, "tokenizer_config.json")
-    with open(config_path, "w") as f:
-        tokenizer_config = {
-            **CHAR_SPECIAL_TOKENS,
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-        }
-        json.dump(tokenizer_config, f, indent=2)
-    return [json_path, config_path]
-
-
 def save_reward_model(
     config: ml_collections.ConfigDict, model: Model, params: Params, tokenizer: Tokenizer, out: str
 ) -> list[str]:
@@ -275,7 +241,7 @@ def save_reward_model(
     if config.model.hf_path:
         files += hf.copy_tokenizer_files(config.model.hf_path, out)
     else:
-        files += save_char_tokenizer(tokenizer, out)
+        files += tokenizer.save_pretrained(out)
     return files
 
 

@@ -16,6 +16,7 @@ from tba_jax import tasks
 from tba_jax.config_lib import ConfigError, validate
 from tba_jax.learner import make_lr_schedule
 from tba_jax.metrics import read_scalars
+from tba_jax.models.tokenizers import TEXT_ALPHABET, CharTokenizer
 from tba_jax.runs import optim_config
 from tba_jax.train import train_and_evaluate
 
@@ -78,7 +79,7 @@ def test_paper_config_without_a_checkpoint_stops_with_the_flag_to_pass(tmp_path)
 
 
 def test_char_tokenizer_covers_printable_ascii_and_newline():
-    tokenizer = tasks.char_tokenizer()
+    tokenizer = CharTokenizer.for_text()
     text = "[MATH TASK] Problem:\nA $1,000.50 ~ {x} = 3/4?\n#### 72"
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.vocab_size == 3 + 95 + 1  # pad, bos, eos; " ".."~"; newline
@@ -100,7 +101,7 @@ def first_fitting_ids(
     """An independent reading of the source file: ids of the first `limit` problems (None:
     all) whose prompt (and, when max_solution_chars > 0, answer + EOS) fit as printable
     ASCII characters."""
-    allowed = set(tasks.CHAR_ALPHABET)
+    allowed = set(TEXT_ALPHABET)
     ids = []
     lines = (GSM8K_DIR / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
     for index, record in enumerate(map(json.loads, lines)):
@@ -131,7 +132,7 @@ def test_tiny_task_keeps_the_first_problems_that_fit(data_dir):
 @requires_gsm8k
 def test_paper_task_uses_the_checkpoint_tokenizer_it_is_given(data_dir):
     config = get_config(f"manual_dir={GSM8K_DIR},task.data_dir={data_dir},task.num_train=4")
-    given = tasks.char_tokenizer()  # standing in for the checkpoint's
+    given = CharTokenizer.for_text()  # standing in for the checkpoint's
     task = tasks.build_task(config.task, "/unused", tokenizer=given)
     assert task.tokenizer is given
     assert [ex["id"] for ex in task.train] == first_fitting_ids("train", 256, 0, 4)

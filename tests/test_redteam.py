@@ -18,7 +18,7 @@ from tba_jax import tasks
 from tba_jax.config_lib import ConfigError, validate
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.models.frozen import load_frozen_model
-from tba_jax.models.tokenizers import pad_sequences_with_mask
+from tba_jax.models.tokenizers import CharTokenizer, pad_sequences_with_mask
 from tba_jax.rewards import judges, redteam, templates
 from tba_jax.tasks import redteam as redteam_task  # registers the task
 from tba_jax.train import train_and_evaluate
@@ -83,7 +83,7 @@ def test_fill_template_substitutes_each_field_once():
 
 
 def test_encode_filled_cuts_the_longest_field_from_its_end():
-    tokenizer = tasks.char_tokenizer()
+    tokenizer = CharTokenizer.for_text()
     fields = {"attack": "abcdefghij", "response": "xyz"}
     ids = templates.encode_filled(
         tokenizer, "Q: {attack}\nA: {response}", fields, 15, add_bos=False
@@ -299,7 +299,7 @@ def micro_victim() -> redteam.Victim:
         top_p=1.0,
         batch_size=4,
     )
-    return redteam.Victim.from_config(section, fallback_tokenizer=tasks.char_tokenizer())
+    return redteam.Victim.from_config(section, fallback_tokenizer=CharTokenizer.for_text())
 
 
 def test_victim_answers_each_attack_several_times_with_fresh_samples():

@@ -15,7 +15,6 @@ from tba_jax.rewards.reward_model import (
     encode_scored_text,
     reward_model_role_config,
 )
-from tba_jax.tasks.base import char_tokenizer
 
 TOL = 1e-4
 WEIGHT_STD = 0.2  # transformers' init zeroes biases and sets norms to 1: redraw everything
@@ -75,7 +74,7 @@ def test_buckets_double_up_to_max_len():
 
 
 def test_a_classifier_with_two_labels_or_an_lm_head_is_refused():
-    tokenizer = char_tokenizer()
+    tokenizer = CharTokenizer.for_text()
     for head, labels in (("score", 2), ("lm", 1)):
         cfg = preset("micro", vocab_size=tokenizer.vocab_size, head=head, num_labels=labels)
         model, params = init_model(cfg, 0)
@@ -147,7 +146,7 @@ def test_scores_equal_transformers_on_the_same_texts(neox_reward_folder, max_len
     frozen = load_frozen_model(
         role,
         role_name="reward_model",
-        fallback_tokenizer=char_tokenizer(),
+        fallback_tokenizer=CharTokenizer.for_text(),
         max_seq_len=max_len,
         head="score",
     )
@@ -165,7 +164,7 @@ def test_scores_equal_transformers_on_the_same_texts(neox_reward_folder, max_len
 
 def test_from_config_builds_a_random_stand_in_with_the_policy_tokenizer():
     role = reward_model_role_config(preset_name="micro", seed=3, batch_size=4, max_len=128)
-    tokenizer = char_tokenizer()
+    tokenizer = CharTokenizer.for_text()
     reward_model = RewardModel.from_config(
         role, role_name="task.reward_model", fallback_tokenizer=tokenizer
     )

@@ -20,6 +20,7 @@ from tba_jax.config_lib import ConfigError, validate
 from tba_jax.data.tldr import whitespace_cut_points
 from tba_jax.learner import make_lr_schedule
 from tba_jax.metrics import RateMeter, TimeSplit
+from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.replay import ReplayBuffer
 from tba_jax.runs import optim_config, restore_run
 from tba_jax.runtime import SearchWorker
@@ -102,7 +103,7 @@ def test_missing_checkpoints_stop_the_run_with_the_flag_to_pass(tmp_path):
         train_and_evaluate(get_config("2.8b"), str(tmp_path))
     config = get_config(f"manual_dir={TINY_DATA_DIR}")
     with pytest.raises(ConfigError, match=r"--config\.task\.reward_model\.hf_path=/path/to/"):
-        tasks.build_task(config.task, str(tmp_path), tokenizer=tasks.char_tokenizer())
+        tasks.build_task(config.task, str(tmp_path), tokenizer=CharTokenizer.for_text())
     assert not (tmp_path / "data").exists() and not (tmp_path / "checkpoints").exists()
 
 
@@ -177,7 +178,7 @@ def test_prompts_fit_the_policy_tokenizer_budget(tmp_path, data_dir):
 
 def test_posts_the_tokenizer_cannot_encode_or_fit_are_dropped():
     record = {"subreddit": "pets", "title": "Cat", "post": "My cat sneezes a lot."}
-    tokenizer = tasks.char_tokenizer()
+    tokenizer = CharTokenizer.for_text()
     fitted = tldr_task.fitted_prompt(record, tokenizer, 60)
     assert fitted == "SUBREDDIT: r/pets\n\nTITLE: Cat\n\nPOST: My cat sneezes\n\nTL;DR:"
     assert tldr_task.fitted_prompt({**record, "post": "Caf\u00e9 cat."}, tokenizer, 500) is None
@@ -290,7 +291,8 @@ def test_tiny_variant_trains_end_to_end(sync_run):
     _, _, summary = sync_run
     assert summary["config_name"] == "tldr_pythia" and summary["learner_steps"] == TINY_STEPS
     assert summary["samples_generated"] == TINY_STEPS * 2 * 4  # steps × prompts × K
-    assert np.isfinite(summary["eval_mean_reward_start"]) and np.isfinite(summary["eval_mean_reward_end"])
+    for key in ("eval_mean_reward_start", "eval_mean_reward_end"):  # mean RM scores
+        assert np.isfinite(summary[key])
 
 
 def test_evaluate_writes_the_tldr_metrics(sync_run):

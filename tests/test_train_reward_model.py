@@ -17,8 +17,8 @@ from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
 from tba_jax.models import hf
 from tba_jax.models.frozen import load_frozen_model
+from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.rewards.reward_model import RewardModel, reward_model_role_config
-from tba_jax.tasks.base import char_tokenizer
 
 TOL = 1e-4
 FIXTURE = Path(TINY_PREFERENCES_DIR)
@@ -180,7 +180,9 @@ def test_saved_reward_model_scores_the_same_in_transformers_and_as_a_reward_mode
 
     role = reward_model_role_config(batch_size=8, max_len=max_len)
     role.hf_path = folder  # as task.reward_model.hf_path of a TL;DR run
-    ours = RewardModel.from_config(role, role_name="rm", fallback_tokenizer=char_tokenizer())
+    ours = RewardModel.from_config(
+        role, role_name="rm", fallback_tokenizer=CharTokenizer.for_text()
+    )
     scores = ours.scores(prompts, responses)
     np.testing.assert_allclose(scores, theirs, atol=TOL)
     chosen, rejected = np.split(scores, 2)

@@ -2,7 +2,9 @@
 
 `Tokenizer` is what samplers, scorers and data pipelines rely on; a Hugging Face
 wrapper implements the same protocol. `CharTokenizer` maps each character of
-a fixed alphabet to one id and is what the built-in arithmetic task trains with.
+a fixed alphabet to one id: the built-in arithmetic task and the tiny variants of the
+text tasks (`CharTokenizer.for_text()`) train with it, and `save_pretrained` writes
+it as a tokenizer.json that transformers loads.
 
 Conventions shared by every implementation:
 - `encode` returns the text's ids without special tokens unless asked
@@ -17,6 +19,8 @@ Conventions shared by every implementation:
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,6 +31,11 @@ BOS_ID = 1
 EOS_ID = 2
 NUM_SPECIAL_IDS = 3
 
+# `CharTokenizer.for_text()`: newline and printable ASCII (text tasks with a tiny policy).
+PRINTABLE_ASCII = "".join(chr(code) for code in range(ord(" "), ord("~") + 1))
+TEXT_ALPHABET = "\n" + PRINTABLE_ASCII
+# Special-token spellings of a char tokenizer saved for transformers (ids as above).
+CHAR_SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 ARITHMETIC_DIGITS = "0123456789"
 # Punctuation of the arithmetic task format (see tba_jax/data/arithmetic.py):
 # "=" ends the prompt, "," separates running totals, ">" marks the final answer.
@@ -170,6 +179,11 @@ class CharTokenizer(BatchCoding):
         """Digits, the task's operators and its punctuation."""
         return cls(ARITHMETIC_DIGITS + ops + ARITHMETIC_PUNCTUATION)
 
+    @classmethod
+    def for_text(cls) -> CharTokenizer:
+        """Newline and printable ASCII: text tasks (GSM8K, TL;DR, red-teaming) at tiny scale."""
+        return cls(TEXT_ALPHABET)
+
     @property
     def alphabet(self) -> str:
         return self._alphabet
@@ -247,3 +261,32 @@ class CharTokenizer(BatchCoding):
 
     def __repr__(self) -> str:
         return f"CharTokenizer(alphabet={self._alphabet!r})"
+
+    def to_fast_tokenizer(self):
+        """A `tokenizers.Tokenizer` with the same ids and decoding: a BPE over single
+        characters with no merges, joined back without spaces."""
+        import tokenizers
+
+        specials = list(CHAR_SPECIAL_TOKENS.values())
+        vocab = dict(zip(specials, [self.pad_id, self.bos_id, self.eos_id], strict=True))
+        vocab.update({char: self._char_to_id[char] for char in self.alphabet})
+        fast = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token=None))
+        fast.decoder = tokenizers.decoders.Fuse()
+        fast.add_special_tokens([tokenizers.AddedToken(token, special=True) for token in specials])
+        return fast
+
+    def save_pretrained(self, out_dir: str) -> list[str]:
+        """Writes tokenizer.json and tokenizer_config.json with the same ids (no BOS/EOS
+        added by default), which `HFTokenizer` and transformers load. Returns the paths."""
+        json_path = os.path.join(out_dir, "tokenizer.json")
+        self.to_fast_tokenizer().save(json_path)
+        config_path = os.path.join(out_dir, "tokenizer_config.json")
+        tokenizer_config = {
+            **CHAR_SPECIAL_TOKENS,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+        with open(config_path, "w") as f:
+            json.dump(tokenizer_config, f, indent=2)
+        return [json_path, config_path]

@@ -14,7 +14,6 @@ Importing this package registers every task module below.
 
 from tba_jax.tasks import arithmetic, gsm8k, redteam, tldr  # noqa: F401  (registers them)
 from tba_jax.tasks.base import (
-    CHAR_ALPHABET,
     CHAR_TOKENIZER,
     CHECKPOINT_TOKENIZER,
     LOCATION_KEYS,
@@ -24,7 +23,6 @@ from tba_jax.tasks.base import (
     TaskBuilder,
     TaskEvaluator,
     build_task,
-    char_tokenizer,
     fits,
     keep_fitting,
     per_sample_rewards,
@@ -37,7 +35,6 @@ from tba_jax.tasks.base import (
 )
 
 __all__ = [
-    "CHAR_ALPHABET",
     "CHAR_TOKENIZER",
     "CHECKPOINT_TOKENIZER",
     "LOCATION_KEYS",
@@ -47,7 +44,6 @@ __all__ = [
     "TaskBuilder",
     "TaskEvaluator",
     "build_task",
-    "char_tokenizer",
     "fits",
     "keep_fitting",
     "per_sample_rewards",

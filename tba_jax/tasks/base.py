@@ -118,16 +118,9 @@ def task_data_dir(task_config: ml_collections.ConfigDict, workdir: str) -> str:
 # ------------------------------------------------------------------------------ tokenizers
 
 # The tiny stand-in policies' alphabet: printable ASCII (space to "~") and newline.
-PRINTABLE_ASCII = "".join(chr(code) for code in range(ord(" "), ord("~") + 1))
-CHAR_ALPHABET = "\n" + PRINTABLE_ASCII
 # `task.tokenizer` values: the checkpoint's (model.hf_path is then required) or the chars.
 CHECKPOINT_TOKENIZER = "checkpoint"
 CHAR_TOKENIZER = "char"
-
-
-def char_tokenizer() -> CharTokenizer:
-    """A CharTokenizer over printable ASCII and newline (text tasks with a tiny policy)."""
-    return CharTokenizer(CHAR_ALPHABET)
 
 
 def task_tokenizer(
@@ -141,7 +134,7 @@ def task_tokenizer(
     if tokenizer is not None:
         return tokenizer
     if task_config.tokenizer == CHAR_TOKENIZER:
-        return char_tokenizer()
+        return CharTokenizer.for_text()
     if task_config.tokenizer == CHECKPOINT_TOKENIZER:
         raise ConfigError(
             "model.hf_path is empty but this config starts from a checkpoint; pass "
