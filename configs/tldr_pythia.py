@@ -33,7 +33,7 @@ Three local Hugging Face folders are needed at paper scale: `model.hf_path` (the
 policy, e.g. Pythia-1B-deduped SFT'd on TL;DR as in Huang et al.; its tokenizer is the
 task's), `task.reward_model.hf_path` and `task.gold_reward_model.hf_path` (scalar
 *ForSequenceClassification reward models, num_labels=1). Missing ones stop the run with
-the flag to pass. The in-training `eval_accuracy_*` are the mean reward-model scores of
+the flag to pass. The in-training `eval_mean_reward*` are the mean reward-model scores of
 greedy summaries of the first `eval.num_examples` test posts; experiments/evaluate.py
 reports the win rate (the paper evaluates on a subset of the 6,553 test posts:
 `eval.num_examples`, or `--num_examples=0` for all).

@@ -27,6 +27,7 @@ from tba_jax.models.hf_checkpoint import (
     Path,
     TensorNaming,
     TensorRule,
+    architectures_of,
     copy_rule,
     linear_rule,
     place_tensors,
@@ -89,13 +90,9 @@ DEFAULT_POOLING_MODES = ("mean",)
 def _head_of(hf_config: dict[str, Any], family: str, source: str) -> str:
     """The head `architectures` names: "classifier" or "base" (none listed: the bare encoder)."""
     known = {BASE_ARCHITECTURE[family]: "base", CLASSIFIER_ARCHITECTURE[family]: "classifier"}
-    architectures = hf_config.get("architectures") or [BASE_ARCHITECTURE[family]]
-    unknown = [name for name in architectures if name not in known]
-    if unknown:
-        raise ValueError(
-            f"architectures {unknown} in {source}/config.json are not supported; the encoder "
-            f"loads {sorted(known)} for model_type {family!r}."
-        )
+    architectures = architectures_of(
+        hf_config, family, known, BASE_ARCHITECTURE[family], f"{source}/config.json"
+    )
     return known[architectures[0]]
 
 

@@ -90,6 +90,21 @@ def read_hf_config(hf_path: str | os.PathLike[str]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------
 
 
+def architectures_of(
+    hf_config: dict[str, Any], family: str, supported: Iterable[str], default: str, source: str
+) -> list[str]:
+    """config.json's `architectures` (`[default]` when it lists none); ValueError naming
+    `source` (the config.json) when one is not in `supported` for model_type `family`."""
+    architectures = hf_config.get("architectures") or [default]
+    unknown = [name for name in architectures if name not in set(supported)]
+    if unknown:
+        raise ValueError(
+            f"architectures {unknown} in {source} are not supported for "
+            f"model_type {family!r}; tba_jax loads {sorted(set(supported))}."
+        )
+    return architectures
+
+
 def checkpoint_files(hf_path: str) -> list[str]:
     """The safetensors files of a checkpoint: from the shard index, or the single file."""
     index_path = os.path.join(hf_path, INDEX_FILENAME)

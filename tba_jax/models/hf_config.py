@@ -9,10 +9,11 @@ refuses a config whose switches the family's transformers class cannot express.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tba_jax.models.config import FAMILIES, FAMILY_DEFAULTS, ModelConfig
-from tba_jax.models.hf_checkpoint import read_hf_config
+from tba_jax.models.hf_checkpoint import CONFIG_FILENAME, architectures_of, read_hf_config
 
 CAUSAL_LM_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
@@ -85,16 +86,10 @@ def _family_of(hf: dict[str, Any]) -> str:
     return model_type
 
 
-def _head_of(hf: dict[str, Any], family: str) -> dict[str, Any]:
+def _head_of(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
     """head / num_labels from `architectures` (a missing list means a causal LM)."""
     known = {CAUSAL_LM_ARCHITECTURE[family], BASE_ARCHITECTURE[family], SCORE_ARCHITECTURE[family]}
-    architectures = hf.get("architectures") or [CAUSAL_LM_ARCHITECTURE[family]]
-    unknown = [name for name in architectures if name not in known]
-    if unknown:
-        raise ValueError(
-            f"architectures {unknown} are not supported for model_type {family!r}; "
-            f"tba_jax imports {sorted(known)}."
-        )
+    architectures = architectures_of(hf, family, known, CAUSAL_LM_ARCHITECTURE[family], source)
     if SCORE_ARCHITECTURE[family] not in architectures:
         return dict(head="lm")
     num_labels = (
@@ -229,8 +224,11 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def config_from_hf_dict(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """A ModelConfig from a parsed transformers config.json (float32 unless overridden)."""
+def config_from_hf_dict(
+    hf: dict[str, Any], source: str = CONFIG_FILENAME, **overrides: Any
+) -> ModelConfig:
+    """A ModelConfig from a parsed transformers config.json (float32 unless overridden);
+    `source` names the file in errors."""
     family = _family_of(hf)
     if family == "gpt2":
         fields = _gpt2_fields(hf)
@@ -238,7 +236,7 @@ def config_from_hf_dict(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         fields = _gpt_neox_fields(hf)
     else:
         fields = _llama_like_fields(hf, family)
-    fields.update(family=family, **_head_of(hf, family))
+    fields.update(family=family, **_head_of(hf, family, source))
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -249,7 +247,8 @@ def config_from_hf(hf_path: str, **overrides: Any) -> ModelConfig:
     Params and compute are float32 unless `overrides` say otherwise (e.g.
     `param_dtype="bfloat16"`).
     """
-    return config_from_hf_dict(read_hf_config(hf_path), **overrides)
+    source = os.path.join(hf_path, CONFIG_FILENAME)
+    return config_from_hf_dict(read_hf_config(hf_path), source, **overrides)
 
 
 def unrepresentable_switches(cfg: ModelConfig) -> list[str]:
