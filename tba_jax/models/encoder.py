@@ -38,22 +38,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax.models.config import DTYPES
 from tba_jax.models.encoder_checkpoint import (
     BASE_ARCHITECTURE,
     CLASSIFIER_ARCHITECTURE,
     DEFAULT_POOLING_MODES,
-    FAMILIES,
-    HEADS,
     POOLING_MODE_KEYS,
     encoder_fields_from_hf,
     id2label_from_hf,
     load_encoder_params,
     read_sentence_modules,
 )
+from tba_jax.models.encoder_config import EncoderConfig
 from tba_jax.models.encoder_tokenizer import load_tokenizer, lowercases_texts, max_length_of
 from tba_jax.models.hf_checkpoint import Params, read_hf_config
 
+# The functions of `encoder_config.ACTIVATION_NAMES`.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
@@ -73,62 +72,6 @@ MIN_LENGTH_BUCKET = 16
 # ----------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class EncoderConfig:
-    """The architecture of a BERT / RoBERTa checkpoint (from its config.json).
-
-    `head`: "base" (BertModel / RobertaModel: hidden states only) or "classifier"
-    (*ForSequenceClassification: `num_labels` logits from the first token).
-    """
-
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    type_vocab_size: int
-    layer_norm_eps: float
-    pad_token_id: int
-    activation: str
-    head: str
-    num_labels: int
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r}; supported encoder families: {FAMILIES}.")
-        if self.head not in HEADS:
-            raise ValueError(f"head={self.head!r}; expected one of {HEADS}.")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"hidden_act={self.activation!r} is not supported; "
-                f"the encoder implements {sorted(ACTIVATIONS)}."
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; expected one of {sorted(DTYPES)}.")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_heads}."
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def position_offset(self) -> int:
-        """The position id of the first token (RoBERTa counts from pad_token_id + 1)."""
-        return self.pad_token_id + 1 if self.family == "roberta" else 0
-
-    @property
-    def max_tokens(self) -> int:
-        """The longest input the position embeddings can hold."""
-        return self.max_position_embeddings - self.position_offset
 
 
 # ----------------------------------------------------------------------------------------

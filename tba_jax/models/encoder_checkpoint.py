@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tba_jax.models.config import DTYPES
+from tba_jax.models.encoder_config import FAMILIES, EncoderConfig
 from tba_jax.models.hf_checkpoint import (
     Params,
     Path,
@@ -36,16 +37,11 @@ from tba_jax.models.hf_checkpoint import (
     read_tensors,
 )
 
-if TYPE_CHECKING:
-    from tba_jax.models.encoder import EncoderConfig
-
-FAMILIES = ("bert", "roberta")
 BASE_ARCHITECTURE = {"bert": "BertModel", "roberta": "RobertaModel"}
 CLASSIFIER_ARCHITECTURE = {
     "bert": "BertForSequenceClassification",
     "roberta": "RobertaForSequenceClassification",
 }
-HEADS = ("base", "classifier")
 # transformers' BertConfig defaults, for config.json files that leave a field out.
 HF_CONFIG_DEFAULTS = {
     "type_vocab_size": 2,
