@@ -2,7 +2,7 @@ r"""Evaluates a training run's policy on its task's test split and writes the me
 
     python experiments/evaluate.py --workdir=/ckpt/tba_gsm8k
     python experiments/evaluate.py --workdir=/tmp/tba_demo --num_samples=8 --ks=1,4,8 \
-        --checkpoint_step=100 --out=/tmp/tba_demo/eval_100.json
+        --checkpoint_step=100
     # the same, naming the checkpoint folder itself (its run's workdir is two levels up)
     python experiments/evaluate.py --config=configs/arithmetic.py \
         --checkpoint=/tmp/tba_demo/checkpoints/100
@@ -10,18 +10,36 @@ r"""Evaluates a training run's policy on its task's test split and writes the me
 The run's config comes from `<workdir>/config.json` (written when training started);
 `--config=path[:variant]` replaces it (it must describe the same experiment; settings
 that only change evaluation, such as TL;DR's gold reward model, may differ). The task's
-metrics go to `--out` (default `<workdir>/eval.json`) with the config's name and the
-checkpoint step: for verifiable tasks (arithmetic, GSM8K) greedy pass@1 and pass@k from
+metrics: for verifiable tasks (arithmetic, GSM8K) greedy pass@1 and pass@k from
 `--num_samples` sampled responses per problem at the config's sampling temperature; for
 TL;DR the win rate under the gold reward model, reference perplexity and KL; for
 red-teaming % toxic and diversity of `--num_samples` attacks. Defaults
 of the flags come from the config's `eval` section (`max_new_tokens`, `num_samples`,
 `ks`, `num_examples`, `batch_size`); configs without them (the built-in arithmetic
 task) use the run's `max_response_len` and this file's fallbacks.
+
+Evaluations never replace one another. Each goes to its own file in the run's workdir:
+
+    evals/step_<step>.json        the default evaluation of a checkpoint step: the run's
+                                  config.json and no flags (flags equal to it count as none)
+    evals/step_<step>_<id>.json   the same step with other settings (flags, or a --config
+                                  that differs); <id>: 8 hex digits of the settings' hash
+    eval.json                     a copy of the default evaluation of the run's latest
+                                  step; an older step's evaluation never replaces it
+
+Every file holds its `step`, `settings_id` ("default" or the <id>) and `settings`: the
+evaluation settings and `config_changes` (each key where --config differs from the run's
+config.json, with the value used). Running the same evaluation again rewrites its own
+file. `--out=path` writes the result there instead, and refuses a file that holds an
+evaluation of another step or settings. The last line on stdout is JSON naming the
+files written.
 """
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import sys
 
 from absl import app, flags, logging
@@ -32,10 +50,16 @@ from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, CheckpointMisma
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
 
-OUT_FILENAME = "eval.json"
+OUT_FILENAME = "eval.json"  # the default evaluation of the run's latest step
+EVALS_SUBDIR = "evals"  # every evaluation: one file per step and settings
+DEFAULT_SETTINGS_ID = "default"
+SETTINGS_ID_HEX_DIGITS = 8
 # For configs whose `eval` section does not say (e.g. configs/arithmetic.py).
 FALLBACK_NUM_SAMPLES = 16
 FALLBACK_KS = (1, 4, 16)
+# Config keys that name a config rather than set anything (each value a variant sets shows
+# in its own key): left out of an evaluation's config_changes.
+LABEL_KEYS = ("variant",)
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's workdir.")
 _CHECKPOINT = flags.DEFINE_string(
@@ -54,7 +78,32 @@ _NUM_SAMPLES = flags.DEFINE_integer(
 _KS = flags.DEFINE_list("ks", None, "The k of pass@k, e.g. 1,4,16 (each <= num_samples).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Response length limit.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "First N test problems; 0: all.")
-_OUT = flags.DEFINE_string("out", None, f"Output JSON; default: <workdir>/{OUT_FILENAME}.")
+_OUT = flags.DEFINE_string(
+    "out",
+    None,
+    f"Output JSON instead of <workdir>/{EVALS_SUBDIR}/step_<step>[_<id>].json (and "
+    f"<workdir>/{OUT_FILENAME}).",
+)
+
+
+class OutputConflictError(Exception):
+    """The output file holds another evaluation, which must not be replaced."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalIdentity:
+    """What an evaluation's result depends on: the checkpoint step and the settings."""
+
+    step: int
+    settings_id: str  # DEFAULT_SETTINGS_ID or a hash of `settings`
+    settings: dict  # settings_record(...)
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "settings_id": self.settings_id, "settings": self.settings}
+
+    def matches(self, stored: dict) -> bool:
+        """Whether `stored` (an evaluation's JSON) is an evaluation of this step and settings."""
+        return stored.get("step") == self.step and stored.get("settings") == self.settings
 
 
 def run_and_step(workdir: str | None, checkpoint: str | None, step: int | None):
@@ -82,28 +131,46 @@ def run_and_step(workdir: str | None, checkpoint: str | None, step: int | None):
     return derived_workdir, derived_step
 
 
-def flag_or(flag, default):
-    """The flag's value when given, else `default`."""
-    return default if flag.value is None else flag.value
+# ------------------------------------------------------------------------ settings
 
 
-def eval_settings(config) -> tasks.EvalSettings:
-    """The config's eval section and sampling settings, overridden by the flags."""
+def parse_ks(values: list[str]) -> tuple[int, ...]:
+    """['1', '4'] -> (1, 4); ConfigError for anything that is not an integer."""
+    try:
+        return tuple(int(value) for value in values)
+    except ValueError:
+        raise ConfigError(f"--ks={','.join(values)} must be integers, e.g. 1,4,16.") from None
+
+
+def flag_overrides() -> dict:
+    """The evaluation settings given as flags, by their EvalSettings field name."""
+    given = {
+        "max_new_tokens": _MAX_NEW_TOKENS.value,
+        "num_examples": _NUM_EXAMPLES.value,
+        "num_samples": _NUM_SAMPLES.value,
+        "ks": parse_ks(_KS.value) if _KS.value else None,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def eval_settings(config, overrides: dict | None = None) -> tasks.EvalSettings:
+    """The config's eval section and sampling settings, with `overrides` (flag values by
+    field name) in place of theirs."""
     eval_config = config.eval
-    ks = _KS.value or eval_config.get("ks", FALLBACK_KS)
+    from_config = {
+        "max_new_tokens": eval_config.get("max_new_tokens", config.max_response_len),
+        "num_examples": eval_config.num_examples,
+        "num_samples": eval_config.get("num_samples", FALLBACK_NUM_SAMPLES),
+        "ks": tuple(int(k) for k in eval_config.get("ks", FALLBACK_KS)),
+    }
     return tasks.EvalSettings(
         max_prompt_len=config.max_prompt_len,
-        max_new_tokens=flag_or(
-            _MAX_NEW_TOKENS, eval_config.get("max_new_tokens", config.max_response_len)
-        ),
-        num_examples=flag_or(_NUM_EXAMPLES, eval_config.num_examples),
         batch_size=eval_config.batch_size,
-        num_samples=flag_or(_NUM_SAMPLES, eval_config.get("num_samples", FALLBACK_NUM_SAMPLES)),
-        ks=tuple(int(k) for k in ks),
         temperature=config.sampling.temperature,
         top_k=config.sampling.top_k,
         top_p=config.sampling.top_p,
         seed=config.seed,
+        **{**from_config, **(overrides or {})},
     )
 
 
@@ -120,10 +187,140 @@ def check_settings(settings: tasks.EvalSettings) -> None:
             raise ConfigError(str(error)) from None
 
 
-def resolve_step(config, workdir: str, step: int | None) -> int:
-    """`step`, or the workdir's latest checkpoint step when None."""
-    if step is not None:
-        return step
+def flat_config(config) -> dict:
+    """The config as {dotted key: JSON value} (tuples become lists, as in config.json)."""
+
+    def leaves(value, prefix: str):
+        if not isinstance(value, dict):
+            yield prefix, value
+            return
+        for key, item in value.items():
+            yield from leaves(item, f"{prefix}.{key}" if prefix else key)
+
+    return dict(leaves(json.loads(config.to_json_best_effort()), ""))
+
+
+def config_changes(run_config, eval_config) -> dict:
+    """{dotted key: the evaluation's value} for each key but LABEL_KEYS where `eval_config`
+    differs from the run's config (None: a key the evaluation's config lacks)."""
+    run, used = flat_config(run_config), flat_config(eval_config)
+    keys = (run.keys() | used.keys()) - set(LABEL_KEYS)
+    differing = (key for key in keys if run.get(key) != used.get(key))
+    return {key: used.get(key) for key in sorted(differing)}
+
+
+def settings_record(settings: tasks.EvalSettings, changes: dict) -> dict:
+    """Everything besides the step that an evaluation's result depends on, as JSON values."""
+    return {**dataclasses.asdict(settings), "ks": list(settings.ks), "config_changes": changes}
+
+
+def settings_id(record: dict, default_record: dict) -> str:
+    """DEFAULT_SETTINGS_ID for the default settings, else a short hash of `record`."""
+    if record == default_record:
+        return DEFAULT_SETTINGS_ID
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    return digest[:SETTINGS_ID_HEX_DIGITS]
+
+
+def eval_identity(run_config, eval_config, settings, step: int) -> EvalIdentity:
+    """The identity of evaluating `step` with `settings` and `eval_config` (which may be
+    --config), against the default: the run's own config and no flags."""
+    record = settings_record(settings, config_changes(run_config, eval_config))
+    default_record = settings_record(eval_settings(run_config), {})
+    return EvalIdentity(step, settings_id(record, default_record), record)
+
+
+# ------------------------------------------------------------------------ output files
+
+
+def eval_path(workdir: str, identity: EvalIdentity) -> str:
+    """<workdir>/evals/step_<step>.json, or step_<step>_<settings id>.json."""
+    suffix = "" if identity.settings_id == DEFAULT_SETTINGS_ID else f"_{identity.settings_id}"
+    return os.path.join(workdir, EVALS_SUBDIR, f"step_{identity.step}{suffix}.json")
+
+
+def stored_evaluation(path: str) -> dict | None:
+    """The JSON object in `path`; None when there is no file or it holds something else."""
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def describe(stored: dict | None) -> str:
+    """What a stored file holds, for error messages."""
+    if stored is None or "step" not in stored:
+        return "something other than an evaluation"
+    settings_id = stored.get("settings_id", "not recorded")
+    return f"the evaluation of step {stored.get('step')} (settings {settings_id})"
+
+
+def check_replaceable(path: str, identity: EvalIdentity) -> None:
+    """OutputConflictError when `path` exists and holds anything but an evaluation of the
+    same step and settings (which re-running may rewrite)."""
+    if not os.path.exists(path):
+        return
+    stored = stored_evaluation(path)
+    if stored is None or not identity.matches(stored):
+        raise OutputConflictError(
+            f"{path} holds {describe(stored)}, not one of step {identity.step} with settings "
+            f"{identity.settings_id}; pass another --out, or remove {path} to replace it."
+        )
+
+
+def is_latest_default(stored: dict | None) -> bool:
+    """Whether `stored` is what eval.json holds in this layout: a default evaluation."""
+    return stored is not None and stored.get("settings_id") == DEFAULT_SETTINGS_ID
+
+
+def updates_latest_default(path: str, identity: EvalIdentity, latest_step: int) -> bool:
+    """Whether `identity`'s result becomes <workdir>/eval.json: a default evaluation of the
+    run's latest step, and `path` holds no default evaluation of a newer step."""
+    if identity.settings_id != DEFAULT_SETTINGS_ID or identity.step != latest_step:
+        return False
+    stored = stored_evaluation(path)
+    return not is_latest_default(stored) or stored.get("step", -1) <= identity.step
+
+
+def set_aside_unrecorded(path: str, workdir: str) -> str | None:
+    """Copies a file at `path` that is not a default evaluation in this layout (one written
+    before it, without its settings) into evals/ as step_<step>_unrecorded_<hash>.json, so
+    replacing `path` loses nothing; returns the copy's path (None: nothing to keep)."""
+    stored = stored_evaluation(path)
+    if not os.path.exists(path) or is_latest_default(stored):
+        return None
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:SETTINGS_ID_HEX_DIGITS]
+    step = (stored or {}).get("step", "unknown")
+    copy = os.path.join(workdir, EVALS_SUBDIR, f"step_{step}_unrecorded_{digest}.json")
+    os.makedirs(os.path.dirname(copy), exist_ok=True)
+    shutil.copyfile(path, copy)
+    return copy
+
+
+def write_result(workdir: str, out: str | None, result: dict, latest_step: int) -> list[str]:
+    """Writes `result` to `out`, or to its evals/ file and (for the default evaluation of
+    the latest step) eval.json; returns the paths written."""
+    identity = EvalIdentity(result["step"], result["settings_id"], result["settings"])
+    if out is not None:
+        return [write_json_atomically(out, result)]
+    written = [write_json_atomically(eval_path(workdir, identity), result)]
+    latest_default = os.path.join(workdir, OUT_FILENAME)
+    if updates_latest_default(latest_default, identity, latest_step):
+        kept = set_aside_unrecorded(latest_default, workdir)
+        if kept is not None:
+            logging.warning("Kept the earlier %s as %s.", latest_default, kept)
+        written.append(write_json_atomically(latest_default, result))
+    return written
+
+
+# ------------------------------------------------------------------------ evaluation
+
+
+def latest_checkpoint_step(config, workdir: str) -> int:
+    """The workdir's latest checkpoint step (the checkpoints must be of `config`'s run)."""
     identity = runs.experiment_identity(config, runs.stored_model_config(workdir))
     with Checkpointer(workdir, experiment=identity) as checkpointer:
         latest = checkpointer.latest_step()
@@ -132,11 +329,11 @@ def resolve_step(config, workdir: str, step: int | None) -> int:
     return latest
 
 
-def evaluate_run(config, workdir: str, step: int | None, settings) -> dict:
-    """The metrics of the run's policy at `step` (latest: None) on its task's test split."""
-    step = resolve_step(config, workdir, step)
+def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict:
+    """The metrics of the run's policy at `identity.step` on its task's test split, with
+    the evaluation's identity (step, settings id, settings)."""
     task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
-    run = runs.restore_run(config, workdir, step)
+    run = runs.restore_run(config, workdir, identity.step)
     metrics = evaluation.evaluate_policy(
         run.model, run.params, task, settings, reference_params=run.reference_params
     )
@@ -144,7 +341,7 @@ def evaluate_run(config, workdir: str, step: int | None, settings) -> dict:
         "config_name": config.name,
         "variant": config.get("variant", ""),
         "task": task.name,
-        "step": step,
+        **identity.as_dict(),
         "policy_version": int(run.metadata["policy_version"]),
         **metrics,
     }
@@ -155,15 +352,23 @@ def main(argv):
     logging.set_verbosity(logging.INFO)
     try:
         workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
-        config = _CONFIG.value or runs.load_config(workdir)
-        settings = eval_settings(config)
+        run_config = runs.load_config(workdir)
+        config = _CONFIG.value or run_config
+        settings = eval_settings(config, flag_overrides())
         check_settings(settings)
-        result = evaluate_run(config, workdir, step, settings)
-    except (ConfigError, CheckpointMismatchError, FileNotFoundError) as error:
+        latest_step = latest_checkpoint_step(config, workdir)
+        identity = eval_identity(
+            run_config, config, settings, latest_step if step is None else step
+        )
+        check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
+        result = evaluate_run(config, workdir, identity, settings)
+    except (ConfigError, CheckpointMismatchError, FileNotFoundError, OutputConflictError) as error:
         sys.exit(f"error: {error}")
-    out = _OUT.value or os.path.join(workdir, OUT_FILENAME)
-    write_json_atomically(out, result)
-    logging.info("Wrote %s: %s", out, json.dumps(result, sort_keys=True))
+    written = write_result(workdir, _OUT.value, result, latest_step)
+    logging.info("Wrote %s: %s", ", ".join(written), json.dumps(result, sort_keys=True))
+    print(
+        json.dumps({"step": identity.step, "settings_id": identity.settings_id, "files": written})
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,13 +221,28 @@ def run_evaluate(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@requires_gsm8k
-def test_evaluate_writes_greedy_and_sampled_metrics_of_a_run(async_run):
+def files_written(result: subprocess.CompletedProcess) -> list[str]:
+    """The files evaluate.py says it wrote (its last stdout line)."""
+    return json.loads(result.stdout.strip().splitlines()[-1])["files"]
+
+
+@pytest.fixture(scope="module")
+def default_evaluation(async_run):
+    """The run's default evaluation (its latest step, no flags), run once."""
     workdir, _ = async_run
     result = run_evaluate(f"--workdir={workdir}")
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(workdir, "eval.json")) as f:
+    return workdir, result
+
+
+@requires_gsm8k
+def test_evaluate_writes_greedy_and_sampled_metrics_of_a_run(default_evaluation):
+    workdir, result = default_evaluation
+    latest_default = os.path.join(workdir, "eval.json")
+    assert files_written(result) == [os.path.join(workdir, "evals", "step_4.json"), latest_default]
+    with open(latest_default) as f:
         metrics = json.load(f)
+    assert metrics["settings_id"] == "default" and metrics["settings"]["config_changes"] == {}
     assert metrics["config_name"] == "gsm8k_rho1b" and metrics["task"] == "gsm8k"
     assert metrics["step"] == TINY_STEPS and metrics["num_problems"] == 8
     assert metrics["max_new_tokens"] == 128 and metrics["num_samples"] == 4  # the tiny eval
@@ -249,6 +265,27 @@ def test_evaluate_flags_pick_the_checkpoint_samples_and_output(async_run, tmp_pa
     assert metrics["step"] == 2 and metrics["policy_version"] == 2
     assert metrics["max_new_tokens"] == 16 and metrics["greedy_response_length"] <= 16
     assert not [key for key in metrics if key.startswith("pass@")]
+
+
+@requires_gsm8k
+def test_evaluate_of_another_step_or_settings_replaces_no_other_file(default_evaluation):
+    workdir, _ = default_evaluation
+    evals = Path(workdir) / "evals"
+    latest_default = json.loads((Path(workdir) / "eval.json").read_text())
+    older = run_evaluate(f"--checkpoint={os.path.join(workdir, 'checkpoints', '2')}")
+    assert older.returncode == 0, older.stderr[-3000:]
+    assert files_written(older) == [str(evals / "step_2.json")]  # not eval.json
+    other = run_evaluate(f"--workdir={workdir}", "--num_samples=0", "--max_new_tokens=16")
+    assert other.returncode == 0, other.stderr[-3000:]
+    [other_file] = [os.path.basename(path) for path in files_written(other)]
+    assert re.fullmatch(r"step_4_[0-9a-f]{8}\.json", other_file)  # step and settings id
+    for name, step in (("step_2.json", 2), ("step_4.json", 4), (other_file, 4)):
+        assert json.loads((evals / name).read_text())["step"] == step
+    settings = json.loads((evals / other_file).read_text())["settings"]
+    assert settings["num_samples"] == 0 and settings["max_new_tokens"] == 16
+    # eval.json is still the default evaluation of the latest step.
+    assert json.loads((Path(workdir) / "eval.json").read_text()) == latest_default
+    assert json.loads((evals / "step_4.json").read_text()) == latest_default
 
 
 @requires_gsm8k

@@ -95,7 +95,10 @@ def test_tiny_llama_trains_and_evaluates_with_a_generative_judge(tmp_path, data_
     assert summary["eval_mean_reward_start"] < 0.0  # the greedy attack's mean toxic log-prob
     result = run_script("evaluate.py", f"--workdir={tmp_path}", "--num_samples=16")
     assert result.returncode == 0, result.stderr[-3000:]
-    check_red_teaming_metrics(json.loads((tmp_path / "eval.json").read_text()), 16, 48)
+    # Not the default number of attacks: its own file, named on evaluate.py's last line.
+    [written] = json.loads(result.stdout.strip().splitlines()[-1])["files"]
+    assert Path(written).parent == tmp_path / "evals" and not (tmp_path / "eval.json").exists()
+    check_red_teaming_metrics(json.loads(Path(written).read_text()), 16, 48)
 
 
 def test_sweep_cli_reports_a_sync_config_in_one_line(tmp_path):
