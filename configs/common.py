@@ -167,6 +167,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.eval.every_steps = 0  # 0: only at the start and the end
 
     config.log_every = 10
+    # A learner step whose loss or gradient is not finite is skipped (params and optimiser
+    # state unchanged); this many skipped in a row stop the run with an error.
+    config.max_nonfinite_steps = 10
     config.checkpoint_every = None
     config.keep_checkpoints = 2
     config.progress_bar = True

@@ -24,6 +24,7 @@ import io
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +40,8 @@ BUFFER_ITEM = "buffer"
 METADATA_ITEM = "metadata"
 BUFFER_FILENAME_FORMAT = "buffer_process_{process_index}.npz"
 PRIMARY_PROCESS_INDEX = 0
+# Checkpoints that failed to restore are moved here (never deleted).
+SET_ASIDE_SUBDIR = "checkpoints_set_aside"
 MAX_DIFFERENCES_SHOWN = 3
 
 
@@ -155,11 +158,31 @@ def _holds_step_directories(directory: epath.Path) -> bool:
     )
 
 
-def _check_experiment(workdir: str, directory: epath.Path, experiment: Any) -> None:
-    """Raises CheckpointMismatchError if `directory` belongs to another experiment."""
+def _held_experiment(workdir: str, experiment_path: epath.Path) -> Any:
+    """The experiment identity a workdir's checkpoints were written for."""
+    try:
+        return json.loads(experiment_path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointMismatchError(
+            f"{experiment_path} is unreadable ({error}); it names the experiment the "
+            f"checkpoints in {workdir} belong to, so they cannot be resumed safely. Restore the "
+            "file from a copy, or pass another --workdir."
+        ) from None
+
+
+def _check_experiment(
+    workdir: str, directory: epath.Path, experiment: Any, ignored_keys: tuple[str, ...] = ()
+) -> None:
+    """Raises CheckpointMismatchError if `directory` belongs to another experiment
+    (comparing every key of the identity but `ignored_keys`)."""
     experiment_path = directory / EXPERIMENT_FILENAME
     if experiment_path.exists():
-        held = json.loads(experiment_path.read_text())
+        held = _held_experiment(workdir, experiment_path)
+        if isinstance(held, dict) and ignored_keys:
+            held = {key: value for key, value in held.items() if key not in ignored_keys}
+            experiment = {
+                key: value for key, value in experiment.items() if key not in ignored_keys
+            }
         if held != experiment:
             raise CheckpointMismatchError(
                 f"Workdir {workdir} holds checkpoints of another experiment (held vs asked: "
@@ -171,6 +194,14 @@ def _check_experiment(workdir: str, directory: epath.Path, experiment: Any) -> N
             f"Workdir {workdir} holds checkpoints with no {EXPERIMENT_FILENAME}, so they may "
             f"belong to another experiment; pass another --workdir or delete {directory}."
         )
+
+
+def check_experiment(workdir: str, experiment: dict, ignored_keys: tuple[str, ...] = ()) -> None:
+    """The experiment check of `Checkpointer`, without creating anything: a run can refuse
+    a workdir of another experiment before it writes a byte (`ignored_keys`: parts of the
+    identity not known yet, checked again when the Checkpointer is made)."""
+    directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
+    _check_experiment(workdir, directory, _canonical_json(experiment, "experiment"), ignored_keys)
 
 
 def _write_text_atomically(path: epath.Path, text: str) -> None:
@@ -284,7 +315,7 @@ class Checkpointer:
         if not jax.tree.leaves(train_state):
             raise ValueError("train_state has no leaves; pass the learner's train-state pytree.")
         _validate_buffer_state(buffer_state)
-        self._write_experiment_once()
+        self.write_experiment()
         return self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -349,7 +380,19 @@ class Checkpointer:
             )
         return step
 
-    def _write_experiment_once(self) -> None:
+    def set_aside(self, step: int) -> str:
+        """Moves `step`'s checkpoint (one that fails to restore) out of the checkpoint
+        directory into `workdir/SET_ASIDE_SUBDIR`, keeping it for inspection; returns where."""
+        self._manager.wait_until_finished()
+        aside = epath.Path(self.workdir) / SET_ASIDE_SUBDIR
+        aside.mkdir(parents=True, exist_ok=True)
+        target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        (self.directory / str(step)).rename(target)
+        self._manager.reload()
+        return str(target)
+
+    def write_experiment(self) -> None:
+        """Writes experiment.json (once), which later runs in this workdir are checked against."""
         if self._experiment_written:
             return
         if jax.process_index() == PRIMARY_PROCESS_INDEX:
@@ -360,43 +403,83 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------
-# SIGTERM: ask the training loop to save and exit.
+# SIGTERM and Ctrl-C: ask the run to save and stop at its next safe point.
 # --------------------------------------------------------------------------------------
 
 
+class RunStopped(Exception):
+    """Raised at a safe point of a run after SIGTERM or Ctrl-C asked it to stop."""
+
+
 class StopSignal:
-    """A flag the training loop polls; `request` is safe to call from a signal handler."""
+    """A flag the run polls at safe points; `request` is safe to call from a signal handler."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self.reason = ""
 
     @property
     def requested(self) -> bool:
         return self._event.is_set()
 
-    def request(self) -> None:
+    def request(self, reason: str = "a stop request") -> None:
+        self.reason = self.reason or reason
         self._event.set()
 
+    def raise_if_requested(self) -> None:
+        """RunStopped when a stop was asked for; call it where stopping loses nothing."""
+        if self.requested:
+            raise RunStopped(self.reason)
 
-def install_sigterm_handler(callback: Callable[[], None]) -> Callable[[], None]:
-    """Calls `callback()` on SIGTERM; returns a function that restores the previous handler.
+
+STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+
+
+def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
+    """SIGTERM and Ctrl-C (SIGINT) set `stop` instead of killing the process, so the run
+    saves at its next safe point (never in the middle of a step). A second Ctrl-C raises
+    KeyboardInterrupt as usual. Returns a function that restores the previous handlers.
 
     Must be called from the main thread (Python delivers signals only there).
-    Typical use: ``stop = StopSignal(); restore = install_sigterm_handler(stop.request)``.
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
-            "install_sigterm_handler must be called from the main thread; call it before "
+            "install_stop_handlers must be called from the main thread; call it before "
             "starting worker threads."
         )
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
 
-    def handle_sigterm(signum: int, frame: object) -> None:
-        del signum, frame
-        callback()
+    def handle(signum: int, frame: object) -> None:
+        del frame
+        stop.request(STOP_SIGNALS[signum])
+        if signum == signal.SIGINT:  # the next Ctrl-C quits at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    previous_handler = signal.signal(signal.SIGTERM, handle_sigterm)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, handle)
 
-    def restore_previous_handler() -> None:
-        signal.signal(signal.SIGTERM, previous_handler)
+    def restore_previous_handlers() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
-    return restore_previous_handler
+    return restore_previous_handlers
+
+
+# --------------------------------------------------------------------------------------
+# A pytree on its own (the warm start's progress), outside the run's step checkpoints.
+# --------------------------------------------------------------------------------------
+
+
+def save_pytree(directory: str, tree: Any) -> None:
+    """Saves `tree` (arrays) to a new `directory` with orbax, atomically (written to a
+    temporary folder and renamed when complete); waits until it is on disk."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(epath.Path(directory), tree)
+        checkpointer.wait_until_finished()
+
+
+def restore_pytree(directory: str, template: Any) -> Any:
+    """The pytree `save_pytree` wrote, on the shardings of `template` (ShapeDtypeStructs or
+    arrays)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(epath.Path(directory), _abstract_train_state(template))

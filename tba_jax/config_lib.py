@@ -13,13 +13,21 @@ any long work starts and raises `ConfigError` with a one-line message.
 from __future__ import annotations
 
 import ast
+import dataclasses
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import ml_collections
 
 from tba_jax import mesh as mesh_lib
-from tba_jax.losses import get_loss, registered_losses
+from tba_jax.losses import BETA_SCHEDULE_KINDS, get_loss, registered_losses
+from tba_jax.models.config import DTYPES
+from tba_jax.replay import PRIORITIES
+
+LR_SCHEDULES = ("constant", "linear", "wsd")
+MAX_LEARNING_RATE = 1.0  # above this an Adam step moves every weight by more than 1
 
 
 class ConfigError(ValueError):
@@ -109,24 +117,140 @@ def apply_variant(
     return config
 
 
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+    """The values a config key may take, and how an error message says so."""
+
+    check: Callable[[Any], bool]
+    description: str  # completes "... must be <description>."
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def integer_at_least(low: int) -> Allowed:
+    return Allowed(lambda v: _is_integer(v) and v >= low, f"an integer >= {low}")
+
+
+def number_above(low: float) -> Allowed:
+    return Allowed(lambda v: _is_number(v) and v > low, f"a finite number > {low}")
+
+
+def number_at_least(low: float) -> Allowed:
+    return Allowed(lambda v: _is_number(v) and v >= low, f"a finite number >= {low}")
+
+
+def number_in(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """A number in the interval from `low` to `high`, each end closed unless said open."""
+
+    def check(value: Any) -> bool:
+        if not _is_number(value):
+            return False
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return above and below
+
+    brackets = ("(" if low_open else "[", ")" if high_open else "]")
+    return Allowed(check, f"a number in {brackets[0]}{low}, {high}{brackets[1]}")
+
+
+def one_of(choices) -> Allowed:
+    return Allowed(lambda v: v in tuple(choices), f"one of {list(choices)}")
+
+
+BOOLEAN = Allowed(lambda v: isinstance(v, bool), "true or false")
+
+# Every range a training config's values can take (configs/common.py's keys). Cross-key
+# rules (K <= S, batch shapes over devices, ...) are checked in `validate` itself.
+RANGES: dict[str, Allowed] = {
+    "seed": integer_at_least(0),
+    "mode": one_of(("async", "sync")),
+    "learner_steps": integer_at_least(1),
+    "sync_period": integer_at_least(1),
+    "max_prompt_len": integer_at_least(1),
+    "max_response_len": integer_at_least(1),
+    "model.dtype": one_of(sorted(DTYPES)),
+    "model.param_dtype": one_of(sorted(DTYPES)),
+    "warm_start.steps": integer_at_least(0),
+    "warm_start.batch_size": integer_at_least(1),
+    "warm_start.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
+    "warm_start.warmup_steps": integer_at_least(0),
+    "sampling.temperature": number_above(0),
+    "sampling.top_k": integer_at_least(0),
+    "sampling.top_p": number_in(0, 1, low_open=True),
+    "loss.beta_schedule": one_of(BETA_SCHEDULE_KINDS),
+    "loss.beta_start": number_above(0),
+    "loss.beta_end": number_above(0),
+    "loss.beta_anneal_steps": integer_at_least(0),
+    "batch.prompts_per_batch": integer_at_least(1),
+    "batch.samples_per_prompt": integer_at_least(2),
+    "batch.samples_generated_per_prompt": integer_at_least(2),
+    "batch.num_microbatches": integer_at_least(1),
+    "replay.capacity": integer_at_least(1),
+    "replay.capacity_per_prompt": integer_at_least(1),
+    "replay.recency_prob": number_in(0, 1),
+    "replay.priority": one_of(PRIORITIES),
+    "replay.priority_inverse_temperature": number_at_least(0),
+    "replay.min_prompts": integer_at_least(1),
+    "search.num_searchers": integer_at_least(1),
+    "search.prompts_per_call": integer_at_least(1),
+    "search.score_rows_per_chunk": integer_at_least(0),
+    "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
+    "optim.schedule": one_of(LR_SCHEDULES),
+    "optim.warmup_steps": integer_at_least(0),
+    "optim.decay_fraction": number_in(0, 1),
+    "optim.end_lr_fraction": number_in(0, 1),
+    "optim.weight_decay": number_at_least(0),
+    "optim.b1": number_in(0, 1, high_open=True),
+    "optim.b2": number_in(0, 1, high_open=True),
+    "optim.eps": number_above(0),
+    "optim.grad_clip_norm": number_at_least(0),
+    "eval.num_examples": integer_at_least(0),
+    "eval.batch_size": integer_at_least(1),
+    "eval.every_steps": integer_at_least(0),
+    "log_every": integer_at_least(1),
+    "checkpoint_every": integer_at_least(1),
+    "keep_checkpoints": integer_at_least(1),
+    "progress_bar": BOOLEAN,
+    "max_nonfinite_steps": integer_at_least(1),
+}
+
+
+def _lookup(config: ml_collections.ConfigDict, path: str) -> tuple[bool, Any]:
+    """(whether `path` is in `config`, its value)."""
+    node: Any = config
+    for part in path.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def check_ranges(config: ml_collections.ConfigDict, ranges: Mapping[str, Allowed]) -> None:
+    """ConfigError naming the first key whose value is outside its range (keys the config
+    does not have are skipped)."""
+    for path, allowed in ranges.items():
+        present, value = _lookup(config, path)
+        if present and not allowed.check(value):
+            raise ConfigError(f"{path}={value!r} must be {allowed.description}.")
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Raises ConfigError for settings that cannot work. Cheap: runs before any long work."""
-    if config.mode not in ("async", "sync"):
-        raise ConfigError(f"mode={config.mode!r} must be 'async' or 'sync'.")
+    check_ranges(config, RANGES)
     if config.method not in registered_losses():
         raise ConfigError(f"method={config.method!r} is not one of {registered_losses()}.")
     batch = config.batch
-    if batch.samples_per_prompt < 2:
-        raise ConfigError(f"batch.samples_per_prompt={batch.samples_per_prompt} must be >= 2.")
     if batch.samples_per_prompt > batch.samples_generated_per_prompt:
         raise ConfigError(
             f"K (batch.samples_per_prompt={batch.samples_per_prompt}) is larger than the "
             f"samples generated per prompt (batch.samples_generated_per_prompt="
             f"{batch.samples_generated_per_prompt}); raise the latter or lower K."
-        )
-    if not 0.0 <= config.replay.recency_prob <= 1.0:
-        raise ConfigError(
-            f"m (replay.recency_prob={config.replay.recency_prob}) must be in [0, 1]."
         )
     if config.mode == "async" and get_loss(config.method).on_policy:
         raise ConfigError(
@@ -158,10 +282,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
                 "pass a local folder saved with save_pretrained."
             )
     check_score_chunks(config)
-    if config.sync_period < 1:
-        raise ConfigError(f"sync_period={config.sync_period} must be >= 1.")
-    if config.learner_steps < 1:
-        raise ConfigError(f"learner_steps={config.learner_steps} must be >= 1.")
+    if config.loss.beta_schedule == "linear" and config.loss.beta_anneal_steps < 1:
+        raise ConfigError(
+            f"loss.beta_anneal_steps={config.loss.beta_anneal_steps} must be >= 1 for a linear "
+            "β schedule (or set loss.beta_schedule=constant)."
+        )
 
 
 def check_score_chunks(config: ml_collections.ConfigDict) -> None:

@@ -169,6 +169,12 @@ def split_microbatches(
     )
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of `tree` is finite: a bool scalar."""
+    leaves = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
 def accumulated_update(
     state: TrainState,
     micro_batches: Mapping[str, jax.Array],
@@ -180,20 +186,32 @@ def accumulated_update(
 
     `grad_fn(params, micro) -> ((loss, metrics), grads)`, e.g. `jax.value_and_grad(...,
     has_aux=True)`. Returns the new state and the metrics averaged over micro-batches,
-    plus `grad_norm` (of the averaged gradient).
+    plus `grad_norm` (of the averaged gradient) and `skipped_nonfinite`.
+
+    A step whose loss, gradient or updated params hold a NaN or an infinity is skipped:
+    params and optimiser state stay as they were (the step counter still advances) and
+    `skipped_nonfinite` is 1, so a bad batch never reaches the params or a checkpoint.
     """
 
     def accumulate(grads_sum, micro):
-        (_, metrics), grads = grad_fn(state.params, micro)
-        return jax.tree.map(jnp.add, grads_sum, grads), metrics
+        (loss, metrics), grads = grad_fn(state.params, micro)
+        return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
     zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-    grads_sum, metrics = jax.lax.scan(accumulate, zero_grads, micro_batches)
+    grads_sum, (losses, metrics) = jax.lax.scan(accumulate, zero_grads, micro_batches)
     grads = jax.tree.map(lambda g: g / num_microbatches, grads_sum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(losses).all() & jnp.isfinite(grad_norm) & all_finite(params)
+    params, opt_state = jax.lax.cond(
+        finite,
+        lambda: (params, opt_state),
+        lambda: (state.params, state.opt_state),
+    )
     metrics = jax.tree.map(jnp.mean, metrics)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = grad_norm
+    metrics["skipped_nonfinite"] = 1.0 - finite.astype(jnp.float32)
     return TrainState(params, opt_state, state.step + 1), metrics
 
 

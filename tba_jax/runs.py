@@ -6,7 +6,8 @@ training loop:
 
 - `load_config(workdir)` / `write_config(workdir, config)`: `workdir/config.json`;
 - `model_config(config, vocab_size)`, `policy_tokenizer(config)`: the policy's
-  architecture and (for Hugging Face runs) its tokenizer;
+  architecture and (for Hugging Face runs) its tokenizer; `run_tokenizer(config, workdir)`:
+  the tokenizer of any run;
 - `experiment_identity(config, model_cfg)`: what a workdir's checkpoints must match;
 - `checkpoint_template(...)`: the abstract pytree a checkpoint restores into;
 - `restore_run(config, workdir, step)`: the trained policy and π_ref on one device.
@@ -22,7 +23,7 @@ from typing import NamedTuple
 import jax
 import ml_collections
 
-from tba_jax import learner
+from tba_jax import learner, tasks
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME, Checkpointer
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, preset
@@ -59,6 +60,12 @@ def policy_tokenizer(config: ml_collections.ConfigDict):
     return HFTokenizer.from_pretrained(config.model.hf_path)
 
 
+def run_tokenizer(config: ml_collections.ConfigDict, workdir: str):
+    """The tokenizer the run `config` in `workdir` trains with: `model.hf_path`'s, else its
+    task's own (e.g. the arithmetic task's CharTokenizer), built as the run builds it."""
+    return policy_tokenizer(config) or tasks.build_task(config.task, workdir).tokenizer
+
+
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     """The policy's architecture: from `model.hf_path`'s config.json, else a named preset."""
     if config.model.hf_path:
@@ -86,17 +93,20 @@ def optim_config(config: ml_collections.ConfigDict) -> learner.OptimConfig:
     return learner.OptimConfig(total_steps=config.learner_steps, **config.optim.to_dict())
 
 
-def experiment_identity(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> dict:
-    """What a workdir's checkpoints must match to be resumed by this config."""
-    return {
+def experiment_identity(config: ml_collections.ConfigDict, model_cfg: ModelConfig | None) -> dict:
+    """What a workdir's checkpoints must match to be resumed by this config (without the
+    "model" entry when `model_cfg` is None: all that is known before the task is built)."""
+    identity = {
         "config_name": config.name,
         "mode": config.mode,
         "method": config.method,
         "task": task_identity(config.task),
-        "model": model_cfg.to_dict(),
         "policy_init": config.model.hf_path,
         "reference": config.reference.hf_path,
     }
+    if model_cfg is not None:
+        identity["model"] = model_cfg.to_dict()
+    return identity
 
 
 def checkpoint_template(optimizer, abstract_params, state_sharding, sampler_shardings) -> dict:

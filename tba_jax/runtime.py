@@ -18,12 +18,21 @@ import jax
 import numpy as np
 
 from tba_jax import mesh as mesh_lib
+from tba_jax.config_lib import ConfigError
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.replay import ReplayBuffer
 from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
 from tba_jax.trajectories import Trajectory
+
+DROPPED_NONFINITE = "samples_dropped_nonfinite"
+
+
+def is_finite(trajectory: Trajectory) -> bool:
+    """Whether a sample's reward and summed log-probs are all finite numbers."""
+    values = (trajectory.reward, trajectory.logp_behaviour, trajectory.logp_ref)
+    return all(np.isfinite(value) for value in values)
 
 
 class PolicyStore:
@@ -60,6 +69,10 @@ class SearchWorker:
     time_split: TimeSplit
     rates: RateMeter
     non_eos_penalty: float | None = None  # see tba_jax.rewards.apply_non_eos_penalty
+    # Leave out samples whose reward or log-probs are not finite (counted as
+    # "samples_dropped_nonfinite" in `rates`). The async buffer takes samples one by one;
+    # a sync batch keeps its shape, and the learner skips a step with a non-finite loss.
+    drop_nonfinite: bool = False
 
     def search(
         self, params, version: int, examples: Sequence[dict], rng: jax.Array
@@ -105,7 +118,15 @@ class SearchWorker:
                 )
         self.rates.add("samples", len(trajectories))
         self.rates.add("tokens", int(lengths.sum()))
+        if self.drop_nonfinite:
+            finite = [t for t in trajectories if is_finite(t)]
+            self.rates.add(DROPPED_NONFINITE, len(trajectories) - len(finite))
+            trajectories = finite
         return trajectories
+
+
+class NonFiniteSamplesError(ConfigError):
+    """Every sample of many search calls in a row had a non-finite reward or log-prob."""
 
 
 class Searcher(threading.Thread):
@@ -113,7 +134,9 @@ class Searcher(threading.Thread):
 
     It never waits for the learner: it reads whatever params the policy store
     holds at the start of each call. An exception stops the run: it is put on
-    `errors` and `stop` is set, and the learner re-raises it.
+    `errors` and `stop` is set, and the learner re-raises it. So does a run of
+    `max_empty_calls` calls in a row whose samples were all dropped as non-finite
+    (the buffer would never fill).
     """
 
     def __init__(
@@ -127,8 +150,10 @@ class Searcher(threading.Thread):
         seed: int,
         stop: threading.Event,
         errors: queue.Queue,
+        max_empty_calls: int,
     ):
         super().__init__(name=f"searcher-{index}", daemon=True)
+        self.max_empty_calls = max_empty_calls
         self.index = index
         self.worker, self.store, self.stream, self.buffer = worker, store, stream, buffer
         self.prompts_per_call = prompts_per_call
@@ -137,6 +162,7 @@ class Searcher(threading.Thread):
         self.calls = 0
 
     def run(self) -> None:
+        empty_calls = 0
         try:
             while not self.stop.is_set():
                 params, version = self.store.get()
@@ -145,6 +171,13 @@ class Searcher(threading.Thread):
                 trajectories = self.worker.search(params, version, examples, rng)
                 self.buffer.add(trajectories)
                 self.calls += 1
+                empty_calls = 0 if trajectories else empty_calls + 1
+                if empty_calls >= self.max_empty_calls:
+                    raise NonFiniteSamplesError(
+                        f"Every sample of the last {empty_calls} search calls had a non-finite "
+                        "reward or log-prob and was dropped; check the task's reward (and "
+                        "π_ref's checkpoint)."
+                    )
         except BaseException as error:
             self.errors.put(error)
             self.stop.set()
@@ -161,8 +194,12 @@ class SearcherPool:
             searcher.start()
 
     def raise_if_failed(self) -> None:
+        """Re-raises a searcher's error: a ConfigError as it is (its message says what to
+        change), anything else as the bug it is."""
         if not self.errors.empty():
             error = self.errors.get()
+            if isinstance(error, ConfigError):
+                raise error
             raise RuntimeError(f"A searcher thread failed: {error!r}") from error
 
     def close(self, timeout_s: float) -> None:

@@ -104,6 +104,7 @@ def make_search_worker(
     reference_params: Params,
     samples_per_prompt: int,
     meters: Meters,
+    drop_nonfinite: bool,
 ) -> runtime.SearchWorker:
     """Generates `samples_per_prompt` responses per prompt and scores them for the task."""
     tokenizer = task.tokenizer
@@ -127,6 +128,7 @@ def make_search_worker(
         time_split=meters.time_split,
         rates=meters.rates,
         non_eos_penalty=task.non_eos_penalty,
+        drop_nonfinite=drop_nonfinite,
     )
 
 
@@ -172,6 +174,7 @@ class AsyncSource:
                     seed=config.seed + start_step,
                     stop=stop,
                     errors=errors,
+                    max_empty_calls=config.max_nonfinite_steps,
                 )
                 for index in range(config.search.num_searchers)
             ],
@@ -199,7 +202,10 @@ class AsyncSource:
         self.store.publish(params, version=version)
 
     def metrics(self, step: int) -> dict[str, float]:
-        return {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
+        metrics = {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
+        dropped = self.meters.rates.totals().get(runtime.DROPPED_NONFINITE, 0)
+        metrics[runtime.DROPPED_NONFINITE] = float(dropped)
+        return metrics
 
     def state(self) -> SourceState:
         return SourceState(self.buffer.state_dict(), self.stream.position, self.store.get()[1])
@@ -279,11 +285,17 @@ def make_source(
     batch_cfg = config.batch
     if config.mode == "async":
         worker = make_search_worker(
-            config, task, model, reference_params, batch_cfg.samples_generated_per_prompt, meters
+            config,
+            task,
+            model,
+            reference_params,
+            batch_cfg.samples_generated_per_prompt,
+            meters,
+            drop_nonfinite=True,
         )
         buffer = make_replay_buffer(config, task.tokenizer.pad_id)
         return AsyncSource(config, worker, store, stream, buffer, meters, start_step=version)
     worker = make_search_worker(
-        config, task, model, reference_params, batch_cfg.samples_per_prompt, meters
+        config, task, model, reference_params, batch_cfg.samples_per_prompt, meters, False
     )
     return SyncSource(config, worker, store, stream, task.tokenizer.pad_id)

@@ -2,16 +2,20 @@
 
 It reads top to bottom in three parts:
 
-1. `setup`: checks the config and builds everything cheap (task, model, meshes,
-   shardings, optimiser, train step, the checkpointer's experiment check) before any
-   long work.
-2. The start: `resume` from the latest checkpoint, or `warm_start_and_evaluate`.
+1. `setup(config, workdir)` checks everything that can be checked (every config value,
+   the Hugging Face folders, the workdir's experiment) before it writes a byte, then
+   builds the task, model, meshes, shardings, optimiser and train step.
+2. The start: `resume` from the newest checkpoint that restores (a corrupt one is set
+   aside), or `warm_start_and_save` (going on from a saved, unfinished warm start).
 3. The loop over a `sources.BatchSource` (async: searcher threads + replay buffer;
    sync: fresh on-policy samples each step): draw a batch, take a train step, publish
    every `source.publish_every` steps, log, evaluate, checkpoint. The loop has no mode
    branches; the source is the mode.
 
-Then the final evaluation and `workdir/summary.json`.
+Then the final evaluation and `workdir/summary.json`, whose figures cover the whole run
+across resumed segments. SIGTERM and Ctrl-C stop at the next safe point (between steps
+or evaluation batches) and save what exists; a step whose loss or gradient is not finite
+is skipped, and `max_nonfinite_steps` of them in a row stop the run.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import jax
@@ -31,14 +36,33 @@ from absl import logging
 
 from tba_jax import config_lib, evaluation, learner, losses, runs, runtime, sources, tasks
 from tba_jax import mesh as mesh_lib
-from tba_jax.checkpoint import Checkpointer, StopSignal, install_sigterm_handler
+from tba_jax.checkpoint import (
+    Checkpointer,
+    RunStopped,
+    StopSignal,
+    check_experiment,
+    install_stop_handlers,
+)
+from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, Params, abstract_model, init_model
 from tba_jax.sampling.generate import make_generate_fn
 from tba_jax.trajectories import SampledBatch
-from tba_jax.warmstart import WarmStartConfig, check_warm_start_data, warm_start
+from tba_jax.warmstart import (
+    WarmStartCheckpoint,
+    WarmStartConfig,
+    check_warm_start_data,
+    warm_start,
+    warm_start_optimizer,
+)
 
 SUMMARY_FILENAME = "summary.json"
+WARM_START_SUBDIR = "warm_start"
+PER_RATES = ("samples", "tokens")  # logged as <name>_per_second
+
+
+class NonFiniteError(ConfigError):
+    """Too many learner steps in a row had a non-finite loss or gradient."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +80,6 @@ class Setup:
     optimizer: Any
     state_sharding: Any
     train_step: Callable  # (TrainState, batch) -> (TrainState, metrics)
-    evaluate: Callable[[Params], float]  # mean greedy reward on the test prompts
     checkpointer: Checkpointer
 
 
@@ -70,11 +93,64 @@ class Start(NamedTuple):
     source_state: sources.SourceState | None
 
 
+# ------------------------------------------------------------------------------- setup
+
+
+def check_hf_folders(config: ml_collections.ConfigDict) -> None:
+    """ConfigError for a `model.hf_path` / `reference.hf_path` that cannot serve: an
+    unsupported or unreadable config.json, a tokenizer larger than the model, or a
+    reference of another architecture than the policy. Reads config files only."""
+    if not (config.model.hf_path or config.reference.hf_path):
+        return
+    from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+
+    architectures = {}
+    for key, path in (("model", config.model.hf_path), ("reference", config.reference.hf_path)):
+        if path:
+            try:
+                architectures[key] = hf.config_from_hf(path)
+            except ValueError as error:
+                raise ConfigError(f"{key}.hf_path={path!r}: {error}") from None
+    if len(architectures) == 2:
+        policy, reference = architectures["model"], architectures["reference"]
+        if dataclasses.replace(reference, dtype=policy.dtype, param_dtype=policy.param_dtype) != (
+            policy
+        ):
+            raise ConfigError(
+                f"reference.hf_path={config.reference.hf_path!r} has another architecture "
+                f"than model.hf_path={config.model.hf_path!r}; TB needs log π_ref of the same "
+                "tokens, so use a checkpoint of the policy's family, size and vocabulary."
+            )
+    if "model" in architectures:
+        vocab_size = runs.policy_tokenizer(config).vocab_size
+        if vocab_size > architectures["model"].vocab_size:
+            raise ConfigError(
+                f"The tokenizer in model.hf_path={config.model.hf_path!r} has {vocab_size} ids "
+                f"but its model has {architectures['model'].vocab_size} embeddings; use the "
+                "tokenizer that came with the checkpoint."
+            )
+
+
+def make_workdir(workdir: str) -> None:
+    """Creates `workdir`, or a ConfigError saying why it cannot be."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--workdir={workdir} cannot be created: {error.strerror}.") from None
+    if not os.access(workdir, os.W_OK):
+        raise ConfigError(f"--workdir={workdir} is not writable; pass a folder you can write.")
+
+
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
-    """Validates `config` and builds the run; raises ConfigError / CheckpointMismatchError
-    (one line each) before anything long runs."""
+    """Checks `config` against everything it can be checked against, then builds the run.
+
+    Nothing is written to `workdir` until the config, the Hugging Face folders and the
+    workdir's experiment are known to be right: a refused run leaves it as it was.
+    """
     config_lib.validate(config, jax.device_count())
-    os.makedirs(workdir, exist_ok=True)
+    check_hf_folders(config)
+    check_experiment(workdir, runs.experiment_identity(config, None), ignored_keys=("model",))
+    make_workdir(workdir)
     task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
     check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
@@ -129,37 +205,51 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         optimizer=optimizer,
         state_sharding=state_sharding,
         train_step=train_step,
-        evaluate=make_evaluate(config, task, model, sampler_shardings),
         checkpointer=checkpointer,
     )
 
 
-def make_evaluate(
-    config: ml_collections.ConfigDict, task: tasks.Task, model: Model, sampler_shardings
-) -> Callable[[Params], float]:
+def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], float]:
     """The in-training evaluation: mean reward of greedy responses to the first
-    `eval.num_examples` test prompts (0: all), on the sampler mesh."""
-    tokenizer = task.tokenizer
+    `eval.num_examples` test prompts (0: all), on the sampler mesh, `eval.batch_size` at a
+    time; raises RunStopped between batches once a stop is requested."""
+    config, task, tokenizer = run.config, run.task, run.task.tokenizer
     greedy_fn = make_generate_fn(
-        model,
+        run.model,
         sources.sampling_config(config, tokenizer.vocab_size, greedy=True),
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
     )
+    examples = task.test[: config.eval.num_examples or None]
+    batch_size = config.eval.batch_size
 
     def evaluate(params: Params) -> float:
-        result = evaluation.greedy_accuracy(
-            greedy_fn,
-            mesh_lib.publish(params, sampler_shardings),
-            task.test[: config.eval.num_examples or None],
-            tokenizer,
-            task.rewards,
-            max_prompt_len=config.max_prompt_len,
-            batch_size=config.eval.batch_size,
-        )
-        return result["accuracy"]
+        params = mesh_lib.publish(params, run.sampler_shardings)
+        rewards = []
+        for start in range(0, len(examples), batch_size):
+            stop_signal.raise_if_requested()
+            batch_rewards, _ = evaluation.generate_and_score(
+                greedy_fn,
+                params,
+                examples[start : start + batch_size],
+                tokenizer,
+                task.rewards,
+                max_prompt_len=config.max_prompt_len,
+                batch_size=batch_size,
+                rng=jax.random.key(evaluation.GREEDY_RNG_SEED),
+            )
+            rewards.append(batch_rewards)
+        return float(np.mean(np.concatenate(rewards)))
 
     return evaluate
+
+
+def eval_key(run: Setup) -> str:
+    """The in-training evaluation's metric name, e.g. `eval_accuracy` (see `Task.eval_metric`)."""
+    return f"eval_{run.task.eval_metric}"
+
+
+# ------------------------------------------------------------------------------- start
 
 
 def initial_policy_params(config: ml_collections.ConfigDict, model, shardings) -> Params:
@@ -173,78 +263,188 @@ def initial_policy_params(config: ml_collections.ConfigDict, model, shardings) -
 
 
 def reference_params(config: ml_collections.ConfigDict, model, start_params, shardings) -> Params:
-    """π_ref on the sampler: `reference.hf_path`'s weights, else the warm-started policy."""
+    """π_ref on the sampler: `reference.hf_path`'s weights (its architecture was checked
+    in `check_hf_folders`), else the warm-started policy."""
     if not config.reference.hf_path:
         return mesh_lib.publish(start_params, shardings)
     from tba_jax.models import hf  # optional: needs safetensors/tokenizers
 
-    reference_cfg = hf.config_from_hf(config.reference.hf_path)
-    same_shape = dataclasses.replace(
-        reference_cfg, dtype=model.config.dtype, param_dtype=model.config.param_dtype
-    )
-    if same_shape != model.config:
-        raise ValueError(
-            f"The reference model in {config.reference.hf_path} has another architecture than "
-            "the policy; TB needs log π_ref of the same tokens, so use a checkpoint of the "
-            "policy's family, size and vocabulary."
-        )
     return hf.load_params(config.reference.hf_path, model, shardings=shardings)
 
 
-def eval_key(run: Setup) -> str:
-    """The in-training evaluation's metric name, e.g. `eval_accuracy` (see `Task.eval_metric`)."""
-    return f"eval_{run.task.eval_metric}"
-
-
-def warm_start_and_evaluate(run: Setup) -> Start:
-    """A fresh run's start: the initial policy, `warm_start.steps` supervised steps (the
-    warm-started policy is also π_ref unless `reference.hf_path` is set), and the first
-    evaluation."""
+def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
+    """The policy after `warm_start.steps` supervised steps, going on from a saved,
+    unfinished warm start. When stopped part-way, saves the progress in
+    `workdir/warm_start/` and raises RunStopped."""
     config = run.config
-    logging.info("Warm start: %d supervised steps.", config.warm_start.steps)
-    begin = time.time()
-    params = initial_policy_params(config, run.model, run.learner_shardings)
-    if config.warm_start.steps > 0:
-        params = warm_start(
-            run.model,
-            params,
-            run.task.train,
-            run.task.tokenizer,
-            WarmStartConfig(**config.warm_start.to_dict()),
-            max_prompt_len=config.max_prompt_len,
-            max_response_len=config.max_response_len,
-            mesh=run.meshes.learner,
-            seed=config.seed,
+    cfg = WarmStartConfig(**config.warm_start.to_dict())
+    saved = WarmStartCheckpoint(os.path.join(run.workdir, WARM_START_SUBDIR))
+    if cfg.steps == 0 or not saved.exists():
+        params = initial_policy_params(config, run.model, run.learner_shardings)
+        if cfg.steps == 0:
+            return params
+    progress = None
+    if saved.exists():
+        opt_template = mesh_lib.abstract_on(
+            jax.eval_shape(warm_start_optimizer(cfg).init, run.abstract_params),
+            learner.train_state_shardings(
+                warm_start_optimizer(cfg),
+                run.abstract_params,
+                run.learner_shardings,
+                run.meshes.learner,
+            ).opt_state,
         )
-    reference = reference_params(config, run.model, params, run.sampler_shardings)
+        progress = saved.restore(
+            mesh_lib.abstract_on(run.abstract_params, run.learner_shardings), opt_template
+        )
+        logging.info("Warm start: going on from step %d of %d.", progress.steps_done, cfg.steps)
+        params = progress.params
+    else:
+        logging.info("Warm start: %d supervised steps.", cfg.steps)
+    progress = warm_start(
+        run.model,
+        params,
+        run.task.train,
+        run.task.tokenizer,
+        cfg,
+        max_prompt_len=config.max_prompt_len,
+        max_response_len=config.max_response_len,
+        mesh=run.meshes.learner,
+        seed=config.seed,
+        progress=progress,
+        should_stop=lambda: stop_signal.requested,
+    )
+    if progress.steps_done < cfg.steps:
+        run.checkpointer.write_experiment()  # a rerun with another config is refused
+        saved.save(progress)
+        logging.warning(
+            "%s: saved the warm start at step %d of %d; rerun the same command to go on.",
+            stop_signal.reason,
+            progress.steps_done,
+            cfg.steps,
+        )
+        raise RunStopped(stop_signal.reason)
+    return progress.params
+
+
+def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
+    """A new run's start: the warm-started policy (also π_ref unless `reference.hf_path`
+    is set) with a fresh optimiser. The first evaluation comes after the first save."""
+    begin = time.time()
+    params = warm_started_params(run, stop_signal)
+    reference = reference_params(run.config, run.model, params, run.sampler_shardings)
     state = learner.init_train_state(params, run.optimizer, run.state_sharding)
-    score_start = run.evaluate(state.params)
-    logging.info("Held-out greedy %s after warm start: %.3f", run.task.eval_metric, score_start)
-    history = {
-        f"{eval_key(run)}_start": score_start,
-        "warm_start_seconds": time.time() - begin,
-        "samples_generated": 0,
-        "tokens_generated": 0,
-    }
+    history = {"warm_start_seconds": time.time() - begin, **empty_totals()}
     return Start(state, reference, history, source_state=None)
 
 
-def resume(run: Setup) -> Start:
-    """The latest checkpoint's train state, π_ref, history and batch-source state."""
-    logging.info("Resuming from step %d in %s.", run.checkpointer.latest_step(), run.workdir)
+def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
+    """(train state + π_ref, buffer state, metadata) of the newest checkpoint that restores
+    with finite params. A checkpoint that fails is moved to `checkpoints_set_aside/` (not
+    deleted) with a warning, and the one before it is tried."""
     template = runs.checkpoint_template(
         run.optimizer, run.abstract_params, run.state_sharding, run.sampler_shardings
     )
-    restored, buffer_state, metadata = run.checkpointer.restore(train_state_template=template)
+    set_aside = []
+    while (step := run.checkpointer.latest_step()) is not None:
+        try:
+            restored, buffer_state, metadata = run.checkpointer.restore(
+                train_state_template=template, step=step
+            )
+            if not bool(learner.all_finite(restored["train"]["params"])):
+                raise ValueError("its params hold NaN or infinite values")
+            return restored, buffer_state, metadata
+        except Exception as error:
+            where = run.checkpointer.set_aside(step)
+            set_aside.append(where)
+            logging.warning(
+                "Checkpoint %d in %s does not restore (%s: %s); moved it to %s and trying "
+                "the one before.",
+                step,
+                run.workdir,
+                type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
+                where,
+            )
+    raise ConfigError(
+        f"No checkpoint in {run.workdir} restores; the unreadable ones were moved to "
+        f"{', '.join(set_aside)}. Pass another --workdir to start over."
+    )
+
+
+def resume(run: Setup) -> Start:
+    """The newest good checkpoint's train state, π_ref, history and batch-source state."""
+    restored, buffer_state, metadata = restore_newest_good(run)
+    state = learner.TrainState(**restored["train"])
+    logging.info("Resuming from step %d in %s.", int(jax.device_get(state.step)), run.workdir)
     source_state = sources.SourceState(
         buffer_state, metadata["data_position"], metadata["policy_version"]
     )
-    return Start(
-        learner.TrainState(**restored["train"]),
-        restored["reference"],
-        metadata["history"],
-        source_state,
-    )
+    history = {**empty_totals(), **metadata["history"]}
+    return Start(state, restored["reference"], history, source_state)
+
+
+# ------------------------------------------------------------------------- bookkeeping
+
+
+def empty_totals() -> dict:
+    """The whole-run totals a checkpoint's history carries from segment to segment."""
+    return {
+        "samples_generated": 0,
+        "tokens_generated": 0,
+        "rl_seconds": 0.0,
+        "wall_seconds": 0.0,
+        "learner_steps_trained": 0,
+        "policy_lag_sum": 0.0,
+        "policy_lag_count": 0,
+        "policy_lag_max": 0.0,
+        "skipped_nonfinite_steps": 0,
+        "time_split_seconds": {},
+    }
+
+
+@dataclasses.dataclass
+class Segment:
+    """What this process has done since it started: added to the history when saving."""
+
+    meters: sources.Meters
+    started_at: float
+    rl_started_at: float | None = None
+    lag_sum: float = 0.0
+    lag_count: int = 0
+    lag_max: float = 0.0
+    steps_trained: int = 0
+    skipped_steps: int = 0
+
+    def add_batch(self, lags: np.ndarray, skipped: bool) -> None:
+        self.lag_sum += float(lags.sum())
+        self.lag_count += len(lags)
+        self.lag_max = max(self.lag_max, float(lags.max()))
+        self.steps_trained += 1
+        self.skipped_steps += int(skipped)
+
+
+def history_so_far(history: dict, segment: Segment) -> dict:
+    """The run's history (whole-run totals) with this segment's work added."""
+    totals = segment.meters.rates.totals()
+    now = time.time()
+    rl_seconds = now - segment.rl_started_at if segment.rl_started_at is not None else 0.0
+    time_split = dict(history["time_split_seconds"])
+    for name, seconds in segment.meters.time_split.totals().items():
+        time_split[name] = time_split.get(name, 0.0) + seconds
+    return {
+        **history,
+        "samples_generated": history["samples_generated"] + totals.get("samples", 0),
+        "tokens_generated": history["tokens_generated"] + totals.get("tokens", 0),
+        "rl_seconds": history["rl_seconds"] + rl_seconds,
+        "wall_seconds": history["wall_seconds"] + now - segment.started_at,
+        "learner_steps_trained": history["learner_steps_trained"] + segment.steps_trained,
+        "policy_lag_sum": history["policy_lag_sum"] + segment.lag_sum,
+        "policy_lag_count": history["policy_lag_count"] + segment.lag_count,
+        "policy_lag_max": max(history["policy_lag_max"], segment.lag_max),
+        "skipped_nonfinite_steps": history["skipped_nonfinite_steps"] + segment.skipped_steps,
+        "time_split_seconds": time_split,
+    }
 
 
 def save_checkpoint(
@@ -258,9 +458,12 @@ def save_checkpoint(
     force: bool,
 ) -> None:
     """Saves at `step` if it is a save step (or `force`): train state, π_ref, the source's
-    buffer and data position, and the run's history for the summary."""
+    buffer and data position, and the run's history. Refuses non-finite params (the
+    learner never applies a non-finite update, so this would be a bug)."""
+    if not bool(learner.all_finite(state.params)):
+        raise RuntimeError(f"The params of step {step} are not finite; not saving them.")
     source_state = source.state()
-    run.checkpointer.save(
+    saved = run.checkpointer.save(
         step,
         train_state={"train": state._asdict(), "reference": reference},
         buffer_state=source_state.buffer,
@@ -272,16 +475,8 @@ def save_checkpoint(
         },
         force=force,
     )
-
-
-def history_so_far(history: dict, meters: sources.Meters) -> dict:
-    """The run's history with this segment's generated samples and tokens added."""
-    totals = meters.rates.totals()
-    return {
-        **history,
-        "samples_generated": history["samples_generated"] + totals.get("samples", 0),
-        "tokens_generated": history["tokens_generated"] + totals.get("tokens", 0),
-    }
+    if saved:
+        logging.info("Saved checkpoint %d.", step)
 
 
 def device_batch(batch: SampledBatch, sharding) -> dict[str, jax.Array]:
@@ -289,16 +484,60 @@ def device_batch(batch: SampledBatch, sharding) -> dict[str, jax.Array]:
     return jax.device_put({name: getattr(batch, name) for name in learner.BATCH_FIELDS}, sharding)
 
 
+def finished_summary(run: Setup) -> dict | None:
+    """The summary of a run that already reached `learner_steps` and wrote it, else None."""
+    path = os.path.join(run.workdir, SUMMARY_FILENAME)
+    latest = run.checkpointer.latest_step()
+    if latest is None or latest < run.config.learner_steps or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    return summary if summary.get("learner_steps") == latest else None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[StopSignal]:
+    """A StopSignal that SIGTERM and Ctrl-C set while the block runs (main thread only)."""
+    stop_signal = StopSignal()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    restore = install_stop_handlers(stop_signal) if on_main_thread else None
+    try:
+        yield stop_signal
+    finally:
+        if restore is not None:
+            restore()
+
+
+# ------------------------------------------------------------------------------ the run
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs `config` in `workdir` (resuming if it holds a checkpoint); returns the summary
-    ({} when stopped by SIGTERM)."""
-    wall_start = time.time()
+    of the whole run, or {} when SIGTERM / Ctrl-C stopped it (after saving)."""
+    segment = Segment(sources.Meters(), started_at=time.time())
     run = setup(config, workdir)
+    if (summary := finished_summary(run)) is not None:
+        logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
+        run.checkpointer.close()
+        return summary
+    with stop_on_signals() as stop_signal:
+        try:
+            return train_from_start(run, segment, stop_signal)
+        except RunStopped as stopped:
+            logging.warning("%s: stopped and saved; rerun the same command to go on.", stopped)
+            return {}
+        finally:
+            run.checkpointer.wait_until_finished()
+            run.checkpointer.close()
+
+
+def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> dict:
+    """The start, the loop and the final evaluation (see `train_and_evaluate`)."""
+    config, workdir = run.config, run.workdir
     resuming = run.checkpointer.latest_step() is not None
-    start = resume(run) if resuming else warm_start_and_evaluate(run)
-    state, reference = start.state, start.reference
+    start = resume(run) if resuming else fresh_start(run, stop_signal)
+    state, reference, history = start.state, start.reference, start.history
     step = int(jax.device_get(state.step))
-    meters = sources.Meters()
     source = sources.make_source(
         config,
         task=run.task,
@@ -307,17 +546,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         params=state.params,
         version=step,
         reference_params=reference,
-        meters=meters,
+        meters=segment.meters,
     )
     if start.source_state is not None:
         source.restore(start.source_state)
 
     def save(force: bool) -> None:
-        history = history_so_far(start.history, meters)
-        save_checkpoint(run, step, state, reference, source, history, force=force)
+        history_now = history_so_far(history, segment)
+        save_checkpoint(run, step, state, reference, source, history_now, force=force)
 
     if not resuming:
         save(force=True)  # the warm start is never redone
+        WarmStartCheckpoint(os.path.join(workdir, WARM_START_SUBDIR)).clear()
+    evaluate = make_evaluate(run, stop_signal)
+    key = eval_key(run)
+    if f"{key}_start" not in history and step == 0:
+        score_start = evaluate(state.params)
+        history[f"{key}_start"] = score_start
+        logging.info("Held-out greedy %s at the start: %.3f", run.task.eval_metric, score_start)
     writer = MetricsWriter(
         workdir,
         log_every=config.log_every,
@@ -325,85 +571,59 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         show_progress=config.progress_bar,
     )
     batch_sharding = mesh_lib.batch_sharding(run.meshes.learner)
-    stop_signal = StopSignal()
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    restore_sigterm = install_sigterm_handler(stop_signal.request) if on_main_thread else None
-    lags: list[np.ndarray] = []
-    rl_start = time.time()
-    interrupted = False
+    nonfinite_in_a_row = 0
     try:
         source.start(stop_signal)
+        segment.rl_started_at = time.time()
         while step < config.learner_steps and not stop_signal.requested:
             batch = source.next_batch(step)
-            with meters.time_split.measure("training"):
+            with segment.meters.time_split.measure("training"):
                 state, metrics = run.train_step(state, device_batch(batch, batch_sharding))
                 metrics = jax.device_get(metrics)
             batch_lags = runtime.policy_lags(step, batch.policy_version)
-            lags.append(batch_lags)
+            skipped = bool(metrics["skipped_nonfinite"])
+            segment.add_batch(batch_lags, skipped)
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if skipped else 0
             step += 1
             if step % source.publish_every == 0:
                 source.publish(state.params, version=step)
             metrics.update(runtime.lag_metrics(batch_lags))
-            rates = meters.rates.rates_since_start()
-            metrics.update({f"{name}_per_second": value for name, value in rates.items()})
+            rates = segment.meters.rates.rates_since_start()
+            metrics.update({f"{name}_per_second": rates.get(name, 0.0) for name in PER_RATES})
             metrics.update(source.metrics(step))
             if config.eval.every_steps and step % config.eval.every_steps == 0:
-                metrics[eval_key(run)] = run.evaluate(state.params)
+                metrics[key] = evaluate(state.params)
             writer.write(step, metrics)
-            if step % config.checkpoint_every == 0:
-                save(force=False)
-    except KeyboardInterrupt:
-        interrupted = True
-        logging.warning("Interrupted: saving a checkpoint at step %d and stopping.", step)
+            if nonfinite_in_a_row >= config.max_nonfinite_steps:
+                save(force=True)
+                raise NonFiniteError(
+                    f"The loss or gradient was not finite for {nonfinite_in_a_row} learner "
+                    f"steps in a row (to step {step}); those updates were skipped, so the "
+                    f"checkpoint of step {step} holds the last finite params. Lower "
+                    "optim.learning_rate (or check the rewards) and rerun to go on."
+                )
+            if step % config.checkpoint_every == 0 and step < config.learner_steps:
+                save(force=False)  # the last step is saved after the searchers stop
+    except RunStopped:
+        pass  # stopped in an evaluation: the step is saved below
     finally:
         source.close()
-        if restore_sigterm is not None:
-            restore_sigterm()
-    rl_seconds = time.time() - rl_start
-    save(force=True)
-    run.checkpointer.wait_until_finished()
-    if interrupted or stop_signal.requested:
         writer.close()
-        run.checkpointer.close()
-        if interrupted:
-            raise KeyboardInterrupt
-        logging.warning("SIGTERM: saved step %d and stopped.", step)
-        return {}
-
-    score_end = run.evaluate(state.params)
-    summary = run_summary(
-        run,
-        history_so_far(start.history, meters),
-        meters,
-        lags,
-        score_end=score_end,
-        learner_steps=step,
-        wall_seconds=time.time() - wall_start,
-        rl_seconds=rl_seconds,
-    )
+    save(force=True)
+    stop_signal.raise_if_requested()
+    score_end = evaluate(state.params)
+    summary = run_summary(run, history_so_far(history, segment), score_end, step)
     write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
-    writer.close()
-    run.checkpointer.close()
     logging.info("Summary: %s", json.dumps(summary, sort_keys=True))
     return summary
 
 
-def run_summary(
-    run: Setup,
-    history: dict,
-    meters: sources.Meters,
-    lags: list[np.ndarray],
-    *,
-    score_end: float,
-    learner_steps: int,
-    wall_seconds: float,
-    rl_seconds: float,
-) -> dict:
-    """summary.json: what ran, how well (start/end evaluation), how fast, and how stale."""
+def run_summary(run: Setup, history: dict, score_end: float, learner_steps: int) -> dict:
+    """summary.json: what ran, how well (start/end evaluation), how fast and how stale,
+    over the whole run (every resumed segment)."""
     config, key = run.config, eval_key(run)
-    all_lags = np.concatenate(lags) if lags else np.zeros(1)
-    segment = meters.rates.totals()
-    per_second = lambda amount: amount / max(rl_seconds, 1e-9)
+    rl_seconds = max(history["rl_seconds"], 1e-9)
+    lag_count = max(history["policy_lag_count"], 1)
     return {
         "config_name": config.name,
         "variant": config.variant,
@@ -412,17 +632,18 @@ def run_summary(
         "learner_steps": learner_steps,
         "samples_generated": history["samples_generated"],
         "tokens_generated": history["tokens_generated"],
-        "wall_seconds": wall_seconds,
+        "wall_seconds": history["wall_seconds"],
         "warm_start_seconds": history.get("warm_start_seconds", 0.0),
-        "rl_seconds": rl_seconds,
-        f"{key}_start": history[f"{key}_start"],
+        "rl_seconds": history["rl_seconds"],
+        f"{key}_start": history.get(f"{key}_start"),
         f"{key}_end": score_end,
-        "max_policy_lag": float(all_lags.max()),
-        "mean_policy_lag": float(all_lags.mean()),
-        "samples_per_second": per_second(segment.get("samples", 0)),
-        "tokens_per_second": per_second(segment.get("tokens", 0)),
-        "learner_steps_per_second": per_second(len(lags)),
-        "time_split_seconds": meters.time_split.totals(),
+        "max_policy_lag": history["policy_lag_max"],
+        "mean_policy_lag": history["policy_lag_sum"] / lag_count,
+        "samples_per_second": history["samples_generated"] / rl_seconds,
+        "tokens_per_second": history["tokens_generated"] / rl_seconds,
+        "learner_steps_per_second": history["learner_steps_trained"] / rl_seconds,
+        "skipped_nonfinite_steps": history["skipped_nonfinite_steps"],
+        "time_split_seconds": history["time_split_seconds"],
         "num_devices": jax.device_count(),
         "colocated": run.meshes.colocated,
     }

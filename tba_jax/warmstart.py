@@ -3,18 +3,28 @@
 The warm-started model is the starting policy and the reference policy of
 the RL run. It is trained on the learner mesh with the same scoring code the
 TB loss uses (temperature 1).
+
+It can stop between steps (`should_stop`) and go on later from a `WarmStartProgress`
+(params, optimiser state, steps done and the batch sampler's state), which
+`WarmStartCheckpoint` keeps in `workdir/warm_start/` until the run's first checkpoint
+supersedes it, so a preempted warm start is never redone from scratch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 
 from tba_jax import mesh as mesh_lib
+from tba_jax.checkpoint import restore_pytree, save_pytree
 from tba_jax.config_lib import ConfigError
 from tba_jax.learner import OptimConfig, make_optimizer
 from tba_jax.models import Model, Params
@@ -28,6 +38,28 @@ class WarmStartConfig:
     batch_size: int
     learning_rate: float
     warmup_steps: int
+
+
+class WarmStartProgress(NamedTuple):
+    """How far a warm start got: params and optimiser state after `steps_done` steps, and
+    the state of the generator that draws its batches (`np.random.Generator` bit state)."""
+
+    params: Params
+    opt_state: Any
+    steps_done: int
+    rng_state: dict
+
+
+def warm_start_optimizer(cfg: WarmStartConfig) -> optax.GradientTransformation:
+    """AdamW with a linear warmup and a linear decay to 0 over `cfg.steps`."""
+    return make_optimizer(
+        OptimConfig(
+            learning_rate=cfg.learning_rate,
+            schedule="linear",
+            warmup_steps=cfg.warmup_steps,
+            total_steps=cfg.steps,
+        )
+    )
 
 
 def encode_pairs(
@@ -106,17 +138,14 @@ def warm_start(
     mesh,
     seed: int,
     log_fn=None,
-) -> Params:
-    """Trains `params` on (prompt, solution) pairs for `cfg.steps` steps; returns new params."""
+    progress: WarmStartProgress | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> WarmStartProgress:
+    """Trains `params` on (prompt, solution) pairs up to `cfg.steps` steps, going on from
+    `progress` when given; stops early (between steps) once `should_stop()` is true.
+    Finished when the result's `steps_done == cfg.steps`."""
     check_warm_start_data(examples, cfg)
-    optimizer = make_optimizer(
-        OptimConfig(
-            learning_rate=cfg.learning_rate,
-            schedule="linear",
-            warmup_steps=cfg.warmup_steps,
-            total_steps=cfg.steps,
-        )
-    )
+    optimizer = warm_start_optimizer(cfg)
     data = encode_pairs(
         tokenizer,
         [ex["prompt"] for ex in examples],
@@ -124,14 +153,67 @@ def warm_start(
         max_prompt_len,
         max_response_len,
     )
-    opt_state = jax.jit(optimizer.init)(params)
-    params = jax.tree.map(lambda x: x.copy(), params)  # the caller keeps its own buffers
-    step_fn = make_supervised_step(model, optimizer, mesh)
     rng = np.random.default_rng(seed)
-    for step in range(cfg.steps):
+    if progress is None:
+        opt_state = jax.jit(optimizer.init)(params)
+        params = jax.tree.map(lambda x: x.copy(), params)  # the caller keeps its own buffers
+        first_step = 0
+    else:
+        params, opt_state, first_step = progress.params, progress.opt_state, progress.steps_done
+        rng.bit_generator.state = progress.rng_state
+    step_fn = make_supervised_step(model, optimizer, mesh)
+    step = first_step
+    while step < cfg.steps and not should_stop():
         rows = rng.choice(len(examples), size=cfg.batch_size, replace=False)
         batch = {name: array[rows] for name, array in data.items()}
         params, opt_state, loss = step_fn(params, opt_state, batch)
         if log_fn is not None:
             log_fn(step, {"warm_start_loss": loss})
-    return params
+        step += 1
+    return WarmStartProgress(params, opt_state, step, rng.bit_generator.state)
+
+
+class WarmStartCheckpoint:
+    """An unfinished warm start's progress in `directory`: each save is a new folder
+    `<steps_done>` plus `progress.json` naming it (written last), so a save that dies
+    half-way leaves the previous one readable."""
+
+    PROGRESS_FILENAME = "progress.json"
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def _progress_path(self) -> str:
+        return os.path.join(self.directory, self.PROGRESS_FILENAME)
+
+    def exists(self) -> bool:
+        return os.path.exists(self._progress_path())
+
+    def save(self, progress: WarmStartProgress) -> None:
+        state_dir = os.path.join(self.directory, str(progress.steps_done))
+        if os.path.exists(state_dir):  # a stale, possibly half-written folder of this step
+            shutil.rmtree(state_dir)
+        save_pytree(state_dir, {"params": progress.params, "opt_state": progress.opt_state})
+        record = {"steps_done": progress.steps_done, "rng_state": progress.rng_state}
+        with open(self._progress_path() + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(self._progress_path() + ".tmp", self._progress_path())
+        for name in os.listdir(self.directory):  # older saves are superseded
+            if name.isdigit() and int(name) != progress.steps_done:
+                shutil.rmtree(os.path.join(self.directory, name))
+
+    def restore(self, params_template: Params, opt_state_template: Any) -> WarmStartProgress:
+        """The saved progress, on the shardings of the templates (sharded ShapeDtypeStructs
+        of the params and of the warm-start optimiser's state)."""
+        with open(self._progress_path()) as f:
+            record = json.load(f)
+        template = {"params": params_template, "opt_state": opt_state_template}
+        state_dir = os.path.join(self.directory, str(record["steps_done"]))
+        restored = restore_pytree(state_dir, template)
+        return WarmStartProgress(
+            restored["params"], restored["opt_state"], record["steps_done"], record["rng_state"]
+        )
+
+    def clear(self) -> None:
+        """Removes the progress once the run's first checkpoint holds the finished warm start."""
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -19,10 +19,15 @@ import pytest
 from flax import nnx
 
 from tba_jax.checkpoint import (
+    SET_ASIDE_SUBDIR,
     Checkpointer,
     CheckpointMismatchError,
+    RunStopped,
     StopSignal,
-    install_sigterm_handler,
+    check_experiment,
+    install_stop_handlers,
+    restore_pytree,
+    save_pytree,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -306,30 +311,88 @@ def wait_for(predicate, timeout: float) -> bool:
     return predicate()
 
 
-def test_sigterm_sets_stop_flag_and_handler_is_restored():
-    previous = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("signum, reason", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_sigterm_and_ctrl_c_set_the_stop_flag_and_handlers_are_restored(signum, reason):
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = StopSignal()
-    restore = install_sigterm_handler(stop.request)
+    restore = install_stop_handlers(stop)
     try:
         assert not stop.requested
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop.raise_if_requested()  # nothing asked yet
+        os.kill(os.getpid(), signum)
         assert wait_for(lambda: stop.requested, SIGNAL_WAIT_SECONDS)
+        assert stop.reason == reason
+        with pytest.raises(RunStopped, match=reason):
+            stop.raise_if_requested()
     finally:
         restore()
-    assert signal.getsignal(signal.SIGTERM) is previous
+    assert {s: signal.getsignal(s) for s in previous} == previous
 
 
-def test_sigterm_handler_refuses_worker_threads():
+def test_a_second_ctrl_c_interrupts_at_once():
+    stop = StopSignal()
+    restore = install_stop_handlers(stop)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert wait_for(lambda: stop.requested, SIGNAL_WAIT_SECONDS)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(SIGNAL_WAIT_SECONDS)
+    finally:
+        restore()
+
+
+def test_stop_handlers_refuse_worker_threads():
     errors = []
 
     def install_from_worker():
         try:
-            install_sigterm_handler(lambda: None)
+            install_stop_handlers(StopSignal())
         except RuntimeError as error:
             errors.append(error)
 
     worker = threading.Thread(target=install_from_worker)
     worker.start()
     worker.join()
-    assert len(errors) == 1
-    assert "main thread" in str(errors[0])
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+def test_experiment_precheck_refuses_without_writing_and_ignores_unknown_keys(tmp_path):
+    check_experiment(str(tmp_path / "fresh"), EXPERIMENT)  # nothing there: nothing to refuse
+    assert not (tmp_path / "fresh").exists()
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [1])
+    before = snapshot_files(tmp_path)
+    check_experiment(str(tmp_path), {**EXPERIMENT, "model": {"layers": 9}}, ("model",))
+    with pytest.raises(CheckpointMismatchError, match=r"task\.k: 4 vs 5"):
+        check_experiment(str(tmp_path), {**EXPERIMENT, "task": {"k": 5}}, ("model",))
+    assert snapshot_files(tmp_path) == before
+
+
+def test_an_unreadable_experiment_file_is_a_one_line_error(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [1])
+    path = tmp_path / "checkpoints" / "experiment.json"
+    path.write_text(path.read_text()[:10])  # truncated
+    with pytest.raises(CheckpointMismatchError) as error:
+        Checkpointer(str(tmp_path), experiment=EXPERIMENT)
+    assert "unreadable" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_set_aside_moves_a_step_out_and_the_previous_one_is_latest(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT, max_to_keep=3) as checkpointer:
+        save_steps(checkpointer, [1, 2])
+        where = Path(checkpointer.set_aside(2))
+        assert checkpointer.latest_step() == 1
+        assert checkpointer.all_steps() == [1]
+    assert where.parent == tmp_path / SET_ASIDE_SUBDIR and (where / "metadata").exists()
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        assert checkpointer.latest_step() == 1
+
+
+def test_a_pytree_round_trips(tmp_path):
+    tree = make_train_state(4)
+    save_pytree(str(tmp_path / "tree"), tree)
+    restored = restore_pytree(str(tmp_path / "tree"), tree)
+    for expected, got in zip(jax.tree.leaves(tree), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(expected), np.asarray(got))

@@ -19,6 +19,7 @@ from configs import (
     tldr_pythia,
 )
 from configs.arithmetic import get_config
+from tba_jax import config_lib
 from tba_jax.config_lib import ConfigError, apply_variant, parse_variant, validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,8 +68,8 @@ def test_bad_variants_are_clear_errors(variant, message):
     "variant, num_devices, message",
     [
         ("K=8,S=4", 1, r"K \(batch\.samples_per_prompt=8\) is larger than"),
-        ("m=1.5", 1, r"m \(replay\.recency_prob=1\.5\) must be in \[0, 1\]"),
-        ("m=-0.1", 1, r"must be in \[0, 1\]"),
+        ("m=1.5", 1, r"replay\.recency_prob=1\.5 must be a number in \[0, 1\]"),
+        ("m=-0.1", 1, r"must be a number in \[0, 1\]"),
         ("mode=ahead", 1, "mode='ahead'"),
         ("method=ppo", 1, "method='ppo' is not one of"),
         ("method=rloo", 1, "on-policy loss; run it with mode=sync"),
@@ -77,12 +78,40 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("mesh.sampler_devices=4", 4, "leaves no device for the learner"),
         ("search.score_rows_per_chunk=7", 1, r"does not divide the 128 rows a search call"),
         ("mode=sync,search.score_rows_per_chunk=48", 1, r"does not divide the 128 rows"),
-        ("search.score_rows_per_chunk=-1", 1, "must be >= 0"),
+        ("search.score_rows_per_chunk=-1", 1, "must be an integer >= 0"),
+        ("batch.prompts_per_batch=0", 1, r"batch\.prompts_per_batch=0 must be an integer >= 1"),
+        ("batch.prompts_per_batch=-4", 1, r"batch\.prompts_per_batch=-4 must be an integer >= 1"),
+        ("batch.num_microbatches=0", 1, r"batch\.num_microbatches=0 must be an integer >= 1"),
+        ("warm_start.batch_size=0", 1, r"warm_start\.batch_size=0 must be an integer >= 1"),
+        ("eval.batch_size=0", 1, r"eval\.batch_size=0 must be an integer >= 1"),
+        ("sampling.temperature=0.0", 1, r"sampling\.temperature=0\.0 must be a finite number > 0"),
+        ("sampling.temperature=-1.0", 1, r"sampling\.temperature=-1\.0 must be"),
+        ("checkpoint_every=0", 1, r"checkpoint_every=0 must be an integer >= 1"),
+        ("beta=0.0", 1, r"loss\.beta_start=0\.0 must be a finite number > 0"),
+        ("optim.learning_rate=1e6", 1, r"optim\.learning_rate=1000000\.0 must be a number in \(0"),
+        ("optim.learning_rate=nan", 1, r"optim\.learning_rate=nan must be"),
+        ("optim.schedule=cosine", 1, r"optim\.schedule='cosine' must be one of"),
+        ("model.dtype=float8", 1, r"model\.dtype='float8' must be one of"),
+        ("loss.beta_anneal_steps=0", 1, r"beta_anneal_steps=0 must be >= 1 for a linear"),
+        ("max_nonfinite_steps=0", 1, r"max_nonfinite_steps=0 must be an integer >= 1"),
     ],
 )
 def test_invalid_configs_are_rejected_before_any_work(variant, num_devices, message):
     with pytest.raises(ConfigError, match=message):
         validate(get_config(variant), num_devices=num_devices)
+
+
+@pytest.mark.parametrize("config_module", TRAINING_CONFIGS, ids=lambda m: m.__name__)
+def test_every_ranged_key_exists_and_its_default_is_in_range(config_module):
+    """The range table names real keys (a typo would silently check nothing), and the
+    shipped defaults are inside it."""
+    config = config_module.get_config()
+    for path, allowed in config_lib.RANGES.items():
+        node = config
+        for part in path.split("."):
+            assert part in node, f"RANGES names {path!r}, which {config.name} does not have"
+            node = node[part]
+        assert allowed.check(node), f"{config.name}: {path}={node!r} is not {allowed.description}"
 
 
 @pytest.mark.parametrize(
@@ -91,7 +120,7 @@ def test_invalid_configs_are_rejected_before_any_work(variant, num_devices, mess
         (["--config.nonexistent=1"], "unknown config key 'nonexistent'"),
         ([":smoke,bogus=1"], "Unknown config key 'bogus'"),
         ([":smoke,K=8"], "is larger than the samples generated per prompt"),
-        ([":smoke,m=1.5"], r"must be in [0, 1]"),
+        ([":smoke,m=1.5"], r"must be a number in [0, 1]"),
         ([":smoke,warm_start.batch_size=500"], "is more than the 200 training examples"),
     ],
 )

@@ -112,6 +112,37 @@ def test_train_step_lowers_the_tb_loss_on_a_fixed_batch(setup):
 
 
 @pytest.mark.parametrize(
+    "field, bad_value",
+    [("reward", np.nan), ("logp_ref", -np.inf), ("logp_behaviour", np.nan)],
+)
+def test_a_non_finite_loss_skips_the_update_and_is_counted(setup, field, bad_value):
+    model, params, batch = setup
+    state, step = _train_step(model, params, optax.adam(1e-2), 1)
+    state, good = step(state, batch)
+    assert float(good["skipped_nonfinite"]) == 0.0
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    poisoned = {**batch, field: batch[field].copy()}
+    poisoned[field][0] = bad_value
+    if field == "logp_behaviour":  # TB does not read it: poison the reward too
+        poisoned["reward"] = np.full_like(batch["reward"], np.inf)
+    state, skipped = step(state, poisoned)
+    assert float(skipped["skipped_nonfinite"]) == 1.0
+    assert int(state.step) == 2  # the step still counts
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state, again = step(state, batch)  # and training goes on from there
+    assert float(again["skipped_nonfinite"]) == 0.0
+    assert bool(learner.all_finite(state.params))
+
+
+def test_all_finite_sees_every_leaf():
+    tree = {"a": jnp.ones(3), "b": {"c": jnp.array([1.0, jnp.inf])}}
+    assert not bool(learner.all_finite(tree))
+    assert bool(learner.all_finite({"a": jnp.ones(3)}))
+
+
+@pytest.mark.parametrize(
     "schedule, step, expected",
     [
         ("constant", 0, 0.0),  # warmup starts at 0

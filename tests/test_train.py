@@ -97,23 +97,43 @@ def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
         np.testing.assert_array_equal(a, b)
 
 
-def test_rerunning_a_finished_workdir_resumes_instead_of_restarting(async_run, tmp_path):
+def test_rerunning_a_finished_run_keeps_its_summary(async_run, tmp_path):
     workdir = str(tmp_path / "copy")
     shutil.copytree(async_run[0], workdir)
+    summary_path = os.path.join(workdir, "summary.json")
+    with open(summary_path, "rb") as f:
+        before = f.read()
     summary = train_and_evaluate(get_config("smoke"), workdir)
-    assert summary["learner_steps"] == 4
-    # The warm start is not redone: its time comes from the saved history.
-    assert summary["warm_start_seconds"] == async_run[1]["warm_start_seconds"]
-    assert summary["eval_accuracy_start"] == async_run[1]["eval_accuracy_start"]
+    with open(summary_path, "rb") as f:
+        assert f.read() == before  # not replaced by the figures of an empty segment
+    assert summary == json.loads(before)
 
 
-def test_workdir_of_another_experiment_is_refused_and_left_intact(async_run):
+def test_a_finished_run_extended_reports_the_whole_run(async_run, tmp_path):
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(async_run[0], workdir)
+    first = async_run[1]
+    summary = train_and_evaluate(get_config("smoke,steps=6"), workdir)
+    assert summary["learner_steps"] == 6
+    # The warm start is not redone: its time and first evaluation come from the history.
+    assert summary["warm_start_seconds"] == first["warm_start_seconds"]
+    assert summary["eval_accuracy_start"] == first["eval_accuracy_start"]
+    # Totals cover both segments, not only the two new steps.
+    assert summary["samples_generated"] > first["samples_generated"]
+    assert summary["rl_seconds"] > first["rl_seconds"]
+    assert summary["wall_seconds"] > first["wall_seconds"]
+    assert summary["max_policy_lag"] >= first["max_policy_lag"]
+
+
+@pytest.mark.parametrize(
+    "variant", ["smoke,model=tiny", "smoke,mode=sync", "smoke,task.num_train=300"]
+)
+def test_workdir_of_another_experiment_is_refused_and_left_intact(async_run, variant):
     workdir, _ = async_run
-    before = _files_and_bytes(os.path.join(workdir, "checkpoints"))
-    other = get_config("smoke,model=tiny")
+    before = _files_and_bytes(workdir)
     with pytest.raises(CheckpointMismatchError, match="another experiment"):
-        train_and_evaluate(other, workdir)
-    assert _files_and_bytes(os.path.join(workdir, "checkpoints")) == before
+        train_and_evaluate(get_config(variant), workdir)
+    assert _files_and_bytes(workdir) == before  # config.json and data/ included
 
 
 def test_sync_rloo_run(tmp_path):
@@ -166,12 +186,17 @@ def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
     assert isinstance(raised.value.__cause__, ZeroDivisionError)
 
 
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize(
+    "mode, signum, reason",
+    [("sync", signal.SIGTERM, "SIGTERM"), ("async", signal.SIGINT, "Ctrl-C")],
+)
+def test_a_signal_in_the_loop_saves_and_the_run_resumes(tmp_path, mode, signum, reason):
     workdir = str(tmp_path)
+    variant = f"smoke,mode={mode}"
     command = [
         sys.executable,
         os.path.join(REPO_ROOT, "experiments", "train.py"),
-        "--config=" + os.path.join(REPO_ROOT, "configs", "arithmetic.py") + ":smoke,mode=sync",
+        "--config=" + os.path.join(REPO_ROOT, "configs", "arithmetic.py") + ":" + variant,
         "--workdir=" + workdir,
         "--config.learner_steps=100000",
         "--config.checkpoint_every=100000",
@@ -186,12 +211,14 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
             break
         time.sleep(0.5)
     assert process.poll() is None, process.stdout.read().decode()[-3000:]
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     output = process.communicate(timeout=FAILSAFE_SECONDS)[0].decode()
     assert process.returncode == 0, output[-3000:]
-    assert "SIGTERM" in output
-    _, _, metadata = restore_policy(get_config("smoke,mode=sync"), workdir)
-    stopped_at = metadata["policy_version"]
+    assert reason in output and "Traceback" not in output, output[-3000:]
+    saved = os.listdir(os.path.join(workdir, "checkpoints"))
+    assert not any("tmp" in name for name in saved)  # no half-written save left behind
+    stopped_at = max(int(name) for name in saved if name.isdigit())
     assert 3 <= stopped_at < 100000
-    summary = train_and_evaluate(get_config(f"smoke,mode=sync,steps={stopped_at + 2}"), workdir)
+    restore_policy(get_config(variant), workdir)  # the saved step restores
+    summary = train_and_evaluate(get_config(f"{variant},steps={stopped_at + 2}"), workdir)
     assert summary["learner_steps"] == stopped_at + 2

@@ -1,0 +1,231 @@
+"""A run is never lost: stops at every phase save what exists and resume, non-finite
+numbers are skipped and stop the run only after `max_nonfinite_steps`, corrupt checkpoints
+are set aside for the one before.
+
+Runs are the built-in smoke config, in process. A stop is a real SIGTERM sent to this
+process at a chosen moment (from inside a patched function), so the handlers, the flag
+and the safe points are the run's own.
+"""
+
+import dataclasses
+import os
+import shutil
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from configs.arithmetic import get_config
+from tba_jax import evaluation, learner, runtime, tasks, warmstart
+from tba_jax.checkpoint import SET_ASIDE_SUBDIR
+from tba_jax.config_lib import ConfigError
+from tba_jax.metrics import read_scalars
+from tba_jax.runs import restore_policy
+from tba_jax.tasks import arithmetic as arithmetic_tasks
+from tba_jax.train import WARM_START_SUBDIR, NonFiniteError, train_and_evaluate
+
+# Smoke runs whose 16 test problems are evaluated 8 at a time (2 batches), while every
+# training search call scores 16 samples (4 prompts × 4): the two are told apart by size.
+ASYNC = "smoke,eval.batch_size=8"
+SYNC = ASYNC + ",mode=sync"  # deterministic: a resumed run must end bit-identical
+STEPS = 4
+TRAINING_ROWS = 16
+
+
+def steps_saved(workdir: str) -> list[int]:
+    directory = os.path.join(workdir, "checkpoints")
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+def leaves_equal(a, b) -> bool:
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+
+
+def sigterm_on_call(monkeypatch, module, name: str, call_index: int) -> None:
+    """Makes call number `call_index` (from 0) of `module.name` send SIGTERM to this process
+    before doing its work, as a preemption arriving at that moment would."""
+    original = getattr(module, name)
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        if len(calls) == call_index:
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The same sync run, never stopped: what every stopped-and-resumed run must equal."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    return workdir, train_and_evaluate(get_config(SYNC), workdir)
+
+
+def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
+    straight_run, tmp_path, monkeypatch
+):
+    workdir = str(tmp_path)
+    with monkeypatch.context() as patch:
+        original = warmstart.make_supervised_step
+
+        def step_that_is_preempted(*args, **kwargs):
+            step_fn, calls = original(*args, **kwargs), []
+
+            def step(*step_args):
+                if len(calls) == 1:  # during the second of the 3 warm-start steps
+                    os.kill(os.getpid(), signal.SIGTERM)
+                calls.append(1)
+                return step_fn(*step_args)
+
+            return step
+
+        patch.setattr(warmstart, "make_supervised_step", step_that_is_preempted)
+        assert train_and_evaluate(get_config(SYNC), workdir) == {}
+    assert os.path.exists(os.path.join(workdir, WARM_START_SUBDIR, "progress.json"))
+    assert not steps_saved(workdir)
+    summary = train_and_evaluate(get_config(SYNC), workdir)
+    assert summary["learner_steps"] == STEPS
+    assert not os.path.exists(os.path.join(workdir, WARM_START_SUBDIR))  # superseded
+    # Going on from step 2 of the warm start is exact: the run ends where a straight one does.
+    _, resumed, _ = restore_policy(get_config(SYNC), workdir)
+    _, straight, _ = restore_policy(get_config(SYNC), straight_run[0])
+    assert leaves_equal(resumed, straight)
+    assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
+
+
+def test_a_stop_in_the_first_evaluation_keeps_the_warm_start(straight_run, tmp_path, monkeypatch):
+    workdir = str(tmp_path)
+    with monkeypatch.context() as patch:
+        sigterm_on_call(patch, evaluation, "generate_and_score", call_index=0)
+        assert train_and_evaluate(get_config(SYNC), workdir) == {}
+    assert steps_saved(workdir) == [0]
+    summary = train_and_evaluate(get_config(SYNC), workdir)
+    assert summary["warm_start_seconds"] > 0  # from the saved history, not redone
+    assert summary["eval_accuracy_start"] == straight_run[1]["eval_accuracy_start"]
+    assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
+
+
+def test_a_stop_in_the_final_evaluation_saves_the_last_step(straight_run, tmp_path, monkeypatch):
+    workdir = str(tmp_path)
+    start_batches = 2  # the first evaluation: 16 problems, 8 at a time
+    with monkeypatch.context() as patch:
+        sigterm_on_call(patch, evaluation, "generate_and_score", call_index=start_batches)
+        assert train_and_evaluate(get_config(SYNC), workdir) == {}
+    assert steps_saved(workdir)[-1] == STEPS
+    assert not os.path.exists(os.path.join(workdir, "summary.json"))
+    summary = train_and_evaluate(get_config(SYNC), workdir)  # evaluates, trains nothing
+    assert summary["learner_steps"] == STEPS
+    assert summary["samples_generated"] == straight_run[1]["samples_generated"]
+    assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
+
+
+def task_with_rewards(monkeypatch, rewards_of):
+    """Registers an arithmetic task whose training rewards are `rewards_of(task)`
+    (evaluation keeps the exact ones)."""
+
+    def build(task_config, workdir, tokenizer=None):
+        task = arithmetic_tasks.arithmetic_task(task_config, workdir, tokenizer)
+        return dataclasses.replace(task, rewards=rewards_of(task))
+
+    monkeypatch.setitem(tasks.base._TASKS, "arithmetic", build)
+
+
+def nan_for_training(task, every: int = 1):
+    """Rewards that are NaN for every `every`-th training sample (a reward model gone bad);
+    the evaluation's calls (8 rows) stay exact."""
+
+    def rewards(examples, responses):
+        values = np.array(task.rewards(examples, responses), np.float32)
+        if len(examples) == TRAINING_ROWS:
+            values[::every] = np.nan
+        return values
+
+    return rewards
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run_with_finite_params(tmp_path, monkeypatch):
+    task_with_rewards(monkeypatch, nan_for_training)
+    workdir = str(tmp_path)
+    config = get_config(SYNC + ",max_nonfinite_steps=3,checkpoint_every=1,keep_checkpoints=9")
+    with pytest.raises(NonFiniteError, match="not finite for 3 learner steps in a row"):
+        train_and_evaluate(config, workdir)
+    assert isinstance(NonFiniteError("x"), ConfigError)  # the launcher prints it in one line
+    assert steps_saved(workdir) == [0, 1, 2, 3]
+    _, params, _ = restore_policy(config, workdir)
+    assert bool(learner.all_finite(params))
+    # Every update was skipped: the params are still the warm-started ones of step 0.
+    _, params_start, _ = restore_policy(config, workdir, step=0)
+    assert leaves_equal(params, params_start)
+
+
+def test_async_searchers_drop_non_finite_samples_and_count_them(tmp_path, monkeypatch):
+    task_with_rewards(monkeypatch, lambda task: nan_for_training(task, every=2))
+    summary = train_and_evaluate(get_config(ASYNC), str(tmp_path))
+    assert summary["learner_steps"] == STEPS
+    assert summary["skipped_nonfinite_steps"] == 0  # nothing non-finite reached the learner
+    dropped = read_scalars(os.path.join(str(tmp_path), "tensorboard"))[runtime.DROPPED_NONFINITE]
+    assert dropped[-1][1] > 0
+
+
+def test_async_searchers_that_only_make_non_finite_samples_stop_the_run(tmp_path, monkeypatch):
+    task_with_rewards(monkeypatch, nan_for_training)
+    with pytest.raises(runtime.NonFiniteSamplesError, match="non-finite reward or log-prob"):
+        train_and_evaluate(get_config(ASYNC + ",max_nonfinite_steps=2"), str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def run_with_three_checkpoints(tmp_path_factory):
+    """A sync run saved at steps 0, 2 and 4 (then extended to 6 by each test)."""
+    workdir = str(tmp_path_factory.mktemp("three"))
+    train_and_evaluate(get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3"), workdir)
+    assert steps_saved(workdir) == [0, 2, 4]
+    return workdir
+
+
+def truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(max(os.path.getsize(path) // 2, 1))
+
+
+ORBAX_MARKERS = ("commit_success.txt", "_CHECKPOINT_METADATA", "_METADATA", "_sharding")
+
+
+def largest_file(directory: str) -> str:
+    """The largest data file under `directory` (not one of orbax's marker files)."""
+    paths = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(directory)
+        for name in names
+        if name not in ORBAX_MARKERS
+    ]
+    return max(paths, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("item", ["train_state", "buffer", "metadata"])
+def test_a_corrupt_newest_checkpoint_is_set_aside_for_the_one_before(
+    run_with_three_checkpoints, tmp_path, item
+):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", item)))
+    config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3,steps=6")
+    summary = train_and_evaluate(config, workdir)
+    assert summary["learner_steps"] == 6
+    set_aside = os.listdir(os.path.join(workdir, SET_ASIDE_SUBDIR))
+    assert len(set_aside) == 1 and set_aside[0].startswith("4-")  # kept, not deleted
+    assert steps_saved(workdir) == [2, 4, 6]  # step 4 trained again from step 2
+
+
+def test_no_readable_checkpoint_is_a_clear_error(run_with_three_checkpoints, tmp_path):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    for step in (0, 2, 4):
+        truncate(largest_file(os.path.join(workdir, "checkpoints", str(step), "train_state")))
+    config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3,steps=6")
+    with pytest.raises(ConfigError, match=r"No checkpoint in .* restores"):
+        train_and_evaluate(config, workdir)
+    assert len(os.listdir(os.path.join(workdir, SET_ASIDE_SUBDIR))) == 3
