@@ -1,4 +1,4 @@
-"""Run metrics: TensorBoard scalars, compact log lines, progress bar, phase timers, rates,
+"""Run metrics: TensorBoard scalars, a concise console line or progress bar, phase timers, rates,
 and the JSON results files (summary.json, eval.json, ...), written atomically.
 
 TensorBoard files are written with tensorboardX and read back by a small
@@ -9,6 +9,7 @@ needed. In a multi-process run, construct `MetricsWriter` on process 0 only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import struct
@@ -28,8 +29,11 @@ from tensorboardX.record_writer import masked_crc32c
 
 TENSORBOARD_SUBDIR = "tensorboard"
 FLUSH_SECONDS = 10
-LEADING_LOG_KEYS = ("loss", "reward")
 LOG_VALUE_FORMAT = ".4g"
+EVAL_METRIC_PREFIX = "eval_"
+SECONDS_PER_MINUTE = 60
+MINUTES_PER_HOUR = 60
+SECONDS_PER_HOUR = SECONDS_PER_MINUTE * MINUTES_PER_HOUR
 LOG_FIELD_SEPARATOR = " | "
 UNIQUE_SUFFIX_CHARS = 12
 
@@ -53,7 +57,7 @@ def write_json_atomically(path: str, value: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Log lines and scalar conversion.
+# Scalars and the console line.
 # --------------------------------------------------------------------------------------
 
 
@@ -68,28 +72,85 @@ def as_scalar(name: str, value: Any) -> float:
     return float(array.reshape(()))
 
 
-def ordered_metric_names(
-    names: Sequence[str], leading_keys: Sequence[str] = LEADING_LOG_KEYS
+@dataclasses.dataclass(frozen=True)
+class ConsoleField:
+    """One figure of the console line: the metric it shows, its label and number format."""
+
+    metric: str
+    label: str
+    number_format: str = LOG_VALUE_FORMAT
+    label_after: bool = False  # "1,428 samples/s" rather than "samples/s 1428"
+
+    def text(self, value: float) -> str:
+        number = f"{value:{self.number_format}}"
+        return f"{number} {self.label}" if self.label_after else f"{self.label} {number}"
+
+
+# What the console line shows, in this order, of the metrics a step writes (TensorBoard
+# gets them all), then any in-training evaluation (EVAL_METRIC_PREFIX).
+CONSOLE_FIELDS = (
+    ConsoleField("reward_mean", "reward"),
+    ConsoleField("loss", "loss"),
+    ConsoleField("accuracy", "accuracy"),  # the reward-model trainer's pairwise accuracy
+    ConsoleField("policy_lag_mean", "lag"),
+    ConsoleField("policy_lag_max", "max lag", ".0f"),
+    ConsoleField("samples_per_second", "samples/s", ",.0f", label_after=True),
+)
+
+
+def console_figures(
+    metrics: Mapping[str, float], fields: Sequence[ConsoleField] = CONSOLE_FIELDS
 ) -> list[str]:
-    """`leading_keys` that are present, in their order, then the other names sorted."""
-    present = set(names)
-    leading = [name for name in leading_keys if name in present]
-    return leading + sorted(present - set(leading))
+    """The texts of `fields` present in `metrics`, then of the evaluation metrics."""
+    figures = [field.text(metrics[field.metric]) for field in fields if field.metric in metrics]
+    evaluations = sorted(name for name in metrics if name.startswith(EVAL_METRIC_PREFIX))
+    return figures + [ConsoleField(name, name).text(metrics[name]) for name in evaluations]
 
 
-def format_log_line(
+def format_duration(seconds: float) -> str:
+    """45 -> "45s", 185 -> "3m05s", 7300 -> "2h01m"."""
+    seconds = round(seconds)
+    if seconds < SECONDS_PER_MINUTE:
+        return f"{seconds}s"
+    if seconds < SECONDS_PER_HOUR:
+        return f"{seconds // SECONDS_PER_MINUTE}m{seconds % SECONDS_PER_MINUTE:02d}s"
+    minutes = seconds // SECONDS_PER_MINUTE
+    return f"{minutes // MINUTES_PER_HOUR}h{minutes % MINUTES_PER_HOUR:02d}m"
+
+
+def format_console_line(
     step: int,
     total_steps: int | None,
     metrics: Mapping[str, float],
-    leading_keys: Sequence[str] = LEADING_LOG_KEYS,
+    eta_seconds: float | None = None,
+    fields: Sequence[ConsoleField] = CONSOLE_FIELDS,
 ) -> str:
-    """``step 40/200 | loss 1.23 | reward 0.51 | …`` with a fixed order of names."""
+    """``step 40/300 | reward 0.51 | loss 1.23 | lag 1.5 | max lag 4 | 1,399 samples/s |
+    ETA 2m10s``: the figures of `fields` that `metrics` holds, in their order."""
     progress = f"step {step}" if total_steps is None else f"step {step}/{total_steps}"
-    fields = [
-        f"{name} {metrics[name]:{LOG_VALUE_FORMAT}}"
-        for name in ordered_metric_names(list(metrics), leading_keys)
-    ]
-    return LOG_FIELD_SEPARATOR.join([progress, *fields])
+    eta = [] if eta_seconds is None else [f"ETA {format_duration(eta_seconds)}"]
+    return LOG_FIELD_SEPARATOR.join([progress, *console_figures(metrics, fields), *eta])
+
+
+class StepPace:
+    """The time left to `total_steps`, at the pace since the first step it was told of (so
+    the first step's compilation does not count)."""
+
+    def __init__(self, total_steps: int | None, clock: Clock = time.monotonic):
+        self.total_steps = total_steps
+        self._clock = clock
+        self._first: tuple[int, float] | None = None
+
+    def eta_seconds(self, step: int) -> float | None:
+        """Seconds left after `step` (call at every step); None before a pace is known."""
+        now = self._clock()
+        if self._first is None:
+            self._first = (step, now)
+        first_step, first_time = self._first
+        if self.total_steps is None or step <= first_step:
+            return None
+        seconds_per_step = (now - first_time) / (step - first_step)
+        return seconds_per_step * max(self.total_steps - step, 0)
 
 
 def _unique_filename_suffix() -> str:
@@ -111,7 +172,9 @@ def progress_enabled(show_progress: bool, force_progress: bool, stream: TextIO) 
 
 
 class MetricsWriter:
-    """Writes scalars to ``workdir/tensorboard`` on every call and logs every `log_every` steps."""
+    """Writes every scalar to ``workdir/tensorboard`` on every call; on the console, a
+    progress bar (when `show_progress` and stderr is a terminal) or else one concise line
+    every `log_every` steps (`format_console_line`: `console_fields` and an ETA)."""
 
     def __init__(
         self,
@@ -123,14 +186,16 @@ class MetricsWriter:
         force_progress: bool = False,
         progress_stream: TextIO | None = None,
         initial_step: int = 0,
-        leading_keys: Sequence[str] = LEADING_LOG_KEYS,
+        console_fields: Sequence[ConsoleField] = CONSOLE_FIELDS,
+        clock: Clock = time.monotonic,
     ):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}.")
         self.event_dir = os.path.join(workdir, TENSORBOARD_SUBDIR)
         self.log_every = log_every
         self.total_steps = total_steps
-        self.leading_keys = tuple(leading_keys)
+        self.console_fields = tuple(console_fields)
+        self._pace = StepPace(total_steps, clock)
         self._summary_writer = tensorboardX.SummaryWriter(
             logdir=self.event_dir,
             flush_secs=FLUSH_SECONDS,
@@ -150,9 +215,14 @@ class MetricsWriter:
         scalars = {name: as_scalar(name, value) for name, value in metrics.items()}
         for name, value in scalars.items():
             self._summary_writer.add_scalar(name, value, global_step=step)
-        self._advance_progress(step, scalars)
-        if step % self.log_every == 0:
-            logging.info(format_log_line(step, self.total_steps, scalars, self.leading_keys))
+        eta_seconds = self._pace.eta_seconds(step)
+        if not self._progress_bar.disable:
+            self._advance_progress(step, scalars)
+        elif step % self.log_every == 0:
+            line = format_console_line(
+                step, self.total_steps, scalars, eta_seconds, self.console_fields
+            )
+            logging.info(line)
 
     def flush(self) -> None:
         self._summary_writer.flush()
@@ -169,15 +239,9 @@ class MetricsWriter:
 
     def _advance_progress(self, step: int, scalars: Mapping[str, float]) -> None:
         bar = self._progress_bar
-        if bar.disable:
-            return
-        leading = {
-            name: f"{scalars[name]:{LOG_VALUE_FORMAT}}"
-            for name in self.leading_keys
-            if name in scalars
-        }
-        if leading:
-            bar.set_postfix(leading, refresh=False)
+        postfix = console_figures(scalars, self.console_fields)
+        if postfix:
+            bar.set_postfix_str(LOG_FIELD_SEPARATOR.join(postfix), refresh=False)
         if step > bar.n:
             bar.update(step - bar.n)
 

@@ -1,4 +1,5 @@
-"""Tests for tba_jax.metrics: TensorBoard round trip, log lines, progress, timers, rates."""
+"""Tests for tba_jax.metrics: TensorBoard round trip, the console line, progress, timers,
+rates."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from tba_jax.metrics import (
     TENSORBOARD_SUBDIR,
     MetricsWriter,
     RateMeter,
+    StepPace,
     TimeSplit,
-    format_log_line,
+    format_console_line,
+    format_duration,
     progress_enabled,
     read_scalars,
 )
@@ -102,20 +105,64 @@ def test_non_scalar_metric_is_refused(tmp_path):
         writer.write(1, {"loss": np.ones(3)})
 
 
-def test_log_line_format_is_fixed_order_and_compact():
-    metrics = {"zeta": 3.0, "reward": 0.51234, "kl": 1e-5, "loss": 1.23456}
-    line = format_log_line(40, 200, metrics)
-    assert line == "step 40/200 | loss 1.235 | reward 0.5123 | kl 1e-05 | zeta 3"
-    assert format_log_line(7, None, {"loss": 2.0}) == "step 7 | loss 2"
+def test_console_line_is_concise_and_in_a_fixed_order():
+    metrics = {
+        "kl_mean": 1e-5,
+        "samples_per_second": 1428.4,
+        "policy_lag_max": 3.0,
+        "loss": 1.23456,
+        "eval_accuracy": 0.75,
+        "policy_lag_mean": 1.5,
+        "reward_mean": 0.51234,
+        "buffer_num_trajectories": 3200.0,
+    }
+    line = format_console_line(40, 200, metrics, eta_seconds=130)
+    assert line == (
+        "step 40/200 | reward 0.5123 | loss 1.235 | lag 1.5 | max lag 3 | 1,428 samples/s | "
+        "eval_accuracy 0.75 | ETA 2m10s"
+    )
+    assert format_console_line(7, None, {"loss": 2.0}) == "step 7 | loss 2"
 
 
-def test_writer_logs_every_log_every_steps(tmp_path, caplog):
+def test_durations_read_as_seconds_minutes_or_hours():
+    assert [format_duration(s) for s in (0, 45.4, 185, 7300)] == ["0s", "45s", "3m05s", "2h01m"]
+
+
+def test_eta_is_the_pace_since_the_first_step_times_the_steps_left():
+    clock = FakeClock()
+    pace = StepPace(total_steps=10, clock=clock)
+    assert pace.eta_seconds(1) is None  # the first step (compiling) sets the start
+    clock.now += 4.0
+    assert pace.eta_seconds(3) == pytest.approx(2.0 * 7)
+    clock.now += 2.0
+    assert pace.eta_seconds(4) == pytest.approx(2.0 * 6)
+    assert StepPace(total_steps=None, clock=clock).eta_seconds(5) is None
+
+
+def test_writer_logs_a_console_line_every_log_every_steps(tmp_path, caplog):
     caplog.set_level(std_logging.INFO)
-    with make_writer(tmp_path, log_every=2, total_steps=4) as writer:
+    clock = FakeClock()
+    with make_writer(tmp_path, log_every=2, total_steps=4, clock=clock) as writer:
         for step in range(1, 5):
-            writer.write(step, {"reward": 0.5, "loss": 1.0})
+            clock.now += 1.0
+            writer.write(step, {"reward_mean": 0.5, "loss": 1.0, "beta": 0.1})
     lines = [record.getMessage() for record in caplog.records if "step " in record.getMessage()]
-    assert lines == ["step 2/4 | loss 1 | reward 0.5", "step 4/4 | loss 1 | reward 0.5"]
+    assert lines == [
+        "step 2/4 | reward 0.5 | loss 1 | ETA 2s",
+        "step 4/4 | reward 0.5 | loss 1 | ETA 0s",
+    ]
+    scalars = read_scalars(os.path.join(tmp_path, TENSORBOARD_SUBDIR))
+    assert set(scalars) == {"reward_mean", "loss", "beta"}  # TensorBoard keeps every name
+
+
+def test_a_drawn_progress_bar_replaces_the_console_line(tmp_path, caplog):
+    caplog.set_level(std_logging.INFO)
+    stream = io.StringIO()
+    options = dict(show_progress=True, force_progress=True, progress_stream=stream)
+    with make_writer(tmp_path, log_every=1, **options) as writer:
+        writer.write(1, {"loss": 0.5})
+    assert not [record for record in caplog.records if "step " in record.getMessage()]
+    assert "loss 0.5" in stream.getvalue()
 
 
 def test_progress_bar_only_on_terminals_unless_forced():
@@ -134,7 +181,7 @@ def test_forced_progress_bar_tracks_steps(tmp_path):
             writer.write(step, {"loss": 0.5})
     output = stream.getvalue()
     assert "6/6" in output
-    assert "loss=0.5" in output
+    assert "loss 0.5" in output
 
 
 def test_hidden_progress_bar_writes_nothing(tmp_path):
