@@ -4,24 +4,32 @@ r"""Checks a Hugging Face checkpoint's conversion: transformers and tba_jax on t
 
 Runs one left-padded batch of random tokens through transformers (PyTorch, CPU, float32,
 eager attention) and through tba_jax's import of the same folder, and prints one JSON line:
-family, head, hf_path, num_params, batch, seq_len and max_abs_logit_diff (the largest
-|difference| of the logits over real positions; of the scores for a
-*ForSequenceClassification checkpoint). torch and transformers are needed only here.
+family, head, hf_path, num_params, tokenizer_vocab_size, batch, seq_len and
+max_abs_logit_diff (the largest |difference| of the logits over real positions; of the
+scores for a *ForSequenceClassification checkpoint). A tokenizer in the folder with more ids
+than the model has embeddings is an error. torch and transformers are needed only here.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import os
 from typing import Any
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from tba_jax import cli
 from tba_jax.models import hf, positions_from_mask, sequence_scores
+from tba_jax.models.hf_tokenizer import (
+    SENTENCEPIECE_MODEL,
+    TOKENIZER_JSON,
+    HFTokenizer,
+    check_vocab_matches,
+)
 
+TOKENIZER_FILES = (TOKENIZER_JSON, SENTENCEPIECE_MODEL)  # either one makes a tokenizer
 PAD_ID = 0  # real tokens are drawn from 1..vocab-1
 SHORTEST_ROW_FRACTION = 3  # the last row holds about seq_len / 3 real tokens
 DEFAULT_BATCH = 3
@@ -75,11 +83,23 @@ def torch_outputs(torch_model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarr
     return out.logits.float().numpy()
 
 
+def tokenizer_vocab_size(hf_path: str, model_vocab_size: int) -> int | None:
+    """The vocabulary size of the folder's tokenizer (None when it has no tokenizer files);
+    a ValueError when the tokenizer has ids the model cannot embed."""
+    if not any(os.path.isfile(os.path.join(hf_path, name)) for name in TOKENIZER_FILES):
+        return None
+    tokenizer = HFTokenizer.from_pretrained(hf_path)
+    check_vocab_matches(tokenizer, model_vocab_size, where=hf_path)
+    return tokenizer.vocab_size
+
+
 def compare(
     hf_path: str, *, batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0
 ) -> dict[str, Any]:
-    """Runs one left-padded batch through transformers and tba_jax; returns the max
-    |difference| of the logits (scores for a classifier) over real positions."""
+    """Checks the folder's tokenizer fits the model, runs one left-padded batch through
+    transformers and tba_jax, and returns the max |difference| of the logits (scores for a
+    classifier) over real positions."""
+    tokenizer_vocab = tokenizer_vocab_size(hf_path, hf.config_from_hf(hf_path).vocab_size)
     model, params = hf.load_model(hf_path)
     cfg = model.config
     seq_len = min(seq_len, cfg.max_seq_len)
@@ -97,6 +117,7 @@ def compare(
         head=cfg.head,
         hf_path=hf_path,
         num_params=cfg.num_params(),
+        tokenizer_vocab_size=tokenizer_vocab,
         batch=batch,
         seq_len=seq_len,
         max_abs_logit_diff=float(diff.max()),
@@ -110,21 +131,17 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", DEFAULT_BATCH, "Rows in the batch.")
     flags.DEFINE_integer("seq_len", DEFAULT_SEQ_LEN, "Tokens per row (capped at max_seq_len).")
     flags.DEFINE_integer("seed", 0, "Seed of the random tokens.")
+    flags.adopt_module_key_flags(cli)
     flags.mark_flags_as_required(["hf_path"])
 
 
 def main(argv):
     del argv
     values = flags.FLAGS
-    try:
-        result = compare(
-            values.hf_path, batch=values.batch, seq_len=values.seq_len, seed=values.seed
-        )
-    except (FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
+    result = compare(values.hf_path, batch=values.batch, seq_len=values.seq_len, seed=values.seed)
     print(json.dumps(result, sort_keys=True))
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, user_errors=(FileNotFoundError, ValueError))

@@ -5,26 +5,52 @@ r"""Exports a training run's policy as a Hugging Face folder transformers loads.
         --hf_config_overrides='{"eos_token_id": 2}'
 
 Writes config.json and the weights (sharded with an index past 5 GB) of the latest (or
-`--step`'s) checkpoint in `--workdir`. A run started from a Hugging Face folder
-(`model.hf_path`) also gets that folder's tokenizer files and its token ids in config.json,
-so the export is usable as it is. Prints one JSON line: workdir, out, family, num_params and
-the files written.
+`--step`'s) checkpoint in `--workdir`, and the run's tokenizer with its token ids in
+config.json, so the export is usable as it is (in transformers, or as `model.hf_path` of a
+new run): a run started from a Hugging Face folder (`model.hf_path`) gets that folder's
+tokenizer files; a run with the built-in char tokenizer (the arithmetic demo) gets it as a
+tokenizer.json with the same ids. Prints one JSON line: workdir, out, family, num_params
+and the files written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
-import sys
+from collections.abc import Callable
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 from tba_jax import cli, runs
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.models import hf
 from tba_jax.models.config import DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedTokenizer:
+    """A run's tokenizer as an export carries it: the token ids config.json records
+    (transformers reads them from there) and what writes its files into the export."""
+
+    token_ids: dict[str, Any]
+    write: Callable[[str], list[str]]  # (out folder) -> the paths written
+
+    @classmethod
+    def of_run(cls, config, workdir: str) -> ExportedTokenizer:
+        source = config.model.hf_path
+        if source:  # the checkpoint's own tokenizer files, as they are
+            return cls(hf.token_ids_of(source), functools.partial(hf.copy_tokenizer_files, source))
+        tokenizer = runs.run_tokenizer(config, workdir)  # the task's own, e.g. a CharTokenizer
+        token_ids = {
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": tokenizer.eos_id,
+            "pad_token_id": tokenizer.pad_id,
+        }
+        return cls(token_ids, tokenizer.save_pretrained)
 
 
 def export_run(
@@ -35,18 +61,15 @@ def export_run(
     step: int | None = None,
     hf_config_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Writes the latest (or `step`'s) policy of the training run in `workdir` to `out`.
-
-    A run started from a Hugging Face folder (`model.hf_path`) also gets that folder's
-    tokenizer files and its token ids in config.json, so the export is usable as is.
-    Returns the summary the command line prints.
-    """
+    """Writes the latest (or `step`'s) policy of the training run in `workdir` to `out`, with
+    the run's tokenizer and its token ids in config.json, so the export is usable as is.
+    Returns the summary the command line prints."""
+    config = runs.load_config(workdir)
     model_cfg, params = runs.load_trained_policy(workdir, step)
-    source = runs.load_config(workdir).model.hf_path
-    overrides = {**(hf.token_ids_of(source) if source else {}), **(hf_config_overrides or {})}
+    tokenizer = ExportedTokenizer.of_run(config, workdir)
+    overrides = {**tokenizer.token_ids, **(hf_config_overrides or {})}
     files = hf.save_hf(out, model_cfg, params, dtype=dtype, hf_config_overrides=overrides)
-    if source:
-        files += hf.copy_tokenizer_files(source, out)
+    files += tokenizer.write(out)
     return dict(
         workdir=workdir,
         out=out,
@@ -83,25 +106,25 @@ def define_flags() -> None:
         None,
         "JSON object of extra config.json keys, e.g. '{\"eos_token_id\": 2}'.",
     )
+    flags.adopt_module_key_flags(cli)
     flags.mark_flags_as_required(["workdir", "out"])
 
 
 def main(argv):
     del argv
     values = flags.FLAGS
-    try:
-        result = export_run(
-            values.workdir,
-            values.out,
-            dtype=values.dtype,
-            step=values.step,
-            hf_config_overrides=parse_overrides(values.hf_config_overrides),
-        )
-    except (ConfigError, CheckpointMismatchError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
+    overrides = parse_overrides(values.hf_config_overrides)
+    cli.check_output_dir(values.out, "out")
+    result = export_run(
+        values.workdir,
+        values.out,
+        dtype=values.dtype,
+        step=values.step,
+        hf_config_overrides=overrides,
+    )
     print(json.dumps(result, sort_keys=True))
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, user_errors=(ConfigError, CheckpointMismatchError, FileNotFoundError))

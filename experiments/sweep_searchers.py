@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from tba_jax import cli
@@ -161,21 +161,24 @@ def define_flags() -> None:
     flags.DEFINE_list(
         "eval_flags", [], "Extra flags for experiments/evaluate.py, e.g. --num_samples=256."
     )
-    flags.mark_flags_as_required(["config", "workdir_root"])
+    cli.define_print_config_flag()
+    flags.adopt_module_key_flags(cli)
+    flags.mark_flag_as_required("config")
 
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.INFO)
     values = flags.FLAGS
-    try:
-        counts = parse_counts(values.num_searchers)
-        sweep = run_sweep(values.config, values.workdir_root, counts, values.eval_flags)
-    except (ConfigError, CheckpointMismatchError) as error:
-        sys.exit(f"error: {error}")
+    if values[cli.PRINT_CONFIG_FLAG].value:
+        cli.print_config(values.config, values["config"].config_filename)
+        return
+    counts = parse_counts(values.num_searchers)
+    workdir_root = cli.required(values["workdir_root"])
+    cli.check_output_dir(workdir_root, "workdir_root")
+    sweep = run_sweep(values.config, workdir_root, counts, values.eval_flags)
     print(markdown_table(sweep["runs"]))
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, user_errors=(ConfigError, CheckpointMismatchError, FileNotFoundError))

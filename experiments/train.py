@@ -3,13 +3,13 @@ r"""Trains a policy with TBA (or a sync baseline) from a config file.
     python experiments/train.py --config=configs/arithmetic.py --workdir=/tmp/tba_demo
     python experiments/train.py --config=configs/arithmetic.py:mode=sync,method=rloo \
         --workdir=/tmp/tba_sync --config.learner_steps=100
+    python experiments/train.py --config=configs/arithmetic.py:smoke --print_config
 
-Running again on the same workdir resumes from its latest checkpoint.
+Running again on the same workdir resumes from its latest checkpoint. `--print_config`
+lists every key of the resolved config (change one with `--config.<key>=<value>`).
 """
 
-import sys
-
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from tba_jax import cli
@@ -19,17 +19,23 @@ from tba_jax.train import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and summary.json go.")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRINT_CONFIG = cli.define_print_config_flag()
+flags.adopt_module_key_flags(cli)
+flags.mark_flag_as_required("config")
+
+# A missing file here (e.g. a model.hf_path folder without tokenizer files) is a user's.
+USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError)
 
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.INFO)
-    try:
-        train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except (ConfigError, CheckpointMismatchError) as error:
-        sys.exit(f"error: {error}")
+    if _PRINT_CONFIG.value:
+        cli.print_config(_CONFIG.value, flags.FLAGS[_CONFIG.name].config_filename)
+        return
+    workdir = cli.required(_WORKDIR)
+    cli.check_output_dir(workdir, _WORKDIR.name)
+    train_and_evaluate(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, user_errors=USER_ERRORS)

@@ -10,12 +10,11 @@ Hugging Face folder.
 Writes `<workdir>/hf` (the model, config.json and tokenizer files; loads in transformers as
 *ForSequenceClassification and in configs/tldr_pythia.py as task.reward_model.hf_path),
 `<workdir>/rm_summary.json` (held-out pairwise accuracy before and after training) and
-`<workdir>/tensorboard/`. See tba_jax/train_reward_model.py.
+`<workdir>/tensorboard/`. See tba_jax/train_reward_model.py. `--print_config` lists every
+key of the resolved config.
 """
 
-import sys
-
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from tba_jax import cli
@@ -24,17 +23,24 @@ from tba_jax.train_reward_model import train_reward_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the model, logs and rm_summary.json go.")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRINT_CONFIG = cli.define_print_config_flag()
+flags.adopt_module_key_flags(cli)
+flags.mark_flag_as_required("config")
+
+USER_ERRORS = (ConfigError, FileNotFoundError)
 
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.INFO)
-    try:
-        train_reward_model(_CONFIG.value, _WORKDIR.value)
-    except (ConfigError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
+    if _PRINT_CONFIG.value:
+        cli.print_config(_CONFIG.value, flags.FLAGS[_CONFIG.name].config_filename)
+        return
+    workdir = cli.required(_WORKDIR)
+    cli.check_output_dir(workdir, _WORKDIR.name)
+    if _CONFIG.value.out_dir:
+        cli.check_output_dir(_CONFIG.value.out_dir, "config.out_dir")
+    train_reward_model(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, user_errors=USER_ERRORS)

@@ -1,30 +1,312 @@
-"""Shared pieces of the absl command-line launchers in experiments/."""
+"""What the command-line launchers in experiments/ share.
+
+- `run(main, user_errors=...)`: absl's `app.run` with these conventions: a user's mistake
+  (in the flags, or one of `user_errors` raised by `main`) is ONE line, `error: ...`, on
+  stderr and exit status 1; a traceback means a bug. `--help` (or `-h`) exits 0.
+- `parse_flags(argv)`: a `--config` file that does not exist, a misspelt `--config.a.b=v`
+  key (the nearest key is named) and a `ConfigError` raised by the config file each end in
+  one line.
+- `define_print_config_flag()` / `print_config(config)`: `--print_config` prints every key
+  of the resolved config (after the `:variant` and `--config.x=y` overrides) and exits.
+- `check_output_dir(path, flag_name)`: a folder a launcher will write can be made there;
+  checked before anything is written.
+- `configure_console()`: our own logs at INFO without absl's prefix, other libraries'
+  (orbax, jax, TFDS) only from WARNING and no library progress bars, unless `--verbosity`
+  (`-v`) is given: then absl logs everything at that level, in its own format.
+
+A launcher adopts these flags in its `--help` with `flags.adopt_module_key_flags(cli)`.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from absl import flags
+import ml_collections
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections.config_flags.config_flags import is_config_flag  # public, not re-exported
 
+import tba_jax
+from tba_jax import config_keys
 from tba_jax.config_lib import ConfigError
+
+ERROR_PREFIX = "error: "
+USER_ERROR_EXIT_STATUS = 1
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, as shells report a Ctrl-C
+SHORT_HELP_FLAG = "-h"
+HELP_FLAG_PATTERN = re.compile(r"^--?(help|helpshort|helpfull|\?)(=|$)")
+PRINT_CONFIG_FLAG = "print_config"
+VERBOSITY_FLAG = "verbosity"  # absl's --verbosity / -v
+INFO_PREFIX_FLAG = "showprefixforinfo"  # absl's: the "I0102 12:00:00.0 123 file.py:1]" prefix
+# Library warnings that are expected in every run and say nothing to act on: TFDS warns
+# each time a builder is given a config object, which is how tba_jax.data builders work.
+EXPECTED_LIBRARY_WARNINGS = ("Using custom data configuration",)
+VERBOSITY_HELP = (
+    "absl's log level (-1 warning, 0 info, 1 debug). Unset: our progress and notices at info, "
+    "other libraries' logs (orbax, jax, TFDS) from warning; set: every log at that level."
+)
+
+
+class UsageError(Exception):
+    """A mistake in a launcher's command line; `run` prints it as one `error: ...` line."""
+
+
+# --------------------------------------------------------------------------------------
+# Running a launcher.
+# --------------------------------------------------------------------------------------
+
+
+def one_line(text: str) -> str:
+    """`text` with its lines joined by spaces (an error is reported on one line)."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """Prints `error: <message>` on stderr (one line) and exits with status 1."""
+    print(ERROR_PREFIX + one_line(message), file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT_STATUS)
+
+
+def run(
+    main: Callable[[list[str]], Any], *, user_errors: Sequence[type[BaseException]] = ()
+) -> None:
+    """`app.run(main)` for a launcher: flags parsed by `parse_flags`, the console set up by
+    `configure_console`, and a `UsageError` or one of `user_errors` from `main` printed as
+    one line. Ctrl-C ends with a one-line notice and status 130."""
+    caught = (UsageError, *user_errors)
+
+    def main_with_conventions(argv: list[str]) -> Any:
+        configure_console()
+        try:
+            return main(argv)
+        except caught as error:
+            exit_with_error(str(error))
+        except KeyboardInterrupt:
+            print("interrupted (Ctrl-C).", file=sys.stderr)
+            sys.exit(INTERRUPTED_EXIT_STATUS)
+
+    app.run(main_with_conventions, flags_parser=parse_flags)
+
+
+def required(holder: flags.FlagHolder | flags.Flag) -> Any:
+    """The value of a flag the launcher cannot run without (UsageError when it is unset)."""
+    if holder.value is None:
+        raise UsageError(f"--{holder.name} is required; see --help.")
+    return holder.value
+
+
+# --------------------------------------------------------------------------------------
+# Parsing the flags.
+# --------------------------------------------------------------------------------------
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parser, with a bad `--config` reported in one line instead of a traceback.
-
-    Use as `app.run(main, flags_parser=parse_flags)`.
-    """
+    """absl's flag parser, with a user's mistake reported in one line instead of a
+    traceback, and `--help` / `-h` exiting 0. Use as `app.run(main, flags_parser=...)`."""
+    argv = ["--help" if arg == SHORT_HELP_FLAG else arg for arg in argv]
+    check_config_files_exist(argv)
     try:
         return flags.FLAGS(argv)
+    except SystemExit:
+        if asks_for_help(argv):  # absl exits 1 after printing the help it was asked for
+            sys.exit(0)
+        raise
     except flags.Error as error:
-        # A ConfigError raised inside get_config reaches us as text in absl's message.
-        found = re.search(rf"{ConfigError.__name__}: (.*)", str(error))
-        sys.exit(f"error: {found.group(1) if found else error}")
-    except (AttributeError, KeyError) as error:
-        # ml_collections reports an unknown `--config.a.b=v` key as a bare key name.
-        key = str(error).strip("\"'")
-        pattern = rf"--config\.(.*\.)?{re.escape(key)}(=|$)"
-        overrides = [arg for arg in argv if re.match(pattern, arg)]
-        where = f" in {overrides[0]}" if overrides else ""
-        sys.exit(f"error: unknown config key {key!r}{where}; see the config file for the keys.")
+        exit_with_error(flag_error_message(error))
+    except (AttributeError, KeyError):
+        # ml_collections raises these for a `--config.a.b=v` key the config does not have.
+        message = unknown_override_message(argv)
+        if message is None:
+            raise
+        exit_with_error(message)
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    return any(HELP_FLAG_PATTERN.match(arg) for arg in argv[1:])
+
+
+def flag_error_message(error: flags.Error) -> str:
+    """absl's message; for a ConfigError raised inside a config file's get_config (absl
+    hands it over as the text of a traceback), that error's own message."""
+    found = re.search(rf"{ConfigError.__name__}: (.*)", str(error))
+    return found.group(1) if found else str(error)
+
+
+def config_flag_names() -> list[str]:
+    """The names of the `DEFINE_config_file` flags defined (e.g. ["config"])."""
+    names = {flags.FLAGS[name].name for name in flags.FLAGS}
+    return sorted(name for name in names if is_config_flag(flags.FLAGS[name]))
+
+
+def flag_argument(argv: Sequence[str], name: str) -> str | None:
+    """The last value given to `--name` in `argv` (`--name=v` or `--name v`), or None."""
+    value = None
+    for index, arg in enumerate(argv[1:], 1):
+        for spelling in (f"--{name}", f"-{name}"):
+            if arg.startswith(spelling + "="):
+                value = arg[len(spelling) + 1 :]
+            elif arg == spelling and index + 1 < len(argv):
+                value = argv[index + 1]
+    return value
+
+
+def override_keys(argv: Sequence[str], name: str) -> list[str]:
+    """The keys of the `--name.a.b=v` overrides in `argv`, e.g. ["a.b"]."""
+    pattern = re.compile(rf"^--?(?:no)?{re.escape(name)}\.([^=]+)")
+    return [found.group(1) for found in map(pattern.match, argv[1:]) if found]
+
+
+def check_config_files_exist(argv: Sequence[str]) -> None:
+    """Exits with one line when a `--config=path[:variant]` names no file (ml_collections
+    would otherwise fail later with two tracebacks)."""
+    for name in config_flag_names():
+        argument = flag_argument(argv, name)
+        if argument is None:
+            continue
+        path = argument.split(":", 1)[0]
+        if not os.path.isfile(path):
+            exit_with_error(
+                f"--{name}={argument}: there is no config file {path!r} (from {os.getcwd()}); "
+                "pass the path of one, e.g. configs/arithmetic.py."
+            )
+
+
+def unknown_override_message(argv: Sequence[str]) -> str | None:
+    """The one-line error for the first `--config.a.b=v` override whose key the config does
+    not have, naming the nearest key; None when every override's key exists."""
+    for name in config_flag_names():
+        argument = flag_argument(argv, name)
+        if argument is None:
+            continue
+        config = flags.FLAGS[name].parser.parse(argument)  # the file again, no overrides
+        for key in override_keys(argv, name):
+            if not config_keys.has_key(config, key):
+                return config_keys.unknown_key_message(config, key)
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# --print_config.
+# --------------------------------------------------------------------------------------
+
+
+def define_print_config_flag() -> flags.FlagHolder:
+    """--print_config, for a launcher with a --config flag."""
+    return flags.DEFINE_bool(
+        PRINT_CONFIG_FLAG,
+        False,
+        "Print every key of the resolved config with its value (after the :variant and "
+        "--config.key=value overrides) and exit without running.",
+    )
+
+
+def config_lines(config: ml_collections.ConfigDict) -> list[str]:
+    """`key = value` for every key of `config`, sorted, keys dotted as overrides spell them."""
+    resolved = config.copy_and_resolve_references()
+    return [f"{key} = {value!r}" for key, value in config_keys.leaf_items(resolved)]
+
+
+def print_config(config: ml_collections.ConfigDict, source: str | None = None) -> None:
+    """Prints `config_lines(config)` on stdout, after a comment naming the config."""
+    described = f"{source}, resolved" if source else "resolved config"
+    print(f"# {described} (change a key with --config.<key>=<value>)")
+    print("\n".join(config_lines(config)))
+
+
+# --------------------------------------------------------------------------------------
+# Output folders.
+# --------------------------------------------------------------------------------------
+
+
+def nearest_existing_path(path: str) -> str:
+    """`path` or its closest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why the folder `path` cannot be made or written (None if it can); creates nothing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a folder"
+    existing = nearest_existing_path(path)
+    if not os.path.isdir(existing):
+        return f"cannot be created: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == os.path.abspath(path):
+            return "is not writable"
+        return f"cannot be created: {existing} is not writable"
+    return None
+
+
+def check_output_dir(path: str, flag_name: str) -> None:
+    """UsageError when the folder given as `--flag_name` cannot be made or written."""
+    problem = output_dir_problem(path)
+    if problem:
+        raise UsageError(f"--{flag_name}={path} {problem}; pass a folder you can write to.")
+
+
+# --------------------------------------------------------------------------------------
+# The console.
+# --------------------------------------------------------------------------------------
+
+
+def own_source_roots() -> tuple[str, ...]:
+    """The folders of our code: the tba_jax package and the running launcher's folder."""
+    roots = [os.path.dirname(os.path.abspath(tba_jax.__file__))]
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file:
+        roots.append(os.path.dirname(os.path.abspath(main_file)))
+    return tuple(roots)
+
+
+class LibraryLogFilter(logging.Filter):
+    """Passes every record of our own code, and other libraries' only from
+    `library_level`, leaving out EXPECTED_LIBRARY_WARNINGS."""
+
+    def __init__(self, own_roots: Sequence[str], library_level: int = logging.WARNING):
+        super().__init__()
+        self.own_roots = tuple(os.path.join(root, "") for root in own_roots)
+        self.library_level = library_level
+
+    def is_own(self, record: logging.LogRecord) -> bool:
+        return os.path.abspath(record.pathname).startswith(self.own_roots)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.is_own(record):
+            return True
+        if record.levelno < self.library_level:
+            return False
+        return not record.getMessage().startswith(EXPECTED_LIBRARY_WARNINGS)
+
+
+def hide_library_progress_bars() -> None:
+    """TFDS draws bars while it prepares a dataset (when the launcher has loaded it)."""
+    tfds = sys.modules.get("tensorflow_datasets")
+    if tfds is not None:
+        tfds.disable_progress_bar()
+
+
+def configure_console() -> None:
+    """Our INFO logs without absl's prefix; libraries' only from WARNING; no library
+    progress bars. Nothing changes when `--verbosity`/`-v` was given. Call after the flags
+    are parsed (`run` does)."""
+    if flags.FLAGS[VERBOSITY_FLAG].present:
+        return
+    if not flags.FLAGS[INFO_PREFIX_FLAG].present:
+        setattr(flags.FLAGS, INFO_PREFIX_FLAG, False)
+    handler = absl_logging.get_absl_handler()
+    if not any(isinstance(installed, LibraryLogFilter) for installed in handler.filters):
+        handler.addFilter(LibraryLogFilter(own_source_roots()))
+    hide_library_progress_bars()
+
+
+# absl's --verbosity, explained for our console and shown in every launcher's --help.
+flags.FLAGS[VERBOSITY_FLAG].help = VERBOSITY_HELP
+flags.declare_key_flag(VERBOSITY_FLAG)

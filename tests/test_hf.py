@@ -507,6 +507,7 @@ import runpy, sys
 import ml_collections
 import tba_jax.runs
 from tba_jax.models import hf
+from tba_jax.models.tokenizers import CharTokenizer
 
 hf_path, script, *argv = sys.argv[1:]
 
@@ -516,8 +517,9 @@ def fake_load_trained_policy(workdir, step=None):
     return model.config, params
 
 tba_jax.runs.load_trained_policy = fake_load_trained_policy
-# A run from a preset (no model.hf_path): no tokenizer files to carry over.
+# A run from a preset (no model.hf_path) with the char tokenizer of its task.
 tba_jax.runs.load_config = lambda workdir: ml_collections.ConfigDict({"model": {"hf_path": ""}})
+tba_jax.runs.run_tokenizer = lambda config, workdir: CharTokenizer.for_arithmetic()
 sys.argv = [script, *argv]
 runpy.run_path(script, run_name="__main__")
 """
@@ -538,6 +540,7 @@ def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path):
     assert read_json(os.path.join(out, "config.json"))["eos_token_id"] == 2
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["family"] == "llama" and "model.safetensors" in summary["files"]
+    assert "tokenizer.json" in summary["files"]
     assert_trees_equal(hf.load_params(out, ckpt.model), ckpt.params)
 
 

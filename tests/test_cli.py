@@ -1,0 +1,353 @@
+"""The launchers in experiments/ as a user runs them: mistakes end in one `error: ...` line,
+`--help` and `--print_config` show every flag and key, the console of a run is our own
+progress, and a run with the built-in char tokenizer exports to a folder transformers (and
+a new run) can load. Unit tests of tba_jax.cli and tba_jax.config_keys follow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from configs.arithmetic import get_config
+from tba_jax import cli, config_keys
+from tba_jax.config_lib import ConfigError
+from tba_jax.models.tokenizers import CharTokenizer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(REPO_ROOT, "experiments")
+ARITHMETIC = os.path.join(REPO_ROOT, "configs", "arithmetic.py")
+SMOKE = f"--config={ARITHMETIC}:smoke"
+REWARD_MODEL_TINY = "--config=" + os.path.join(REPO_ROOT, "configs", "reward_model.py") + ":tiny"
+REDTEAM_TINY = "--config=" + os.path.join(REPO_ROOT, "configs", "redteam_gpt2.py") + ":tiny"
+CONFIG_LAUNCHERS = ("train.py", "train_reward_model.py", "sweep_searchers.py")
+LAUNCHERS = (*CONFIG_LAUNCHERS, "export_hf.py", "compare_hf.py")
+MISTAKE_SECONDS = 60  # a mistake is reported before any long work (imports take most of it)
+RUN_SECONDS = 300
+# The smoke run's console: the data preparation notice (2 lines, first run only), the warm
+# start, checkpoints, evaluation, a line per log_every steps and the summary; 175 lines before
+# the library logs were quietened. The budget leaves room for a few more notices.
+SMOKE_CONSOLE_LINE_BUDGET = 20
+ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+
+
+def run_script(script: str, *args: str, timeout: int = MISTAKE_SECONDS):
+    return subprocess.run(
+        [sys.executable, os.path.join(EXPERIMENTS, script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one line a refused command prints; fails the test on a traceback or exit 0."""
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr[-3000:]
+    return last
+
+
+# ----------------------------------------------------------------------------------------
+# A trained smoke run (shared): its console, and its export.
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("smoke_run")
+    result = run_script("train.py", SMOKE, f"--workdir={workdir}", timeout=RUN_SECONDS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir, result
+
+
+@pytest.fixture(scope="module")
+def exported(smoke_run, tmp_path_factory):
+    workdir, _ = smoke_run
+    out = tmp_path_factory.mktemp("exported") / "hf"
+    result = run_script("export_hf.py", f"--workdir={workdir}", f"--out={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_console_of_a_run_is_our_progress_not_library_logs(smoke_run):
+    _, result = smoke_run
+    lines = result.stderr.strip().splitlines()
+    assert "orbax" not in result.stderr and "checkpoint_manager" not in result.stderr
+    assert not [line for line in lines if ABSL_PREFIX.match(line)], result.stderr
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"]
+    assert all(" | reward " in line and " | loss " in line for line in steps)
+    assert all(" | lag " in line and " samples/s" in line for line in steps)
+    assert len(lines) + len(result.stdout.splitlines()) <= SMOKE_CONSOLE_LINE_BUDGET, lines
+
+
+def test_a_char_tokenizer_run_exports_a_folder_transformers_loads(smoke_run, exported):
+    transformers = pytest.importorskip("transformers")
+    from tba_jax.models.hf_tokenizer import HFTokenizer
+
+    out, summary = exported
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(summary["files"])
+    char = CharTokenizer.for_arithmetic(get_config("smoke").task.ops)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+    ours = HFTokenizer.from_pretrained(str(out))
+    for text in ("7+5-3=", "12,9>9"):
+        ids = char.encode(text)
+        assert theirs(text)["input_ids"] == ours.encode(text) == ids
+        framed = char.encode(text, add_bos=True, add_eos=True)
+        assert theirs.decode(framed, skip_special_tokens=True) == ours.decode(framed) == text
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.config.vocab_size == char.vocab_size == len(theirs)
+    token_ids = (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id)
+    assert token_ids == (char.bos_id, char.eos_id, char.pad_id)
+
+
+def test_an_exported_folder_starts_a_new_run(exported, tmp_path):
+    out, _ = exported
+    variant = f"smoke,hf_path={out},warm_start.steps=0,mode=sync,steps=1"
+    result = run_script(
+        "train.py", f"--config={ARITHMETIC}:{variant}", f"--workdir={tmp_path}", timeout=RUN_SECONDS
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["learner_steps"] == 1
+
+
+def test_a_folder_without_tokenizer_files_is_a_one_line_error(exported, tmp_path):
+    out, _ = exported
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(out / name, weights_only / name)
+    result = run_script(
+        "train.py", f"{SMOKE},hf_path={weights_only}", f"--workdir={tmp_path / 'run'}"
+    )
+    assert "tokenizer.json" in error_line(result)
+
+
+def test_export_names_the_steps_there_are(smoke_run, tmp_path):
+    workdir, _ = smoke_run
+    result = run_script("export_hf.py", f"--workdir={workdir}", f"--out={tmp_path}", "--step=3")
+    assert "No checkpoint for step 3" in error_line(result)
+    assert "available steps: [2, 4]" in error_line(result)
+
+
+def test_export_of_a_workdir_without_a_checkpoint(smoke_run, tmp_path):
+    workdir, _ = smoke_run
+    shutil.copy(workdir / "config.json", tmp_path / "config.json")
+    result = run_script("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'out'}")
+    assert "No checkpoint in workdir" in error_line(result)
+
+
+def test_compare_refuses_a_tokenizer_larger_than_the_model(exported, tmp_path):
+    out, _ = exported
+    folder = tmp_path / "larger_tokenizer"
+    shutil.copytree(out, folder)
+    CharTokenizer.for_text().save_pretrained(str(folder))  # 99 ids for 18 embeddings
+    line = error_line(run_script("compare_hf.py", f"--hf_path={folder}"))
+    assert "has 99 ids but the model's vocabulary has only 18" in line
+
+
+def test_compare_refuses_an_unsupported_model_type(exported, tmp_path):
+    out, _ = exported
+    folder = tmp_path / "bert"
+    shutil.copytree(out, folder)
+    hf_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf_config, "model_type": "bert"}))
+    line = error_line(run_script("compare_hf.py", f"--hf_path={folder}"))
+    assert "model_type 'bert'" in line and "is not supported" in line
+
+
+# ----------------------------------------------------------------------------------------
+# Mistakes on the command line, before any work.
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a folder")
+    return path
+
+
+@pytest.mark.parametrize("script", CONFIG_LAUNCHERS)
+def test_a_config_file_that_does_not_exist(script):
+    line = error_line(run_script(script, "--config=configs/no_such.py:smoke"))
+    assert line.startswith("error: --config=configs/no_such.py:smoke: there is no config file")
+
+
+@pytest.mark.parametrize(
+    "script, args, flag",
+    [
+        ("train.py", [SMOKE], "--workdir"),
+        ("train_reward_model.py", [REWARD_MODEL_TINY], "--workdir"),
+        ("sweep_searchers.py", [REDTEAM_TINY], "--workdir_root"),
+        ("export_hf.py", ["--workdir=/nowhere"], "--out"),
+    ],
+)
+def test_an_output_folder_under_a_file(script, args, flag, a_file):
+    result = run_script(script, *args, f"{flag}={a_file}/run")
+    line = error_line(result)
+    assert line == (
+        f"error: {flag}={a_file}/run cannot be created: {a_file} is a file; "
+        "pass a folder you can write to."
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_workdir_in_a_read_only_folder(tmp_path):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    line = error_line(run_script("train.py", SMOKE, f"--workdir={read_only}/run"))
+    assert "is not writable" in line
+    assert not (read_only / "run").exists()
+
+
+def test_a_misspelt_override_names_the_nearest_key(tmp_path):
+    result = run_script(
+        "train.py", SMOKE, "--config.optim.learning_rat=1e-4", f"--workdir={tmp_path}"
+    )
+    assert error_line(result) == (
+        "error: unknown config key 'optim.learning_rat'; did you mean 'optim.learning_rate'?"
+    )
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_misspelt_variant_key_is_one_line(tmp_path):
+    result = run_script("train.py", f"{SMOKE},learning_rat=1", f"--workdir={tmp_path}")
+    assert "'learning_rat'" in error_line(result)
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="config_lib._set_path does not name the nearest key yet; remove this mark when it "
+    "raises ConfigError(config_keys.unknown_key_message(config, path)).",
+)
+def test_a_misspelt_variant_key_names_the_nearest_key():
+    with pytest.raises(ConfigError, match=r"did you mean 'optim\.learning_rate'\?"):
+        get_config("smoke,learning_rat=1")
+
+
+def test_the_workdir_is_required_unless_printing_the_config():
+    assert error_line(run_script("train.py", SMOKE)) == "error: --workdir is required; see --help."
+
+
+def test_export_of_an_empty_workdir(tmp_path):
+    line = error_line(run_script("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path}/o"))
+    assert "is not the workdir of a tba_jax training run" in line
+
+
+# ----------------------------------------------------------------------------------------
+# Finding a setting: --help and --print_config.
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", LAUNCHERS)
+def test_help_exits_0_and_shows_the_flags(script):
+    result = run_script(script, "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--verbosity" in result.stdout
+    if script in CONFIG_LAUNCHERS:
+        assert "--config" in result.stdout and "--[no]print_config" in result.stdout
+
+
+def test_short_help_exits_0():
+    assert run_script("train.py", "-h").returncode == 0
+
+
+def test_print_config_lists_every_key_resolved(tmp_path):
+    workdir = tmp_path / "never_made"
+    result = run_script(
+        "train.py",
+        f"{SMOKE},m=0.5",
+        "--config.optim.learning_rate=3e-4",
+        "--print_config",
+        f"--workdir={workdir}",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    expected = config_keys.leaf_items(get_config("smoke,m=0.5"))
+    assert [line.split(" = ")[0] for line in printed] == [key for key, _ in expected]
+    assert "replay.recency_prob = 0.5" in printed
+    assert "optim.learning_rate = 0.0003" in printed
+    assert "learner_steps = 4" in printed
+    assert not workdir.exists()
+
+
+# ----------------------------------------------------------------------------------------
+# tba_jax.config_keys and tba_jax.cli, in process.
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "typed, nearest",
+    [
+        ("optim.learning_rat", "optim.learning_rate"),
+        ("optm.learning_rate", "optim.learning_rate"),
+        ("learning_rat", "optim.learning_rate"),
+        ("replay.recency", "replay.recency_prob"),
+        ("zzzzzz", None),
+    ],
+)
+def test_nearest_key(typed, nearest):
+    assert config_keys.nearest_key(get_config("smoke"), typed) == nearest
+
+
+def test_unknown_key_message_is_one_line():
+    config = get_config("smoke")
+    assert config_keys.unknown_key_message(config, "seeed") == (
+        "unknown config key 'seeed'; did you mean 'seed'?"
+    )
+    assert config_keys.unknown_key_message(config, "zzzzzz") == (
+        "unknown config key 'zzzzzz'; --print_config lists every key."
+    )
+
+
+def test_leaf_items_are_dotted_sorted_and_keep_empty_sections():
+    config = ml_collections.ConfigDict({"b": {"d": {}, "c": 1}, "a": "x"})
+    assert config_keys.leaf_items(config) == [("a", "x"), ("b.c", 1), ("b.d", {})]
+    assert config_keys.has_key(config, "b.c") and config_keys.has_key(config, "b")
+    assert not config_keys.has_key(config, "b.e") and not config_keys.has_key(config, "a.x")
+
+
+def test_output_dir_problem(tmp_path, a_file, monkeypatch):
+    assert cli.output_dir_problem(str(tmp_path / "new" / "deeper")) is None
+    assert cli.output_dir_problem(str(tmp_path)) is None
+    assert cli.output_dir_problem(str(a_file)) == "is a file, not a folder"
+    assert cli.output_dir_problem(str(a_file / "run")) == f"cannot be created: {a_file} is a file"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert cli.output_dir_problem(str(tmp_path)) == "is not writable"
+    assert cli.output_dir_problem(str(tmp_path / "run")) == (
+        f"cannot be created: {tmp_path} is not writable"
+    )
+
+
+def log_record(pathname: str, level: int, message: str = "a message") -> logging.LogRecord:
+    return logging.LogRecord("absl", level, pathname, 1, message, None, None)
+
+
+def test_library_logs_pass_only_from_warning(tmp_path):
+    ours = str(tmp_path / "tba_jax")
+    log_filter = cli.LibraryLogFilter([ours])
+    library = "/site-packages/orbax/checkpoint/checkpoint_manager.py"
+    assert log_filter.filter(log_record(f"{ours}/train.py", logging.INFO))
+    assert log_filter.filter(log_record(f"{ours}/train.py", logging.DEBUG))
+    assert not log_filter.filter(log_record(library, logging.INFO))
+    assert log_filter.filter(log_record(library, logging.WARNING))
+    assert not log_filter.filter(log_record(f"{ours}_other/x.py", logging.INFO))
+    expected = cli.EXPECTED_LIBRARY_WARNINGS[0] + ": SomeConfig(...)"
+    assert not log_filter.filter(log_record(library, logging.WARNING, expected))
+
+
+def test_one_line_joins_lines():
+    assert cli.one_line("a\n  b\n\nc ") == "a b c"
