@@ -40,9 +40,8 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from tba_jax import cli, evaluation, runs, tasks
@@ -84,6 +83,7 @@ _OUT = flags.DEFINE_string(
     f"Output JSON instead of <workdir>/{EVALS_SUBDIR}/step_<step>[_<id>].json (and "
     f"<workdir>/{OUT_FILENAME}).",
 )
+flags.adopt_module_key_flags(cli)  # -v / --verbosity in --help
 
 
 class OutputConflictError(Exception):
@@ -347,23 +347,21 @@ def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict
     }
 
 
+# What a user's mistake raises: printed as one `error: ...` line by `cli.run`.
+USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError, OutputConflictError)
+
+
 def main(argv):
     del argv
-    logging.set_verbosity(logging.INFO)
-    try:
-        workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
-        run_config = runs.load_config(workdir)
-        config = _CONFIG.value or run_config
-        settings = eval_settings(config, flag_overrides())
-        check_settings(settings)
-        latest_step = latest_checkpoint_step(config, workdir)
-        identity = eval_identity(
-            run_config, config, settings, latest_step if step is None else step
-        )
-        check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
-        result = evaluate_run(config, workdir, identity, settings)
-    except (ConfigError, CheckpointMismatchError, FileNotFoundError, OutputConflictError) as error:
-        sys.exit(f"error: {error}")
+    workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
+    run_config = runs.load_config(workdir)
+    config = _CONFIG.value or run_config
+    settings = eval_settings(config, flag_overrides())
+    check_settings(settings)
+    latest_step = latest_checkpoint_step(config, workdir)
+    identity = eval_identity(run_config, config, settings, latest_step if step is None else step)
+    check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
+    result = evaluate_run(config, workdir, identity, settings)
     written = write_result(workdir, _OUT.value, result, latest_step)
     logging.info("Wrote %s: %s", ", ".join(written), json.dumps(result, sort_keys=True))
     print(
@@ -372,4 +370,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, user_errors=USER_ERRORS)

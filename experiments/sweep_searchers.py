@@ -9,8 +9,8 @@ r"""Trains and evaluates one experiment per searcher count: red-teaming metrics 
 
 For each count n, the config (with `search.num_searchers=n`) trains in
 `<workdir_root>/searchers_<n>` (resuming a run that is already there), then
-experiments/evaluate.py evaluates it in a fresh process (its `eval.json` lands in the
-run's workdir; `--eval_flags` passes it flags such as `--num_samples=256`).
+experiments/evaluate.py evaluates it in a fresh process (its result lands in the run's
+workdir, `evals/`; `--eval_flags` passes it flags such as `--num_samples=256`).
 `<workdir_root>/searcher_sweep.json` holds, per count, the evaluation's toxic_percent,
 diversity_all, diversity_toxic, mean_toxic_logprob and num_attacks next to the training
 summary's wall_seconds, rl_seconds, samples_per_second, learner_steps and mean/max
@@ -35,7 +35,6 @@ from tba_jax.metrics import write_json_atomically
 from tba_jax.train import train_and_evaluate
 
 SWEEP_FILENAME = "searcher_sweep.json"
-EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into a run's workdir
 EVALUATE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL_KEYS = (
@@ -91,7 +90,9 @@ def run_workdir(workdir_root: str, num_searchers: int) -> str:
 
 
 def evaluate_in_subprocess(workdir: str, eval_flags: list[str]) -> dict:
-    """Runs experiments/evaluate.py on `workdir` in a fresh process; returns its eval.json."""
+    """Runs experiments/evaluate.py on `workdir` in a fresh process; returns the result it
+    wrote (the file its last stdout line names: with `eval_flags` other than the defaults
+    that is `evals/step_<step>_<id>.json`, not eval.json)."""
     command = [sys.executable, EVALUATE_SCRIPT, f"--workdir={workdir}", *eval_flags]
     paths = [REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
@@ -101,7 +102,8 @@ def evaluate_in_subprocess(workdir: str, eval_flags: list[str]) -> dict:
             f"experiments/evaluate.py failed on {workdir} (exit {result.returncode}):\n"
             f"{result.stderr[-3000:]}"
         )
-    with open(os.path.join(workdir, EVAL_FILENAME)) as f:
+    written = json.loads(result.stdout.strip().splitlines()[-1])["files"][0]
+    with open(written) as f:
         return json.load(f)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import ml_collections
 
+from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
 from tba_jax.losses import BETA_SCHEDULE_KINDS, get_loss, registered_losses
 from tba_jax.models.config import DTYPES
@@ -76,16 +77,16 @@ def _convert(value: str, current, key: str):
 
 
 def _set_path(config: ml_collections.ConfigDict, path: str, value: str) -> None:
+    """Sets the dotted `path` of `config` from text; ConfigError naming the nearest key
+    when `path` is not one of the config's keys."""
+    if not config_keys.has_key(config, path) or isinstance(
+        _lookup(config, path)[1], ml_collections.ConfigDict
+    ):
+        raise ConfigError(config_keys.unknown_key_message(config, path))
+    *sections, leaf = path.split(".")
     node = config
-    parts = path.split(".")
-    for part in parts[:-1]:
-        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise ConfigError(f"Unknown config key {path!r}: no section {part!r}.")
+    for part in sections:
         node = node[part]
-    leaf = parts[-1]
-    if leaf not in node:
-        known = ", ".join(sorted(node.keys()))
-        raise ConfigError(f"Unknown config key {path!r}; keys here are: {known}.")
     with node.ignore_type():
         node[leaf] = _convert(value, node[leaf], path)
 

@@ -58,6 +58,7 @@ from tba_jax.warmstart import (
 
 SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
+WARM_START_NOTICES = 5  # console lines over a warm start
 PER_RATES = ("samples", "tokens")  # logged as <name>_per_second
 
 
@@ -272,6 +273,18 @@ def reference_params(config: ml_collections.ConfigDict, model, start_params, sha
     return hf.load_params(config.reference.hf_path, model, shardings=shardings)
 
 
+def warm_start_logger(total_steps: int) -> Callable[[int, dict], None]:
+    """Logs the warm start's loss `WARM_START_NOTICES` times over its steps."""
+    every = max(total_steps // WARM_START_NOTICES, 1)
+
+    def log(step: int, metrics: dict) -> None:
+        if (step + 1) % every == 0 or step + 1 == total_steps:
+            loss = float(metrics["warm_start_loss"])
+            logging.info("Warm start step %d/%d | loss %.4g", step + 1, total_steps, loss)
+
+    return log
+
+
 def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
     """The policy after `warm_start.steps` supervised steps, going on from a saved,
     unfinished warm start. When stopped part-way, saves the progress in
@@ -313,6 +326,7 @@ def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
         seed=config.seed,
         progress=progress,
         should_stop=lambda: stop_signal.requested,
+        log_fn=warm_start_logger(cfg.steps),
     )
     if progress.steps_done < cfg.steps:
         run.checkpointer.write_experiment()  # a rerun with another config is refused
@@ -613,8 +627,17 @@ def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> d
     stop_signal.raise_if_requested()
     score_end = evaluate(state.params)
     summary = run_summary(run, history_so_far(history, segment), score_end, step)
-    write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
-    logging.info("Summary: %s", json.dumps(summary, sort_keys=True))
+    summary_path = write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
+    logging.info(
+        "Finished %d learner steps in %.0f s (warm start %.0f s); %s %s → %.3f; %s",
+        summary["learner_steps"],
+        summary["wall_seconds"],
+        summary["warm_start_seconds"],
+        key,
+        "?" if summary[f"{key}_start"] is None else f"{summary[f'{key}_start']:.3f}",
+        score_end,
+        summary_path,
+    )
     return summary
 
 

@@ -228,11 +228,6 @@ def test_a_misspelt_variant_key_is_one_line(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config_lib._set_path does not name the nearest key yet; remove this mark when it "
-    "raises ConfigError(config_keys.unknown_key_message(config, path)).",
-)
 def test_a_misspelt_variant_key_names_the_nearest_key():
     with pytest.raises(ConfigError, match=r"did you mean 'optim\.learning_rate'\?"):
         get_config("smoke,learning_rat=1")

@@ -52,8 +52,13 @@ def test_parse_variant():
 @pytest.mark.parametrize(
     "variant, message",
     [
-        ("bogus=1", "Unknown config key 'bogus'"),
-        ("optim.bogus=1", r"Unknown config key 'optim\.bogus'"),
+        ("bogus=1", "unknown config key 'bogus'"),
+        ("optim.bogus=1", r"unknown config key 'optim\.bogus'"),
+        (
+            "learning_rat=1",
+            r"unknown config key 'learning_rat'; did you mean 'optim\.learning_rate'\?",
+        ),
+        ("optim=1", r"unknown config key 'optim'"),
         ("nosuchvariant", "Unknown config variant 'nosuchvariant'"),
         ("steps=many", "not an integer"),
         ("progress_bar=maybe", "not a boolean"),
@@ -118,7 +123,7 @@ def test_every_ranged_key_exists_and_its_default_is_in_range(config_module):
     "args, message",
     [
         (["--config.nonexistent=1"], "unknown config key 'nonexistent'"),
-        ([":smoke,bogus=1"], "Unknown config key 'bogus'"),
+        ([":smoke,bogus=1"], "unknown config key 'bogus'"),
         ([":smoke,K=8"], "is larger than the samples generated per prompt"),
         ([":smoke,m=1.5"], r"must be a number in [0, 1]"),
         ([":smoke,warm_start.batch_size=500"], "is more than the 200 training examples"),
