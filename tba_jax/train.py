@@ -60,6 +60,7 @@ SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
 WARM_START_NOTICES = 5  # console lines over a warm start
 PER_RATES = ("samples", "tokens")  # logged as <name>_per_second
+MIN_SECONDS = 1e-9  # divides rates over an empty interval
 
 
 class NonFiniteError(ConfigError):
@@ -430,6 +431,12 @@ class Segment:
     steps_trained: int = 0
     skipped_steps: int = 0
 
+    def rates_since_rl_start(self) -> dict[str, float]:
+        """`samples_per_second` and `tokens_per_second` since the RL phase began."""
+        totals = self.meters.rates.totals()
+        seconds = max(time.time() - self.rl_started_at, MIN_SECONDS)
+        return {f"{name}_per_second": totals.get(name, 0) / seconds for name in PER_RATES}
+
     def add_batch(self, lags: np.ndarray, skipped: bool) -> None:
         self.lag_sum += float(lags.sum())
         self.lag_count += len(lags)
@@ -587,8 +594,8 @@ def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> d
     batch_sharding = mesh_lib.batch_sharding(run.meshes.learner)
     nonfinite_in_a_row = 0
     try:
-        source.start(stop_signal)
         segment.rl_started_at = time.time()
+        source.start(stop_signal)
         while step < config.learner_steps and not stop_signal.requested:
             batch = source.next_batch(step)
             with segment.meters.time_split.measure("training"):
@@ -602,8 +609,7 @@ def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> d
             if step % source.publish_every == 0:
                 source.publish(state.params, version=step)
             metrics.update(runtime.lag_metrics(batch_lags))
-            rates = segment.meters.rates.rates_since_start()
-            metrics.update({f"{name}_per_second": rates.get(name, 0.0) for name in PER_RATES})
+            metrics.update(segment.rates_since_rl_start())
             metrics.update(source.metrics(step))
             if config.eval.every_steps and step % config.eval.every_steps == 0:
                 metrics[key] = evaluate(state.params)
@@ -645,7 +651,7 @@ def run_summary(run: Setup, history: dict, score_end: float, learner_steps: int)
     """summary.json: what ran, how well (start/end evaluation), how fast and how stale,
     over the whole run (every resumed segment)."""
     config, key = run.config, eval_key(run)
-    rl_seconds = max(history["rl_seconds"], 1e-9)
+    rl_seconds = max(history["rl_seconds"], MIN_SECONDS)
     lag_count = max(history["policy_lag_count"], 1)
     return {
         "config_name": config.name,
