@@ -21,7 +21,6 @@ engine: the loop does not know which.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 from typing import Any, NamedTuple, Protocol
@@ -33,9 +32,9 @@ import numpy as np
 from tba_jax import runtime
 from tba_jax.checkpoint import StopSignal
 from tba_jax.data.pipeline import PromptStream
-from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models import Model, Params
 from tba_jax.replay import ReplayBuffer
+from tba_jax.run_totals import Meters
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.tasks.base import Task
@@ -55,14 +54,6 @@ class SourceState(NamedTuple):
     buffer: dict[str, np.ndarray]
     data_position: dict[str, int]
     policy_version: int
-
-
-@dataclasses.dataclass
-class Meters:
-    """Time per activity (generating / scoring / training / waiting) and sample counts."""
-
-    time_split: TimeSplit = dataclasses.field(default_factory=TimeSplit)
-    rates: RateMeter = dataclasses.field(default_factory=RateMeter)
 
 
 class BatchSource(Protocol):

@@ -34,7 +34,17 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from tba_jax import config_lib, evaluation, learner, losses, runs, runtime, sources, tasks
+from tba_jax import (
+    config_lib,
+    evaluation,
+    learner,
+    losses,
+    run_totals,
+    runs,
+    runtime,
+    sources,
+    tasks,
+)
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import (
     Checkpointer,
@@ -59,8 +69,6 @@ from tba_jax.warmstart import (
 SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
 WARM_START_NOTICES = 5  # console lines over a warm start
-PER_RATES = ("samples", "tokens")  # logged as <name>_per_second
-MIN_SECONDS = 1e-9  # divides rates over an empty interval
 
 
 class NonFiniteError(ConfigError):
@@ -349,7 +357,7 @@ def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
     params = warm_started_params(run, stop_signal)
     reference = reference_params(run.config, run.model, params, run.sampler_shardings)
     state = learner.init_train_state(params, run.optimizer, run.state_sharding)
-    history = {"warm_start_seconds": time.time() - begin, **empty_totals()}
+    history = {"warm_start_seconds": time.time() - begin, **run_totals.empty_totals()}
     return Start(state, reference, history, source_state=None)
 
 
@@ -395,77 +403,11 @@ def resume(run: Setup) -> Start:
     source_state = sources.SourceState(
         buffer_state, metadata["data_position"], metadata["policy_version"]
     )
-    history = {**empty_totals(), **metadata["history"]}
+    history = {**run_totals.empty_totals(), **metadata["history"]}
     return Start(state, restored["reference"], history, source_state)
 
 
 # ------------------------------------------------------------------------- bookkeeping
-
-
-def empty_totals() -> dict:
-    """The whole-run totals a checkpoint's history carries from segment to segment."""
-    return {
-        "samples_generated": 0,
-        "tokens_generated": 0,
-        "rl_seconds": 0.0,
-        "wall_seconds": 0.0,
-        "learner_steps_trained": 0,
-        "policy_lag_sum": 0.0,
-        "policy_lag_count": 0,
-        "policy_lag_max": 0.0,
-        "skipped_nonfinite_steps": 0,
-        "time_split_seconds": {},
-    }
-
-
-@dataclasses.dataclass
-class Segment:
-    """What this process has done since it started: added to the history when saving."""
-
-    meters: sources.Meters
-    started_at: float
-    rl_started_at: float | None = None
-    lag_sum: float = 0.0
-    lag_count: int = 0
-    lag_max: float = 0.0
-    steps_trained: int = 0
-    skipped_steps: int = 0
-
-    def rates_since_rl_start(self) -> dict[str, float]:
-        """`samples_per_second` and `tokens_per_second` since the RL phase began."""
-        totals = self.meters.rates.totals()
-        seconds = max(time.time() - self.rl_started_at, MIN_SECONDS)
-        return {f"{name}_per_second": totals.get(name, 0) / seconds for name in PER_RATES}
-
-    def add_batch(self, lags: np.ndarray, skipped: bool) -> None:
-        self.lag_sum += float(lags.sum())
-        self.lag_count += len(lags)
-        self.lag_max = max(self.lag_max, float(lags.max()))
-        self.steps_trained += 1
-        self.skipped_steps += int(skipped)
-
-
-def history_so_far(history: dict, segment: Segment) -> dict:
-    """The run's history (whole-run totals) with this segment's work added."""
-    totals = segment.meters.rates.totals()
-    now = time.time()
-    rl_seconds = now - segment.rl_started_at if segment.rl_started_at is not None else 0.0
-    time_split = dict(history["time_split_seconds"])
-    for name, seconds in segment.meters.time_split.totals().items():
-        time_split[name] = time_split.get(name, 0.0) + seconds
-    return {
-        **history,
-        "samples_generated": history["samples_generated"] + totals.get("samples", 0),
-        "tokens_generated": history["tokens_generated"] + totals.get("tokens", 0),
-        "rl_seconds": history["rl_seconds"] + rl_seconds,
-        "wall_seconds": history["wall_seconds"] + now - segment.started_at,
-        "learner_steps_trained": history["learner_steps_trained"] + segment.steps_trained,
-        "policy_lag_sum": history["policy_lag_sum"] + segment.lag_sum,
-        "policy_lag_count": history["policy_lag_count"] + segment.lag_count,
-        "policy_lag_max": max(history["policy_lag_max"], segment.lag_max),
-        "skipped_nonfinite_steps": history["skipped_nonfinite_steps"] + segment.skipped_steps,
-        "time_split_seconds": time_split,
-    }
 
 
 def save_checkpoint(
@@ -535,7 +477,7 @@ def stop_on_signals() -> Iterator[StopSignal]:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs `config` in `workdir` (resuming if it holds a checkpoint); returns the summary
     of the whole run, or {} when SIGTERM / Ctrl-C stopped it (after saving)."""
-    segment = Segment(sources.Meters(), started_at=time.time())
+    segment = run_totals.Segment(run_totals.Meters(), started_at=time.time())
     run = setup(config, workdir)
     if (summary := finished_summary(run)) is not None:
         logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
@@ -552,7 +494,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             run.checkpointer.close()
 
 
-def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> dict:
+def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal) -> dict:
     """The start, the loop and the final evaluation (see `train_and_evaluate`)."""
     config, workdir = run.config, run.workdir
     resuming = run.checkpointer.latest_step() is not None
@@ -573,7 +515,7 @@ def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> d
         source.restore(start.source_state)
 
     def save(force: bool) -> None:
-        history_now = history_so_far(history, segment)
+        history_now = run_totals.history_so_far(history, segment)
         save_checkpoint(run, step, state, reference, source, history_now, force=force)
 
     if not resuming:
@@ -632,7 +574,14 @@ def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> d
     save(force=True)
     stop_signal.raise_if_requested()
     score_end = evaluate(state.params)
-    summary = run_summary(run, history_so_far(history, segment), score_end, step)
+    summary = run_totals.run_summary(
+        config,
+        run_totals.history_so_far(history, segment),
+        eval_key=key,
+        score_end=score_end,
+        learner_steps=step,
+        colocated=run.meshes.colocated,
+    )
     summary_path = write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
     logging.info(
         "Finished %d learner steps in %.0f s (warm start %.0f s); %s %s → %.3f; %s",
@@ -645,34 +594,3 @@ def train_from_start(run: Setup, segment: Segment, stop_signal: StopSignal) -> d
         summary_path,
     )
     return summary
-
-
-def run_summary(run: Setup, history: dict, score_end: float, learner_steps: int) -> dict:
-    """summary.json: what ran, how well (start/end evaluation), how fast and how stale,
-    over the whole run (every resumed segment)."""
-    config, key = run.config, eval_key(run)
-    rl_seconds = max(history["rl_seconds"], MIN_SECONDS)
-    lag_count = max(history["policy_lag_count"], 1)
-    return {
-        "config_name": config.name,
-        "variant": config.variant,
-        "mode": config.mode,
-        "method": config.method,
-        "learner_steps": learner_steps,
-        "samples_generated": history["samples_generated"],
-        "tokens_generated": history["tokens_generated"],
-        "wall_seconds": history["wall_seconds"],
-        "warm_start_seconds": history.get("warm_start_seconds", 0.0),
-        "rl_seconds": history["rl_seconds"],
-        f"{key}_start": history.get(f"{key}_start"),
-        f"{key}_end": score_end,
-        "max_policy_lag": history["policy_lag_max"],
-        "mean_policy_lag": history["policy_lag_sum"] / lag_count,
-        "samples_per_second": history["samples_generated"] / rl_seconds,
-        "tokens_per_second": history["tokens_generated"] / rl_seconds,
-        "learner_steps_per_second": history["learner_steps_trained"] / rl_seconds,
-        "skipped_nonfinite_steps": history["skipped_nonfinite_steps"],
-        "time_split_seconds": history["time_split_seconds"],
-        "num_devices": jax.device_count(),
-        "colocated": run.meshes.colocated,
-    }
