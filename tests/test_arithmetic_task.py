@@ -171,20 +171,20 @@ def test_requesting_more_questions_than_exist_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    "bad_fields",
+    "bad_fields, message",
     [
-        {"num_terms_min": 1},
-        {"num_terms_max": 1},
-        {"ops": "+/"},
-        {"ops": "++"},
-        {"ops": ""},
-        {"max_operand": -1},
-        {"num_test": 0},
-        {"sampling_max_fill_fraction": 0.0},
+        ({"num_terms_min": 1}, r"num_terms_min=1: a question needs at least 2 terms"),
+        ({"num_terms_max": 1}, r"num_terms_max=1 is below num_terms_min=2"),
+        ({"ops": "+/"}, r"ops='\+/' must be a non-empty string of distinct operators"),
+        ({"ops": "++"}, r"ops='\+\+' must be a non-empty string of distinct operators"),
+        ({"ops": ""}, r"ops='' must be a non-empty string"),
+        ({"max_operand": -1}, r"max_operand=-1 and max_result=\d+ must both be non-negative"),
+        ({"num_test": 0}, r"num_test=0 must both be >= 1"),
+        ({"sampling_max_fill_fraction": 0.0}, r"sampling_max_fill_fraction=0\.0 must be in"),
     ],
 )
-def test_invalid_task_configs_are_rejected(bad_fields):
-    with pytest.raises(ValueError):
+def test_invalid_task_configs_are_rejected(bad_fields, message):
+    with pytest.raises(ValueError, match=message):
         ArithmeticTaskConfig(**bad_fields)
 
 

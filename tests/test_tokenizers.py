@@ -91,9 +91,11 @@ def test_out_of_vocabulary_id_is_an_error(tokenizer):
         tokenizer.decode([3, tokenizer.vocab_size])
 
 
-@pytest.mark.parametrize("alphabet", ["", "abca"])
-def test_invalid_alphabets_are_rejected(alphabet):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "alphabet, message", [("", "needs a non-empty alphabet"), ("abca", "repeats 'a'")]
+)
+def test_invalid_alphabets_are_rejected(alphabet, message):
+    with pytest.raises(ValueError, match=message):
         CharTokenizer(alphabet)
 
 
