@@ -33,7 +33,7 @@ from ml_collections.config_flags.config_flags import is_config_flag  # public, n
 
 import tba_jax
 from tba_jax import config_keys
-from tba_jax.config_lib import ConfigError
+from tba_jax.config_lib import ConfigError, output_dir_problem
 
 ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
@@ -221,28 +221,6 @@ def print_config(config: ml_collections.ConfigDict, source: str | None = None) -
 # --------------------------------------------------------------------------------------
 # Output folders.
 # --------------------------------------------------------------------------------------
-
-
-def nearest_existing_path(path: str) -> str:
-    """`path` or its closest ancestor that exists."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def output_dir_problem(path: str) -> str | None:
-    """Why the folder `path` cannot be made or written (None if it can); creates nothing."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "is a file, not a folder"
-    existing = nearest_existing_path(path)
-    if not os.path.isdir(existing):
-        return f"cannot be created: {existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        if existing == os.path.abspath(path):
-            return "is not writable"
-        return f"cannot be created: {existing} is not writable"
-    return None
 
 
 def check_output_dir(path: str, flag_name: str) -> None:

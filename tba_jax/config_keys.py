@@ -31,14 +31,19 @@ def leaf_items(config: ml_collections.ConfigDict, prefix: str = "") -> list[tupl
     return items
 
 
-def has_key(config: ml_collections.ConfigDict, key: str) -> bool:
-    """Whether the dotted `key` names a value or a section of `config`."""
+def lookup(config: ml_collections.ConfigDict, key: str) -> tuple[bool, Any]:
+    """(whether the dotted `key` names a value or a section of `config`, what it names)."""
     node: Any = config
     for part in key.split("."):
         if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            return False
+            return False, None
         node = node[part]
-    return True
+    return True, node
+
+
+def has_key(config: ml_collections.ConfigDict, key: str) -> bool:
+    """Whether the dotted `key` names a value or a section of `config`."""
+    return lookup(config, key)[0]
 
 
 def _last_part(key: str) -> str:

@@ -7,7 +7,8 @@ or one of the config's `shortcuts` (`steps` → `learner_steps`). Values are
 parsed to the type of the field they replace.
 
 `validate(config, num_devices)` checks everything that can be checked before
-any long work starts and raises `ConfigError` with a one-line message.
+any long work starts and raises `ConfigError` with a one-line message;
+`output_dir_problem(path)` says why a folder a run would write cannot be made.
 """
 
 from __future__ import annotations
@@ -79,16 +80,15 @@ def _convert(value: str, current, key: str):
 def _set_path(config: ml_collections.ConfigDict, path: str, value: str) -> None:
     """Sets the dotted `path` of `config` from text; ConfigError naming the nearest key
     when `path` is not one of the config's keys."""
-    if not config_keys.has_key(config, path) or isinstance(
-        _lookup(config, path)[1], ml_collections.ConfigDict
-    ):
+    present, current = config_keys.lookup(config, path)
+    if not present or isinstance(current, ml_collections.ConfigDict):
         raise ConfigError(config_keys.unknown_key_message(config, path))
     *sections, leaf = path.split(".")
     node = config
     for part in sections:
         node = node[part]
     with node.ignore_type():
-        node[leaf] = _convert(value, node[leaf], path)
+        node[leaf] = _convert(value, current, path)
 
 
 def apply_variant(
@@ -222,21 +222,11 @@ RANGES: dict[str, Allowed] = {
 }
 
 
-def _lookup(config: ml_collections.ConfigDict, path: str) -> tuple[bool, Any]:
-    """(whether `path` is in `config`, its value)."""
-    node: Any = config
-    for part in path.split("."):
-        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
 def check_ranges(config: ml_collections.ConfigDict, ranges: Mapping[str, Allowed]) -> None:
     """ConfigError naming the first key whose value is outside its range (keys the config
     does not have are skipped)."""
     for path, allowed in ranges.items():
-        present, value = _lookup(config, path)
+        present, value = config_keys.lookup(config, path)
         if present and not allowed.check(value):
             raise ConfigError(f"{path}={value!r} must be {allowed.description}.")
 
@@ -319,3 +309,28 @@ def _learner_device_count(config: ml_collections.ConfigDict, num_devices: int) -
     except ValueError as error:
         raise ConfigError(str(error)) from error
     return len(learner)
+
+
+# Output folders (a run's --workdir, a launcher's --out), checked before anything is written.
+
+
+def nearest_existing_path(path: str) -> str:
+    """`path` or its closest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why the folder `path` cannot be made or written (None if it can); creates nothing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a folder"
+    existing = nearest_existing_path(path)
+    if not os.path.isdir(existing):
+        return f"cannot be created: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == os.path.abspath(path):
+            return "is not writable"
+        return f"cannot be created: {existing} is not writable"
+    return None

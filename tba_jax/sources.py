@@ -93,6 +93,7 @@ def make_search_worker(
     task: Task,
     model: Model,
     reference_params: Params,
+    *,
     samples_per_prompt: int,
     meters: Meters,
     drop_nonfinite: bool,
@@ -273,20 +274,22 @@ def make_source(
     """The batch source of `config.mode`, publishing `params` as `version` to start with."""
     store = runtime.PolicyStore(sampler_shardings, params, version=version)
     stream = PromptStream(task.train, seed=config.seed)
-    batch_cfg = config.batch
-    if config.mode == "async":
-        worker = make_search_worker(
-            config,
-            task,
-            model,
-            reference_params,
-            batch_cfg.samples_generated_per_prompt,
-            meters,
-            drop_nonfinite=True,
-        )
+    is_async = config.mode == "async"
+    worker = make_search_worker(
+        config,
+        task,
+        model,
+        reference_params,
+        # async: S per prompt, of which batches draw K; sync: the K of the batch
+        samples_per_prompt=(
+            config.batch.samples_generated_per_prompt
+            if is_async
+            else config.batch.samples_per_prompt
+        ),
+        meters=meters,
+        drop_nonfinite=is_async,  # a sync batch keeps its shape (see SearchWorker)
+    )
+    if is_async:
         buffer = make_replay_buffer(config, task.tokenizer.pad_id)
         return AsyncSource(config, worker, store, stream, buffer, meters, start_step=version)
-    worker = make_search_worker(
-        config, task, model, reference_params, batch_cfg.samples_per_prompt, meters, False
-    )
     return SyncSource(config, worker, store, stream, task.tokenizer.pad_id)

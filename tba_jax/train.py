@@ -6,7 +6,7 @@ It reads top to bottom in three parts:
    the Hugging Face folders, the workdir's experiment) before it writes a byte, then
    builds the task, model, meshes, shardings, optimiser and train step.
 2. The start: `resume` from the newest checkpoint that restores (a corrupt one is set
-   aside), or `warm_start_and_save` (going on from a saved, unfinished warm start).
+   aside), or a `fresh_start` (going on from a saved, unfinished warm start).
 3. The loop over a `sources.BatchSource` (async: searcher threads + replay buffer;
    sync: fresh on-policy samples each step): draw a batch, take a train step, publish
    every `source.publish_every` steps, log, evaluate, checkpoint. The loop has no mode
@@ -106,10 +106,11 @@ class Start(NamedTuple):
 # ------------------------------------------------------------------------------- setup
 
 
-def check_hf_folders(config: ml_collections.ConfigDict) -> None:
+def check_hf_folders(config: ml_collections.ConfigDict, policy_tokenizer) -> None:
     """ConfigError for a `model.hf_path` / `reference.hf_path` that cannot serve: an
-    unsupported or unreadable config.json, a tokenizer larger than the model, or a
-    reference of another architecture than the policy. Reads config files only."""
+    unsupported or unreadable config.json, a `policy_tokenizer` (`model.hf_path`'s) larger
+    than the model, or a reference of another architecture than the policy. Reads config
+    files only."""
     if not (config.model.hf_path or config.reference.hf_path):
         return
     from tba_jax.models import hf  # optional: needs safetensors/tokenizers
@@ -132,7 +133,7 @@ def check_hf_folders(config: ml_collections.ConfigDict) -> None:
                 "tokens, so use a checkpoint of the policy's family, size and vocabulary."
             )
     if "model" in architectures:
-        vocab_size = runs.policy_tokenizer(config).vocab_size
+        vocab_size = policy_tokenizer.vocab_size
         if vocab_size > architectures["model"].vocab_size:
             raise ConfigError(
                 f"The tokenizer in model.hf_path={config.model.hf_path!r} has {vocab_size} ids "
@@ -142,13 +143,12 @@ def check_hf_folders(config: ml_collections.ConfigDict) -> None:
 
 
 def make_workdir(workdir: str) -> None:
-    """Creates `workdir`, or a ConfigError saying why it cannot be."""
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--workdir={workdir} cannot be created: {error.strerror}.") from None
-    if not os.access(workdir, os.W_OK):
-        raise ConfigError(f"--workdir={workdir} is not writable; pass a folder you can write.")
+    """Creates `workdir`, or a ConfigError saying why it cannot be (the launchers' check,
+    `config_lib.output_dir_problem`, for callers that come from Python)."""
+    problem = config_lib.output_dir_problem(workdir)
+    if problem:
+        raise ConfigError(f"--workdir={workdir} {problem}; pass a folder you can write to.")
+    os.makedirs(workdir, exist_ok=True)
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
@@ -158,10 +158,11 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     workdir's experiment are known to be right: a refused run leaves it as it was.
     """
     config_lib.validate(config, jax.device_count())
-    check_hf_folders(config)
+    policy_tokenizer = runs.policy_tokenizer(config)  # None: the task's own
+    check_hf_folders(config, policy_tokenizer)
     check_experiment(workdir, runs.experiment_identity(config, None), ignored_keys=("model",))
     make_workdir(workdir)
-    task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
+    task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)
     check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
     checkpointer = Checkpointer(
@@ -300,28 +301,21 @@ def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
     `workdir/warm_start/` and raises RunStopped."""
     config = run.config
     cfg = WarmStartConfig(**config.warm_start.to_dict())
+    if cfg.steps == 0:
+        return initial_policy_params(config, run.model, run.learner_shardings)
     saved = WarmStartCheckpoint(os.path.join(run.workdir, WARM_START_SUBDIR))
-    if cfg.steps == 0 or not saved.exists():
-        params = initial_policy_params(config, run.model, run.learner_shardings)
-        if cfg.steps == 0:
-            return params
-    progress = None
     if saved.exists():
-        opt_template = mesh_lib.abstract_on(
-            jax.eval_shape(warm_start_optimizer(cfg).init, run.abstract_params),
-            learner.train_state_shardings(
-                warm_start_optimizer(cfg),
-                run.abstract_params,
-                run.learner_shardings,
-                run.meshes.learner,
-            ).opt_state,
+        optimizer = warm_start_optimizer(cfg)
+        shardings = learner.train_state_shardings(
+            optimizer, run.abstract_params, run.learner_shardings, run.meshes.learner
         )
-        progress = saved.restore(
-            mesh_lib.abstract_on(run.abstract_params, run.learner_shardings), opt_template
-        )
-        logging.info("Warm start: going on from step %d of %d.", progress.steps_done, cfg.steps)
+        template = learner.abstract_train_state(optimizer, run.abstract_params, shardings)
+        progress = saved.restore(template.params, template.opt_state)
         params = progress.params
+        logging.info("Warm start: going on from step %d of %d.", progress.steps_done, cfg.steps)
     else:
+        progress = None
+        params = initial_policy_params(config, run.model, run.learner_shardings)
         logging.info("Warm start: %d supervised steps.", cfg.steps)
     progress = warm_start(
         run.model,

@@ -27,6 +27,7 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import restore_pytree, save_pytree
 from tba_jax.config_lib import ConfigError
 from tba_jax.learner import OptimConfig, make_optimizer
+from tba_jax.metrics import write_json_atomically
 from tba_jax.models import Model, Params
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.sampling.scoring import batch_token_logprobs
@@ -189,15 +190,22 @@ class WarmStartCheckpoint:
     def exists(self) -> bool:
         return os.path.exists(self._progress_path())
 
+    def steps_saved(self) -> int | None:
+        """The warm-start step the saved progress reached, or None when none is saved."""
+        if not self.exists():
+            return None
+        with open(self._progress_path()) as f:
+            return json.load(f)["steps_done"]
+
     def save(self, progress: WarmStartProgress) -> None:
+        if self.steps_saved() == progress.steps_done:
+            return  # stopped again before another step: what is saved is this progress
         state_dir = os.path.join(self.directory, str(progress.steps_done))
-        if os.path.exists(state_dir):  # a stale, possibly half-written folder of this step
+        if os.path.exists(state_dir):  # a stale, half-written folder no record names
             shutil.rmtree(state_dir)
         save_pytree(state_dir, {"params": progress.params, "opt_state": progress.opt_state})
         record = {"steps_done": progress.steps_done, "rng_state": progress.rng_state}
-        with open(self._progress_path() + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(self._progress_path() + ".tmp", self._progress_path())
+        write_json_atomically(self._progress_path(), record)
         for name in os.listdir(self.directory):  # older saves are superseded
             if name.isdigit() and int(name) != progress.steps_done:
                 shutil.rmtree(os.path.join(self.directory, name))

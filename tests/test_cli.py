@@ -18,7 +18,7 @@ import pytest
 
 from configs.arithmetic import get_config
 from tba_jax import cli, config_keys
-from tba_jax.config_lib import ConfigError
+from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.models.tokenizers import CharTokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -316,13 +316,13 @@ def test_leaf_items_are_dotted_sorted_and_keep_empty_sections():
 
 
 def test_output_dir_problem(tmp_path, a_file, monkeypatch):
-    assert cli.output_dir_problem(str(tmp_path / "new" / "deeper")) is None
-    assert cli.output_dir_problem(str(tmp_path)) is None
-    assert cli.output_dir_problem(str(a_file)) == "is a file, not a folder"
-    assert cli.output_dir_problem(str(a_file / "run")) == f"cannot be created: {a_file} is a file"
+    assert output_dir_problem(str(tmp_path / "new" / "deeper")) is None
+    assert output_dir_problem(str(tmp_path)) is None
+    assert output_dir_problem(str(a_file)) == "is a file, not a folder"
+    assert output_dir_problem(str(a_file / "run")) == f"cannot be created: {a_file} is a file"
     monkeypatch.setattr(os, "access", lambda path, mode: False)
-    assert cli.output_dir_problem(str(tmp_path)) == "is not writable"
-    assert cli.output_dir_problem(str(tmp_path / "run")) == (
+    assert output_dir_problem(str(tmp_path)) == "is not writable"
+    assert output_dir_problem(str(tmp_path / "run")) == (
         f"cannot be created: {tmp_path} is not writable"
     )
 

@@ -229,3 +229,21 @@ def test_no_readable_checkpoint_is_a_clear_error(run_with_three_checkpoints, tmp
     with pytest.raises(ConfigError, match=r"No checkpoint in .* restores"):
         train_and_evaluate(config, workdir)
     assert len(os.listdir(os.path.join(workdir, SET_ASIDE_SUBDIR))) == 3
+
+
+def test_saving_the_same_warm_start_step_again_keeps_the_saved_progress(tmp_path):
+    """A stop right after going on from a saved warm start (no new step) must not remove
+    the one copy the record names before writing it again."""
+    tree = {"w": np.arange(4, dtype=np.float32)}
+    progress = warmstart.WarmStartProgress(tree, {"count": np.zeros((), np.int32)}, 2, {"s": 1})
+    saved = warmstart.WarmStartCheckpoint(str(tmp_path / "warm_start"))
+    saved.save(progress)
+    state_dir = tmp_path / "warm_start" / "2"
+    before = {p: p.stat().st_mtime_ns for p in state_dir.rglob("*") if p.is_file()}
+    saved.save(progress)
+    assert {p: p.stat().st_mtime_ns for p in state_dir.rglob("*") if p.is_file()} == before
+    restored = saved.restore(tree, progress.opt_state)
+    assert restored.steps_done == 2 and restored.rng_state == {"s": 1}
+    np.testing.assert_array_equal(restored.params["w"], tree["w"])
+    saved.save(progress._replace(steps_done=3))  # a later step supersedes it
+    assert saved.steps_saved() == 3 and not state_dir.exists()
