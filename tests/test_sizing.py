@@ -1,0 +1,464 @@
+"""tba_jax.sizing (the split of N devices predicted from a profile) and
+benchmarks/profile_roles.py (the profile, measured): the formulas against hand arithmetic,
+the lag model against a simulation around the real ReplayBuffer, best_split on clear cases,
+the CLI as a user runs it, and a real profile of the smoke config end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tba_jax import sizing
+from tba_jax.replay import ReplayBuffer
+from tba_jax.trajectories import Trajectory
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILE_SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "profile_roles.py")
+SMOKE = os.path.join(REPO_ROOT, "configs", "arithmetic.py") + ":smoke"
+CLI_SECONDS = 60
+PROFILE_SECONDS = 120  # the smoke profile takes ~12 s on 2 cores, most of it imports
+LINEAR = sizing.Assumptions(sampler_efficiency=1.0, learner_efficiency=1.0)
+
+# B=4 prompts × K=4 (16 samples a step), S=8, k=4, 2 prompts (16 samples) per 0.5 s call:
+# one sampler device makes 32 samples/s; a learner step is 0.4 s on one device, plus a
+# 0.02 s batch draw and a 0.08 s publish every 4 steps.
+PROFILE = {
+    "prompts_per_batch": 4,
+    "samples_per_prompt": 4,
+    "samples_generated_per_prompt": 8,
+    "sync_period": 4,
+    "prompts_per_call": 2,
+    "recency_prob": 0.5,
+    "replay_capacity": 1000,
+    "learner_steps": 10_000,
+    "num_microbatches": 1,
+    "sampler_devices": 1,
+    "learner_devices": 1,
+    "samples_per_call": 16,
+    "search_call_seconds": 0.5,
+    "learner_step_seconds": 0.4,
+    "batch_draw_seconds": 0.02,
+    "publish_seconds": 0.08,
+    "config": "hand-made",
+    "platform": "cpu",
+}
+
+# For best_split: B·K = 840 rows divide over 1..8 learner devices; a step is 0.7 s on one
+# device (linear scaling) + 0.01 s draw + 0.04 s publish every 4 steps.
+SPLIT_PROFILE = {
+    **PROFILE,
+    "prompts_per_batch": 105,
+    "samples_per_prompt": 8,
+    "prompts_per_call": 105,
+    "learner_step_seconds": 0.7,
+    "batch_draw_seconds": 0.01,
+    "publish_seconds": 0.04,
+    "samples_per_call": 840,
+}
+
+
+def split_profile(samples_per_s_one_device: float) -> dict:
+    """SPLIT_PROFILE with a sampler device making this many samples/s."""
+    return {**SPLIT_PROFILE, "search_call_seconds": 840 / samples_per_s_one_device}
+
+
+# ------------------------------------------------------------------------- formulas
+
+
+def run_mean(lag: float, run_steps: float) -> float:
+    """The mean of min(t, lag) over steps t in [0, run_steps] (run_steps >= lag)."""
+    return lag - lag**2 / (2 * run_steps)
+
+
+def test_one_sampler_and_one_learner_device_by_hand():
+    got = sizing.predict(PROFILE, 1, 1, assumptions=LINEAR)
+    assert got.step_seconds == pytest.approx(0.02 + 0.4 + 0.08 / 4)  # 0.44 s
+    assert got.learner_steps_per_s == pytest.approx(1 / 0.44)
+    assert got.samples_per_s == pytest.approx(32)
+    assert got.samples_per_learner_step == pytest.approx(32 * 0.44)  # 14.08
+    assert got.fresh_fraction == pytest.approx(14.08 / 16)
+    assert not got.keeps_up() and got.bottleneck() == "sampler"
+    # Recency: the newest version was read 0.5 s × (1 + 1/2) ago; m·B = 2 prompts come
+    # from the newest call (2 prompts), so nothing reaches further back.
+    recency = run_mean(0.75 / 0.44 + 4 / 2, 10_000)
+    # Priority: the buffer holds 1000 / 14.08 steps' worth; over 10,000 steps the mean
+    # time in it is H/2 − H²/(4L); plus the call (0.5 s) and half a publish period.
+    horizon = 1000 / 14.08
+    residence = horizon / 2 - horizon**2 / (4 * 10_000)
+    priority = residence + run_mean(0.5 / 0.44 + 4 / 2, 10_000)
+    assert got.policy_lag_recency == pytest.approx(recency)
+    assert got.policy_lag_priority == pytest.approx(priority)
+    assert got.policy_lag_mean == pytest.approx(0.5 * recency + 0.5 * priority)
+    assert got.policy_lag_mean == pytest.approx(21.11, abs=0.01)
+
+
+def test_efficiencies_scale_each_role():
+    halves = sizing.Assumptions(sampler_efficiency=0.5, learner_efficiency=0.5)
+    got = sizing.predict(PROFILE, 3, 3, assumptions=halves)
+    # 3 devices at efficiency 0.5 do the work of 1 + 0.5·2 = 2.
+    assert got.samples_per_s == pytest.approx(64)
+    assert got.step_seconds == pytest.approx(0.02 + 0.2 + 0.02)
+    assert got.samples_per_learner_step == pytest.approx(64 * 0.24)
+    assert got.call_seconds == pytest.approx(0.5)  # a searcher's call does not speed up
+
+
+def test_colocated_roles_share_the_devices_time():
+    quarter = dataclasses.replace(LINEAR, colocated_sampler_share=0.25)
+    got = sizing.predict(PROFILE, 2, 2, colocated=True, assumptions=quarter)
+    assert got.samples_per_s == pytest.approx(0.25 * 2 * 32)
+    assert got.step_seconds == pytest.approx((0.02 + 0.2 + 0.02) / 0.75)
+    assert got.call_seconds == pytest.approx(0.5 / 0.25)
+    recency = (2 * (1 + 1 / 3)) / got.step_seconds + 4 / 2
+    assert got.policy_lag_recency == pytest.approx(run_mean(recency, 10_000))
+    assert got.label == "colocated 2" and got.devices == 2
+    with pytest.raises(ValueError, match="colocated roles share the same devices"):
+        sizing.predict(PROFILE, 2, 3, colocated=True)
+
+
+def test_a_profile_of_several_devices_is_brought_to_one():
+    measured_on_two = {
+        **PROFILE,
+        "sampler_devices": 2,
+        "learner_devices": 2,
+        "search_call_seconds": 0.25,  # 64 samples/s on 2 devices
+        "learner_step_seconds": 0.2,
+    }
+    on_one = sizing.predict(PROFILE, 1, 1, assumptions=LINEAR)
+    from_two = sizing.predict(measured_on_two, 1, 1, assumptions=LINEAR)
+    assert from_two.learner_steps_per_s == pytest.approx(on_one.learner_steps_per_s)
+    assert from_two.samples_per_learner_step == pytest.approx(on_one.samples_per_learner_step)
+    assert from_two.policy_lag_mean == pytest.approx(on_one.policy_lag_mean)
+
+
+def test_recency_draws_reach_back_when_they_need_more_prompts_than_one_call():
+    wide = {**PROFILE, "prompts_per_batch": 16, "samples_per_prompt": 1}  # m·B = 8 prompts
+    got = sizing.predict(wide, 1, 1, assumptions=LINEAR)
+    window = (8 - 2) * 8 / got.samples_per_learner_step  # 6 prompts beyond the newest call
+    expected = run_mean(0.75 / 0.44 + 4 / 2 + window / 2, 10_000)
+    assert got.policy_lag_recency == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("horizon", "run_steps", "expected"),
+    [(100, 50, 12.5), (100, 100, 25.0), (100, 400, 50 - 10_000 / 1600), (100, math.inf, 50)],
+)
+def test_mean_buffer_residence(horizon, run_steps, expected):
+    assert sizing.mean_buffer_residence(horizon, run_steps) == pytest.approx(expected)
+
+
+def test_a_steady_state_lag_and_the_profiles_run_length():
+    steady = dataclasses.replace(LINEAR, run_steps=sizing.STEADY_STATE)
+    got = sizing.predict(PROFILE, 1, 1, assumptions=steady)
+    horizon = 1000 / 14.08
+    assert got.policy_lag_priority == pytest.approx(horizon / 2 + 0.5 / 0.44 + 2)
+    short = sizing.predict({**PROFILE, "learner_steps": 40}, 1, 1, assumptions=LINEAR)
+    assert short.policy_lag_priority == pytest.approx(40 / 4 + run_mean(0.5 / 0.44 + 2, 40))
+    # A run shorter than the lag: every sample is as old as the run allows, L/2 on average.
+    tiny = sizing.predict({**PROFILE, "learner_steps": 2}, 1, 1, assumptions=LINEAR)
+    assert tiny.policy_lag_recency == pytest.approx(2 / 2)
+
+
+def test_a_profile_missing_or_with_bad_figures_is_refused():
+    with pytest.raises(ValueError, match="the profile lacks publish_seconds"):
+        sizing.Profile.from_dict({k: v for k, v in PROFILE.items() if k != "publish_seconds"})
+    with pytest.raises(ValueError, match="search_call_seconds=0 must be a positive number"):
+        sizing.Profile.from_dict({**PROFILE, "search_call_seconds": 0})
+    with pytest.raises(ValueError, match=r"recency_prob=1\.5 must be in"):
+        sizing.Profile.from_dict({**PROFILE, "recency_prob": 1.5})
+    with pytest.raises(ValueError, match=r"learner_efficiency=1\.2 must be in"):
+        sizing.Assumptions(learner_efficiency=1.2)
+
+
+def test_the_model_needs_no_jax():
+    code = "import sys, tba_jax.sizing; print('jax' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+# ------------------------------------------------- the lag model against a simulation
+
+
+def simulated_lags(
+    profile: dict, steps_per_s: float, call_seconds: float, searchers: int, seed: int
+) -> tuple[float, float]:
+    """(mean lag, mean lag of recency draws) of a discrete-event run around the real
+    ReplayBuffer: `searchers` loops of back-to-back calls of `call_seconds`, each reading
+    the version current when it starts and adding prompts_per_call × S distinct samples
+    when it ends; a learner that, every 1/steps_per_s seconds from the buffer's first
+    B prompts, finishes a step (publishing every k) and draws the next batch."""
+    rng = np.random.default_rng(seed)
+    p = sizing.Profile.from_dict(profile)
+    buffer = ReplayBuffer(
+        max_prompt_len=1,
+        max_response_len=8,
+        pad_id=0,
+        capacity=p.replay_capacity,
+        capacity_per_prompt=p.samples_generated_per_prompt,
+        recency_prob=p.recency_prob,
+        priority="uniform",
+    )
+    events = [(rng.uniform(0, call_seconds), "call", 0) for _ in range(searchers)]
+    heapq.heapify(events)
+    version, step, next_prompt, started = 0, 0, 0, False
+    lags, recency_lags = [], []
+    while step < p.learner_steps:
+        now, kind, read_version = heapq.heappop(events)
+        if kind == "call":
+            samples = []
+            for prompt in range(next_prompt, next_prompt + p.prompts_per_call):
+                samples += [
+                    Trajectory(prompt, np.ones(1, np.int32), rng.integers(1, 99, 8), 0.0, 0.0,
+                               0.0, np.zeros(8), np.zeros(8), read_version, now)
+                    for _ in range(p.samples_generated_per_prompt)
+                ]  # fmt: skip
+            next_prompt += p.prompts_per_call
+            buffer.add(samples)
+            heapq.heappush(events, (now + call_seconds, "call", version))
+            if not started and buffer.num_prompts >= p.prompts_per_batch:
+                started = True
+                heapq.heappush(events, (now, "first step", 0))
+            continue
+        if kind == "step":
+            step += 1
+            version = step if step % p.sync_period == 0 else version
+        batch = buffer.sample(p.prompts_per_batch, p.samples_per_prompt, rng)
+        per_prompt = (step - batch.policy_version).reshape(p.prompts_per_batch, -1).mean(1)
+        lags.append(per_prompt.mean())
+        recency_lags += per_prompt[batch.from_recency].tolist()
+        heapq.heappush(events, (now + 1 / steps_per_s, "step", 0))
+    return float(np.mean(lags)), float(np.mean(recency_lags))
+
+
+@pytest.mark.parametrize(
+    ("changes", "sampler_devices"),
+    [
+        ({}, 1),  # the sampler keeps up: a short buffer horizon
+        ({"search_call_seconds": 2.0, "sync_period": 2}, 3),  # a slow sampler, 3 searchers
+    ],
+)
+def test_the_lag_model_agrees_with_a_simulated_run(changes, sampler_devices):
+    profile = {
+        **PROFILE,
+        "prompts_per_batch": 16,
+        "samples_per_prompt": 8,
+        "prompts_per_call": 16,
+        "samples_per_call": 128,
+        "recency_prob": 0.8,
+        "replay_capacity": 2000,
+        "learner_steps": 150,
+        "search_call_seconds": 0.5,
+        "learner_step_seconds": 0.1,
+        "batch_draw_seconds": 0.0,
+        "publish_seconds": 0.0,
+        **changes,
+    }
+    predicted = sizing.predict(profile, sampler_devices, 1, assumptions=LINEAR)
+    runs = [
+        simulated_lags(
+            profile, predicted.learner_steps_per_s, predicted.call_seconds, sampler_devices, seed
+        )
+        for seed in range(2)
+    ]
+    lag, recency = np.mean(runs, axis=0)
+    assert predicted.policy_lag_mean == pytest.approx(lag, rel=0.1, abs=0.5)
+    assert predicted.policy_lag_recency == pytest.approx(recency, rel=0.1, abs=0.5)
+
+
+# ----------------------------------------------------------------------- best_split
+
+
+@pytest.mark.parametrize(
+    ("samples_per_s_one_device", "best"),
+    [
+        # 1 device makes 12,000 samples/s, over the 840 × 7.0 steps/s of 7 learners.
+        (12_000, "1 + 7"),
+        # 2,400/s: 2 devices make 4,800 < 840 × 7.3 steps/s of 6; 3 make 7,200 ≥ 840 × 6.25.
+        (2_400, "3 + 5"),
+        # 600/s: 5 devices make 3,000 < 840 × 3.95 steps/s of 3; 6 make 3,600 ≥ 840 × 2.7.
+        (600, "6 + 2"),
+    ],
+)
+def test_best_split_gives_a_slower_sampler_more_devices(samples_per_s_one_device, best):
+    profile = split_profile(samples_per_s_one_device)
+    got = sizing.best_split(profile, 8, assumptions=LINEAR)
+    assert got.label == best
+    assert got.keeps_up()
+    if got.sampler_devices > 1:  # one device fewer would not keep up
+        one_fewer = sizing.predict(
+            profile, got.sampler_devices - 1, got.learner_devices + 1, assumptions=LINEAR
+        )
+        assert not one_fewer.keeps_up()
+
+
+def test_best_split_moves_devices_to_the_sampler_as_it_slows():
+    rates = [20_000, 8_000, 4_000, 2_000, 1_000, 500, 200]
+    chosen = []
+    for rate in rates:
+        splits = [p for p in sizing.all_layouts(split_profile(rate), 8) if not p.colocated]
+        chosen.append(sizing.choose(splits, sizing.DEFAULT_MIN_FRESH_FRACTION).sampler_devices)
+    assert chosen == sorted(chosen) and chosen[0] == 1 and chosen[-1] == 7
+
+
+def test_when_no_split_keeps_up_the_most_fresh_batches_win():
+    got = sizing.best_split(split_profile(10), 8, assumptions=LINEAR)
+    assert got.label == "7 + 1" and not got.keeps_up() and got.bottleneck() == "sampler"
+    # Without the constraint, the fastest learner wins whatever its samples' age.
+    relaxed = dataclasses.replace(LINEAR, min_fresh_fraction=0.0)
+    assert sizing.best_split(split_profile(10), 8, assumptions=relaxed).label == "1 + 7"
+
+
+def test_best_split_skips_learners_the_batch_does_not_divide_over():
+    fast = {**split_profile(12_000), "prompts_per_batch": 2}  # 16 rows: 1, 2, 4 or 8 learners
+    layouts = {p.label: p for p in sizing.all_layouts(fast, 8, assumptions=LINEAR)}
+    assert [label for label, p in layouts.items() if not p.batch_divides] == [
+        "1 + 7",
+        "2 + 6",
+        "3 + 5",
+        "5 + 3",
+    ]
+    assert sizing.best_split(fast, 8, assumptions=LINEAR).label == "4 + 4"
+
+
+def test_a_multi_host_topology_keeps_each_host_in_one_role():
+    topology = sizing.parse_topology("2x4")
+    got = sizing.best_split(split_profile(12_000), 8, assumptions=LINEAR, topology=topology)
+    assert got.label == "4 + 4"
+    one_device_per_host = sizing.parse_topology("8x1")
+    assert sizing.best_split(split_profile(12_000), 8, topology=one_device_per_host).label == (
+        sizing.best_split(split_profile(12_000), 8).label
+    )
+    with pytest.raises(ValueError, match="HOSTSxDEVICES_PER_HOST"):
+        sizing.parse_topology("8")
+
+
+def test_one_device_is_colocated():
+    (only,) = sizing.all_layouts(PROFILE, 1)
+    assert only.colocated and sizing.best_split(PROFILE, 1) == only
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def run_sizing(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tba_jax.sizing", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=CLI_SECONDS,
+    )
+
+
+def test_the_cli_prints_a_table_and_the_best_split_as_json(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(split_profile(2_400)))
+    result = run_sizing(f"--profile={path}", "--devices=8", "--learner_efficiency=1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if "learner steps/s" in line)
+    assert all(name in lines[header] for name in ("split", "samples/step", "lag", "bottleneck"))
+    rows = lines[header + 1 : -1]
+    assert [row[2:].split("  ")[0] for row in rows] == ["colocated 8"] + [
+        f"{s} + {8 - s}" for s in range(1, 8)
+    ]
+    starred = [row for row in rows if row.startswith("* ")]
+    assert len(starred) == 1 and starred[0].startswith("* 3 + 5")
+    best = json.loads(lines[-1])
+    assert best["best"]["split"] == "3 + 5" and best["keeps_up"] and best["devices"] == 8
+    expected = sizing.best_split(split_profile(2_400), 8, assumptions=LINEAR)
+    assert best["best"]["learner_steps_per_s"] == pytest.approx(expected.learner_steps_per_s)
+    assert best["best"]["policy_lag_mean"] == pytest.approx(expected.policy_lag_mean)
+
+
+def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(split_profile(12_000)))
+    result = run_sizing(f"--profile={path}", "--topology=2x4", "--run_steps=inf")
+    assert result.returncode == 0, result.stderr
+    assert "(splits a host)" in result.stdout and "lag over a full buffer" in result.stdout
+    best = json.loads(result.stdout.strip().splitlines()[-1])
+    assert best["best"]["split"] == "4 + 4" and best["topology"] == {
+        "hosts": 2,
+        "devices_per_host": 4,
+    }
+    assert best["assumptions"]["run_steps"] == "inf"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "pass --devices=N"),
+        (("--devices=6", "--topology=2x4"), "--devices=6 but --topology=2x4 has 8"),
+        (("--devices=4", "--colocated_sampler_share=1"), "colocated_sampler_share=1.0 must be"),
+    ],
+)
+def test_a_mistake_is_one_error_line(tmp_path, args, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    result = run_sizing(f"--profile={path}", *args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("error: ") and message in result.stderr
+
+
+def test_a_profile_without_the_models_keys_is_one_error_line(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"config": "x"}))
+    result = run_sizing(f"--profile={path}", "--devices=2")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: the profile lacks prompts_per_batch")
+
+
+# ------------------------------------------------------------- profile_roles.py, for real
+
+
+def run_profile(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, PROFILE_SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        cwd=REPO_ROOT,
+        timeout=PROFILE_SECONDS,
+    )
+
+
+def test_profile_roles_measures_the_smoke_config_end_to_end(tmp_path):
+    out = tmp_path / "profiles" / "smoke.json"
+    result = run_profile(f"--config={SMOKE}", f"--out={out}", "--steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout.strip().splitlines()) == 1  # only the JSON line on stdout
+    printed = json.loads(result.stdout)
+    written = json.loads(out.read_text())
+    assert printed == written
+    assert written["config"].endswith("arithmetic.py:smoke")
+    assert written["platform"] == "cpu" and written["devices"] == 1 and written["colocated"]
+    assert (written["prompts_per_batch"], written["samples_per_prompt"]) == (4, 4)
+    assert (written["samples_generated_per_prompt"], written["sync_period"]) == (4, 2)
+    assert written["prompts_per_call"] == 4 and written["repeats"] == 2
+    assert written["samples_per_call"] == 16  # 4 prompts × S = 4, none dropped
+    assert 0 < written["mean_response_tokens"] <= written["max_response_len"]
+    for name in ("search_call", "generating", "scoring", "learner_step", "publish"):
+        assert written[f"{name}_seconds"] > 0, name
+    assert written["batch_draw_seconds"] >= 0
+    split = written["generating_seconds"] + written["scoring_seconds"]
+    assert split <= written["search_call_seconds"] * 1.5  # medians of per-call parts
+    profile = sizing.load_profile(str(out))
+    prediction = sizing.predict(profile, 1, 1)
+    assert math.isfinite(prediction.policy_lag_mean) and prediction.learner_steps_per_s > 0
+
+
+def test_profile_roles_refuses_a_folder_as_its_output(tmp_path):
+    result = run_profile(f"--config={SMOKE}", f"--out={tmp_path}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --out={tmp_path} is a")
