@@ -161,6 +161,14 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
     config.mesh.learner_rules = learner_rules()
 
+    # Over several JAX processes (python -m tba_jax.launch, a TPU pod, SLURM; README
+    # "Multi-host"): roles_within_host splits every process's devices into sampler and
+    # learner devices (mesh.sampler_devices); roles_by_process makes processes
+    # 0..learner_processes-1 learners and the others searchers. One process: unused.
+    config.distributed = ml_collections.ConfigDict()
+    config.distributed.topology = "roles_within_host"  # roles_within_host | roles_by_process
+    config.distributed.learner_processes = 1  # roles_by_process only
+
     config.eval = ml_collections.ConfigDict()
     config.eval.num_examples = None
     config.eval.batch_size = 128  # response rows per generate call

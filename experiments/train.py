@@ -5,6 +5,11 @@ r"""Trains a policy with TBA (or a sync baseline) from a config file.
         --workdir=/tmp/tba_sync --config.learner_steps=100
     python experiments/train.py --config=configs/arithmetic.py:smoke --print_config
 
+Over several processes (README "Multi-host"):
+
+    python -m tba_jax.launch --num_processes=2 -- experiments/train.py \
+        --config=configs/arithmetic.py:smoke --workdir=/tmp/tba_2proc
+
 Running again on the same workdir resumes from its latest checkpoint. `--print_config`
 lists every key of the resolved config (change one with `--config.<key>=<value>`).
 """
@@ -12,7 +17,7 @@ lists every key of the resolved config (change one with `--config.<key>=<value>`
 from absl import flags
 from ml_collections import config_flags
 
-from tba_jax import cli
+from tba_jax import cli, distributed
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.train import train_and_evaluate
@@ -21,6 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:va
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and summary.json go.")
 _PRINT_CONFIG = cli.define_print_config_flag()
 flags.adopt_module_key_flags(cli)
+distributed.define_flags()
+flags.adopt_module_key_flags(distributed)
 flags.mark_flag_as_required("config")
 
 # A missing file here (e.g. a model.hf_path folder without tokenizer files) is a user's.
@@ -34,6 +41,10 @@ def main(argv):
         return
     workdir = cli.required(_WORKDIR)
     cli.check_output_dir(workdir, _WORKDIR.name)
+    try:
+        distributed.initialize_from_flags()
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from None
     train_and_evaluate(_CONFIG.value, workdir)
 
 

@@ -25,7 +25,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -228,6 +228,11 @@ def _abstract_train_state(template: Any) -> Any:
     return jax.tree.map(_abstract_leaf, template)
 
 
+def _host_template(template: Any) -> Any:
+    """Host arrays of the template's shapes: what a host-local save restores into."""
+    return jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), template)
+
+
 # --------------------------------------------------------------------------------------
 # The checkpointer.
 # --------------------------------------------------------------------------------------
@@ -262,7 +267,12 @@ class Checkpointer:
         experiment: dict,
         max_to_keep: int = 2,
         save_interval_steps: int = 1,
+        active_processes: Sequence[int] | None = None,
     ):
+        """`active_processes`: the processes that save and restore (the learners of a
+        multi-process run; None: every process). A single saving process among several
+        saves its train state from host memory (orbax refuses process-local arrays in a
+        multi-process run)."""
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}.")
         if save_interval_steps < 1:
@@ -272,11 +282,21 @@ class Checkpointer:
         self.experiment = _canonical_json(experiment, "experiment")
         _check_experiment(workdir, self.directory, self.experiment)
         self._experiment_written = (self.directory / EXPERIMENT_FILENAME).exists()
+        subset = active_processes is not None and len(active_processes) < jax.process_count()
+        self._host_local = subset and len(active_processes) == 1
+        multiprocessing = ocp.options.MultiprocessingOptions()
+        if subset:  # orbax leaves the folder to the caller when only some processes save
+            self.directory.mkdir(parents=True, exist_ok=True)
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                primary_host=PRIMARY_PROCESS_INDEX, active_processes=set(active_processes)
+            )
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 save_decision_policy=_save_decision_policy(save_interval_steps),
                 preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+                create=not subset,
+                multiprocessing_options=multiprocessing,
             ),
             item_handlers={
                 TRAIN_STATE_ITEM: ocp.StandardCheckpointHandler(),
@@ -315,6 +335,8 @@ class Checkpointer:
         if not jax.tree.leaves(train_state):
             raise ValueError("train_state has no leaves; pass the learner's train-state pytree.")
         _validate_buffer_state(buffer_state)
+        if self._host_local:
+            train_state = jax.device_get(train_state)
         self.write_experiment()
         return self._manager.save(
             step,
@@ -338,19 +360,25 @@ class Checkpointer:
         """
         self._manager.wait_until_finished()
         step = self._resolve_step(step)
+        template = _abstract_train_state(train_state_template)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
                 **{
                     TRAIN_STATE_ITEM: ocp.args.StandardRestore(
-                        _abstract_train_state(train_state_template)
+                        _host_template(template) if self._host_local else template
                     ),
                     BUFFER_ITEM: NumpyDictRestore(),
                     METADATA_ITEM: ocp.args.JsonRestore(),
                 }
             ),
         )
-        return restored[TRAIN_STATE_ITEM], restored[BUFFER_ITEM], restored[METADATA_ITEM]
+        train_state = restored[TRAIN_STATE_ITEM]
+        if self._host_local:
+            train_state = jax.tree.map(
+                lambda value, leaf: jax.device_put(value, leaf.sharding), train_state, template
+            )
+        return train_state, restored[BUFFER_ITEM], restored[METADATA_ITEM]
 
     def wait_until_finished(self) -> None:
         self._manager.wait_until_finished()

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -32,7 +33,7 @@ from absl import logging as absl_logging
 from ml_collections.config_flags.config_flags import is_config_flag  # public, not re-exported
 
 import tba_jax
-from tba_jax import config_keys
+from tba_jax import config_keys, distributed
 from tba_jax.config_lib import ConfigError, output_dir_problem
 
 ERROR_PREFIX = "error: "
@@ -67,7 +68,10 @@ def one_line(text: str) -> str:
 
 
 def exit_with_error(message: str) -> NoReturn:
-    """Prints `error: <message>` on stderr (one line) and exits with status 1."""
+    """Prints `error: <message>` on stderr (one line) and exits with status 1; in a run over
+    several processes, every other process ends with the same message."""
+    if distributed.is_initialized():
+        distributed.fail_all(one_line(message), USER_ERROR_EXIT_STATUS)
     print(ERROR_PREFIX + one_line(message), file=sys.stderr)
     sys.exit(USER_ERROR_EXIT_STATUS)
 
@@ -89,6 +93,11 @@ def run(
         except KeyboardInterrupt:
             print("interrupted (Ctrl-C).", file=sys.stderr)
             sys.exit(INTERRUPTED_EXIT_STATUS)
+        except Exception as error:
+            if not distributed.is_initialized():
+                raise
+            traceback.print_exc()  # a bug: shown here, and every other process stops
+            distributed.fail_all(f"{type(error).__name__}: {one_line(str(error))}")
 
     app.run(main_with_conventions, flags_parser=parse_flags)
 

@@ -199,6 +199,8 @@ RANGES: dict[str, Allowed] = {
     "replay.priority_inverse_temperature": number_at_least(0),
     "replay.min_prompts": integer_at_least(1),
     "search.num_searchers": integer_at_least(1),
+    "distributed.topology": one_of(("roles_within_host", "roles_by_process")),
+    "distributed.learner_processes": integer_at_least(1),
     "search.prompts_per_call": integer_at_least(1),
     "search.score_rows_per_chunk": integer_at_least(0),
     "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
@@ -231,8 +233,12 @@ def check_ranges(config: ml_collections.ConfigDict, ranges: Mapping[str, Allowed
             raise ConfigError(f"{path}={value!r} must be {allowed.description}.")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Raises ConfigError for settings that cannot work. Cheap: runs before any long work."""
+def validate(
+    config: ml_collections.ConfigDict, num_devices: int, learner_devices: int | None = None
+) -> None:
+    """Raises ConfigError for settings that cannot work. Cheap: runs before any long work.
+    `learner_devices`: the learner mesh's size when it is not split from `num_devices`
+    (a multi-process run's layout, `tba_jax.topology`)."""
     check_ranges(config, RANGES)
     if config.method not in registered_losses():
         raise ConfigError(f"method={config.method!r} is not one of {registered_losses()}.")
@@ -254,7 +260,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
             f"batch.prompts_per_batch={batch.prompts_per_batch} does not divide into "
             f"batch.num_microbatches={batch.num_microbatches} (micro-batches hold whole prompts)."
         )
-    learner_devices = _learner_device_count(config, num_devices)
+    if learner_devices is None:
+        learner_devices = _learner_device_count(config, num_devices)
     batch_shards = learner_devices // (config.mesh.learner_axes.get("tensor", 1) or 1)
     rows_per_micro = rows // batch.num_microbatches
     if rows_per_micro % max(batch_shards, 1):

@@ -136,7 +136,7 @@ def init_train_state(
     """Places (a copy of) params on the learner shardings and initialises the optimiser there."""
     params = jax.device_put(params, shardings.params, may_alias=False)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    step = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=shardings.step)()
     return TrainState(params, opt_state, step)
 
 

@@ -155,3 +155,20 @@ def publish(params: Any, sampler_shardings: Any) -> Any:
     the next train step without invalidating what the searchers hold.
     """
     return jax.device_put(params, sampler_shardings, may_alias=False)
+
+
+def from_identical_host_data(tree: Any, shardings: Any) -> Any:
+    """Host arrays that every process holds alike, as global arrays on `shardings` (a
+    sharding or a matching tree of them). With one process they are returned as they are
+    (jit places them)."""
+    if jax.process_count() == 1:
+        return tree
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(
+        lambda value, sharding: jax.make_array_from_callback(
+            np.shape(value), sharding, lambda index: np.asarray(value)[index]
+        ),
+        tree,
+        shardings,
+    )

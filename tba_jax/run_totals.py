@@ -18,6 +18,7 @@ import numpy as np
 from tba_jax.metrics import RateMeter, TimeSplit
 
 PER_SECOND = ("samples", "tokens")  # logged as <name>_per_second
+EXCHANGING = "exchanging"  # a learner's time inside exchanges with searcher processes
 MIN_SECONDS = 1e-9  # divides rates over an empty interval
 
 
@@ -57,10 +58,17 @@ class Segment:
     lag_max: float = 0.0
     steps_trained: int = 0
     skipped_steps: int = 0
+    # samples / tokens other processes generated this segment (several processes)
+    remote_counts: dict = dataclasses.field(default_factory=dict)
+
+    def generated(self) -> dict[str, float]:
+        """Samples and tokens generated this segment, by every process."""
+        totals = self.meters.rates.totals()
+        return {name: totals.get(name, 0) + self.remote_counts.get(name, 0) for name in PER_SECOND}
 
     def rates_since_rl_start(self) -> dict[str, float]:
         """`samples_per_second` and `tokens_per_second` since the RL phase began."""
-        totals = self.meters.rates.totals()
+        totals = self.generated()
         seconds = max(time.time() - self.rl_started_at, MIN_SECONDS)
         return {f"{name}_per_second": totals.get(name, 0) / seconds for name in PER_SECOND}
 
@@ -74,7 +82,7 @@ class Segment:
 
 def history_so_far(history: dict, segment: Segment) -> dict:
     """The run's history (whole-run totals) with this segment's work added."""
-    totals = segment.meters.rates.totals()
+    totals = segment.generated()
     now = time.time()
     rl_seconds = now - segment.rl_started_at if segment.rl_started_at is not None else 0.0
     time_split = dict(history["time_split_seconds"])
@@ -103,6 +111,7 @@ def run_summary(
     score_end: float,
     learner_steps: int,
     colocated: bool,
+    layout: dict | None = None,
 ) -> dict:
     """summary.json: what ran, how well (the start/end `eval_key` evaluation), how fast and
     how stale, over the whole run (every resumed segment)."""
@@ -131,4 +140,8 @@ def run_summary(
         "time_split_seconds": history["time_split_seconds"],
         "num_devices": jax.device_count(),
         "colocated": colocated,
+        # the processes' layout (tba_jax.topology) and the learner's time in exchanges
+        **(layout or {"topology": "single_process", "num_processes": 1}),
+        "exchange_seconds_per_step": history["time_split_seconds"].get(EXCHANGING, 0.0)
+        / max(history["learner_steps_trained"], 1),
     }

@@ -30,6 +30,7 @@ from tba_jax.models import Model, ModelConfig, Params, abstract_model, preset
 from tba_jax.tasks.base import task_identity
 
 CONFIG_FILENAME = "config.json"
+PROCESSES_KEY = "processes"  # a multi-process run's layout in the experiment identity
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -93,9 +94,13 @@ def optim_config(config: ml_collections.ConfigDict) -> learner.OptimConfig:
     return learner.OptimConfig(total_steps=config.learner_steps, **config.optim.to_dict())
 
 
-def experiment_identity(config: ml_collections.ConfigDict, model_cfg: ModelConfig | None) -> dict:
+def experiment_identity(
+    config: ml_collections.ConfigDict, model_cfg: ModelConfig | None, layout: dict | None = None
+) -> dict:
     """What a workdir's checkpoints must match to be resumed by this config (without the
-    "model" entry when `model_cfg` is None: all that is known before the task is built)."""
+    "model" entry when `model_cfg` is None: all that is known before the task is built).
+    `layout`: a multi-process run's `Topology.describe()` (its checkpoints hold one buffer
+    per process, so only the same layout resumes them)."""
     identity = {
         "config_name": config.name,
         "mode": config.mode,
@@ -106,6 +111,8 @@ def experiment_identity(config: ml_collections.ConfigDict, model_cfg: ModelConfi
     }
     if model_cfg is not None:
         identity["model"] = model_cfg.to_dict()
+    if layout is not None:
+        identity[PROCESSES_KEY] = layout
     return identity
 
 
@@ -117,8 +124,8 @@ def checkpoint_template(optimizer, abstract_params, state_sharding, sampler_shar
     }
 
 
-def stored_model_config(workdir: str) -> ModelConfig:
-    """The model config a workdir's checkpoints were written for (from experiment.json)."""
+def stored_experiment(workdir: str) -> dict:
+    """The experiment identity a workdir's checkpoints were written for (experiment.json)."""
     path = os.path.join(workdir, CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME)
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -126,7 +133,12 @@ def stored_model_config(workdir: str) -> ModelConfig:
             "run that saved one."
         )
     with open(path) as f:
-        return ModelConfig(**json.load(f)["model"])
+        return json.load(f)
+
+
+def stored_model_config(workdir: str) -> ModelConfig:
+    """The model config a workdir's checkpoints were written for (from experiment.json)."""
+    return ModelConfig(**stored_experiment(workdir)["model"])
 
 
 class RestoredRun(NamedTuple):
@@ -145,7 +157,8 @@ def restore_run(
     by default), onto the default device. Raises a clear error if the workdir has no
     checkpoint or one of another experiment."""
     model_cfg = stored_model_config(workdir)
-    checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg))
+    layout = stored_experiment(workdir).get(PROCESSES_KEY)  # any run's policy loads here
+    checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg, layout))
     model, abstract_params = abstract_model(model_cfg)
     mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])

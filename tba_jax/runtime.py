@@ -38,15 +38,19 @@ def is_finite(trajectory: Trajectory) -> bool:
 class PolicyStore:
     """The params the searchers sample with, and their version. Thread-safe."""
 
-    def __init__(self, sampler_shardings, params, version: int):
-        self._shardings = sampler_shardings
+    def __init__(
+        self, sampler_shardings, params, version: int, copy_fn: Callable = mesh_lib.publish
+    ):
+        """`copy_fn(params, sampler_shardings)` copies the learner's (or host) params onto
+        the sampler: `mesh.publish`, or `LearnerGroup.publish` over several processes."""
+        self._shardings, self._copy = sampler_shardings, copy_fn
         self._lock = threading.Lock()
-        self._params = mesh_lib.publish(params, sampler_shardings)
+        self._params = copy_fn(params, sampler_shardings)
         self._version = version
 
     def publish(self, learner_params, version: int) -> None:
         """Copies `learner_params` onto the sampler mesh (asynchronously) as `version`."""
-        published = mesh_lib.publish(learner_params, self._shardings)
+        published = self._copy(learner_params, self._shardings)
         with self._lock:
             self._params, self._version = published, version
 

@@ -38,6 +38,7 @@ from tba_jax.run_totals import Meters
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.tasks.base import Task
+from tba_jax.topology import LearnerGroup, Topology, shard_of
 from tba_jax.trajectories import SampledBatch, collate
 
 SEARCHER_JOIN_TIMEOUT_S = 60.0
@@ -58,8 +59,12 @@ class SourceState(NamedTuple):
 
 class BatchSource(Protocol):
     publish_every: int
+    # samples and tokens other processes generated this segment (summary totals)
+    remote_counts: dict[str, float]
 
     def start(self, stop_signal: StopSignal) -> None: ...
+
+    def agreed_stop(self, requested: bool) -> bool: ...
 
     def next_batch(self, step: int) -> SampledBatch: ...
 
@@ -137,6 +142,59 @@ def make_replay_buffer(config: ml_collections.ConfigDict, pad_id: int) -> Replay
     )
 
 
+STREAM_POSITION_KEYS = ("stream_epoch", "stream_index")  # in a process's buffer file
+
+
+class ProcessShare:
+    """This process's part of a roles_within_host run (or all of a single-process run):
+    its share of each batch, its RNG streams, and the per-step agreement on stopping."""
+
+    def __init__(self, topology: Topology, group: LearnerGroup | None, meters: Meters):
+        self.topology, self.group, self.meters = topology, group, meters
+        self.remote_counts = {"samples": 0.0, "tokens": 0.0}
+
+    def prompts(self, prompts_per_batch: int) -> int:
+        return prompts_per_batch // self.topology.num_learners
+
+    def rng_seed(self, *seed: int) -> list[int]:
+        """`seed` extended by the process index when there are several processes."""
+        return [*seed, self.topology.process_index] if self.topology.multi_process else list(seed)
+
+    def agreed_stop(self, requested: bool) -> bool:
+        """Whether any process asked to stop (a collective over the learner group), and the
+        other processes' sample counts."""
+        if not self.topology.multi_process:
+            return requested
+        totals = self.meters.rates.totals()
+        mine = np.asarray([requested, totals.get("samples", 0), totals.get("tokens", 0)], float)
+        everyone = self.group.gather(mine)
+        others = everyone.sum(axis=0) - mine
+        self.remote_counts = {"samples": float(others[1]), "tokens": float(others[2])}
+        return bool(everyone[:, 0].any())
+
+    def with_position(self, buffer_state: dict, stream: PromptStream) -> dict:
+        """A process's buffer file also keeps its own prompt-stream position."""
+        if not self.topology.multi_process:
+            return buffer_state
+        position = stream.position
+        return {
+            **buffer_state,
+            "stream_epoch": np.asarray(position["epoch"], np.int64),
+            "stream_index": np.asarray(position["index"], np.int64),
+        }
+
+    def restore_position(self, state: SourceState, stream: PromptStream) -> dict:
+        """Restores `stream` (from the process's file, else the metadata); returns the
+        buffer state without the position keys."""
+        buffer = dict(state.buffer)
+        if all(key in buffer for key in STREAM_POSITION_KEYS):
+            epoch, index = (int(buffer.pop(key)) for key in STREAM_POSITION_KEYS)
+            stream.restore({"epoch": epoch, "index": index})
+        else:
+            stream.restore(state.data_position)
+        return buffer
+
+
 class AsyncSource:
     """TBA: searcher threads fill a replay buffer; batches are sampled from it."""
 
@@ -149,15 +207,17 @@ class AsyncSource:
         buffer: ReplayBuffer,
         meters: Meters,
         start_step: int,
+        share: ProcessShare,
     ):
         self.config, self.store, self.stream, self.buffer = config, store, stream, buffer
-        self.meters = meters
+        self.meters, self.share = meters, share
         self.publish_every = config.sync_period
+        first_index = share.topology.process_index * config.search.num_searchers
         stop, errors = threading.Event(), queue.Queue()
         self.pool = runtime.SearcherPool(
             [
                 runtime.Searcher(
-                    index,
+                    first_index + index,
                     worker,
                     store,
                     stream,
@@ -181,13 +241,20 @@ class AsyncSource:
                 self.buffer, self.config.replay.min_prompts, BUFFER_POLL_S, stop_signal
             )
 
+    @property
+    def remote_counts(self) -> dict[str, float]:
+        return self.share.remote_counts
+
+    def agreed_stop(self, requested: bool) -> bool:
+        return self.share.agreed_stop(requested)
+
     def next_batch(self, step: int) -> SampledBatch:
         self.pool.raise_if_failed()
         batch_cfg = self.config.batch
         return self.buffer.sample(
-            batch_cfg.prompts_per_batch,
+            self.share.prompts(batch_cfg.prompts_per_batch),
             batch_cfg.samples_per_prompt,
-            np.random.default_rng([self.config.seed, step]),
+            np.random.default_rng(self.share.rng_seed(self.config.seed, step)),
         )
 
     def publish(self, params: Params, version: int) -> None:
@@ -200,11 +267,11 @@ class AsyncSource:
         return metrics
 
     def state(self) -> SourceState:
-        return SourceState(self.buffer.state_dict(), self.stream.position, self.store.get()[1])
+        buffer = self.share.with_position(self.buffer.state_dict(), self.stream)
+        return SourceState(buffer, self.stream.position, self.store.get()[1])
 
     def restore(self, state: SourceState) -> None:
-        self.buffer.load_state_dict(state.buffer)
-        self.stream.restore(state.data_position)
+        self.buffer.load_state_dict(self.share.restore_position(state, self.stream))
 
     def close(self) -> None:
         self.pool.close(SEARCHER_JOIN_TIMEOUT_S)
@@ -222,17 +289,27 @@ class SyncSource:
         store: runtime.PolicyStore,
         stream: PromptStream,
         pad_id: int,
+        share: ProcessShare,
     ):
         self.config, self.worker, self.store, self.stream = config, worker, store, stream
-        self.pad_id = pad_id
+        self.pad_id, self.share = pad_id, share
+
+    @property
+    def remote_counts(self) -> dict[str, float]:
+        return self.share.remote_counts
 
     def start(self, stop_signal: StopSignal) -> None:
         del stop_signal  # nothing runs between batches
 
+    def agreed_stop(self, requested: bool) -> bool:
+        return self.share.agreed_stop(requested)
+
     def next_batch(self, step: int) -> SampledBatch:
         params, version = self.store.get()
-        examples = self.stream.next_batch(self.config.batch.prompts_per_batch)
-        rng = jax.random.fold_in(jax.random.key(self.config.seed), step)
+        examples = self.stream.next_batch(self.share.prompts(self.config.batch.prompts_per_batch))
+        rng = jax.random.key(self.config.seed)
+        for value in self.share.rng_seed(step):
+            rng = jax.random.fold_in(rng, value)
         trajectories = self.worker.search(params, version, examples, rng)
         return collate(
             trajectories,
@@ -251,13 +328,33 @@ class SyncSource:
         return {}
 
     def state(self) -> SourceState:
-        return SourceState({}, self.stream.position, self.store.get()[1])
+        buffer = self.share.with_position({}, self.stream)
+        return SourceState(buffer, self.stream.position, self.store.get()[1])
 
     def restore(self, state: SourceState) -> None:
-        self.stream.restore(state.data_position)
+        self.share.restore_position(state, self.stream)
 
     def close(self) -> None:
         pass
+
+
+def prompt_stream(task: Task, topology: Topology, seed: int) -> PromptStream:
+    """This process's prompts: the whole train split, or with several searching processes
+    its own disjoint shard of it (`topology.shard_of`)."""
+    if not topology.multi_process:
+        return PromptStream(task.train, seed=seed)
+    searchers = topology.searcher_processes
+    return PromptStream(
+        shard_of(task.train, searchers.index(topology.process_index), len(searchers)), seed=seed
+    )
+
+
+def samples_per_prompt_searched(config: ml_collections.ConfigDict) -> int:
+    """async: S per prompt, of which batches draw K; sync: the K of the batch."""
+    batch = config.batch
+    return (
+        batch.samples_generated_per_prompt if config.mode == "async" else batch.samples_per_prompt
+    )
 
 
 def make_source(
@@ -270,26 +367,28 @@ def make_source(
     version: int,
     reference_params: Params,
     meters: Meters,
+    topology: Topology,
+    group: LearnerGroup,
 ) -> BatchSource:
-    """The batch source of `config.mode`, publishing `params` as `version` to start with."""
-    store = runtime.PolicyStore(sampler_shardings, params, version=version)
-    stream = PromptStream(task.train, seed=config.seed)
+    """The batch source of `config.mode` on a process that both searches and learns,
+    publishing `params` as `version` to start with. `reference_params`: π_ref on the
+    sampler."""
+    store = runtime.PolicyStore(sampler_shardings, params, version=version, copy_fn=group.publish)
+    stream = prompt_stream(task, topology, config.seed)
     is_async = config.mode == "async"
     worker = make_search_worker(
         config,
         task,
         model,
         reference_params,
-        # async: S per prompt, of which batches draw K; sync: the K of the batch
-        samples_per_prompt=(
-            config.batch.samples_generated_per_prompt
-            if is_async
-            else config.batch.samples_per_prompt
-        ),
+        samples_per_prompt=samples_per_prompt_searched(config),
         meters=meters,
         drop_nonfinite=is_async,  # a sync batch keeps its shape (see SearchWorker)
     )
+    share = ProcessShare(topology, group, meters)
     if is_async:
         buffer = make_replay_buffer(config, task.tokenizer.pad_id)
-        return AsyncSource(config, worker, store, stream, buffer, meters, start_step=version)
-    return SyncSource(config, worker, store, stream, task.tokenizer.pad_id)
+        return AsyncSource(
+            config, worker, store, stream, buffer, meters, start_step=version, share=share
+        )
+    return SyncSource(config, worker, store, stream, task.tokenizer.pad_id, share=share)

@@ -35,7 +35,9 @@ import numpy as np
 from absl import logging
 
 from tba_jax import (
+    by_process,
     config_lib,
+    distributed,
     evaluation,
     learner,
     losses,
@@ -46,6 +48,7 @@ from tba_jax import (
     tasks,
 )
 from tba_jax import mesh as mesh_lib
+from tba_jax import topology as topology_lib
 from tba_jax.checkpoint import (
     Checkpointer,
     RunStopped,
@@ -90,7 +93,10 @@ class Setup:
     optimizer: Any
     state_sharding: Any
     train_step: Callable  # (TrainState, batch) -> (TrainState, metrics)
-    checkpointer: Checkpointer
+    checkpointer: Checkpointer | None  # None on a searcher-only process
+    topology: topology_lib.Topology
+    group: topology_lib.LearnerGroup
+    reference_shardings: Any  # where the checkpoint keeps π_ref
 
 
 class Start(NamedTuple):
@@ -155,28 +161,40 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     """Checks `config` against everything it can be checked against, then builds the run.
 
     Nothing is written to `workdir` until the config, the Hugging Face folders and the
-    workdir's experiment are known to be right: a refused run leaves it as it was.
+    workdir's experiment are known to be right: a refused run leaves it as it was. Over
+    several processes, process 0 writes the shared files and the others wait for it.
     """
-    config_lib.validate(config, jax.device_count())
+    topology = topology_lib.make_topology(config)
+    config_lib.validate(
+        config,
+        jax.device_count(),
+        learner_devices=topology_lib.learner_device_count(topology, config),
+    )
     policy_tokenizer = runs.policy_tokenizer(config)  # None: the task's own
     check_hf_folders(config, policy_tokenizer)
-    check_experiment(workdir, runs.experiment_identity(config, None), ignored_keys=("model",))
-    make_workdir(workdir)
-    task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)
+    layout = topology.describe() if topology.multi_process else None
+    check_experiment(
+        workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
+    )
+    if topology.is_primary:
+        make_workdir(workdir)
+        task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)
+    distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
+    if not topology.is_primary:
+        task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)
     check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
-    checkpointer = Checkpointer(
-        workdir,
-        experiment=runs.experiment_identity(config, model_cfg),
-        max_to_keep=config.keep_checkpoints,
-    )
-    runs.write_config(workdir, config)
-    meshes = mesh_lib.make_role_meshes(
-        config.mesh.sampler_devices,
-        config.mesh.colocate,
-        config.mesh.sampler_axes,
-        config.mesh.learner_axes,
-    )
+    checkpointer = None
+    if topology.is_learner:
+        checkpointer = Checkpointer(
+            workdir,
+            experiment=runs.experiment_identity(config, model_cfg, layout),
+            max_to_keep=config.keep_checkpoints,
+            active_processes=topology.learner_processes if topology.multi_process else None,
+        )
+    if topology.is_primary:
+        runs.write_config(workdir, config)
+    meshes = topology_lib.role_meshes(topology, config)
     model, abstract_params = abstract_model(model_cfg)
     learner_shardings = mesh_lib.param_shardings(
         model.logical_axes, abstract_params, meshes.learner, config.mesh.learner_rules
@@ -217,6 +235,9 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         state_sharding=state_sharding,
         train_step=train_step,
         checkpointer=checkpointer,
+        topology=topology,
+        group=topology_lib.LearnerGroup(meshes.learner),
+        reference_shardings=learner_shardings if topology.multi_process else sampler_shardings,
     )
 
 
@@ -231,14 +252,18 @@ def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], flo
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
     )
+    topology = run.topology
     examples = task.test[: config.eval.num_examples or None]
+    if topology.multi_process:  # each learner process scores its own share
+        examples = topology_lib.shard_of(examples, topology.learner_rank, topology.num_learners)
     batch_size = config.eval.batch_size
 
     def evaluate(params: Params) -> float:
-        params = mesh_lib.publish(params, run.sampler_shardings)
-        rewards = []
+        params = run.group.publish(params, run.sampler_shardings)
+        rewards = [np.zeros(0, np.float32)]
         for start in range(0, len(examples), batch_size):
-            stop_signal.raise_if_requested()
+            if not topology.multi_process:  # stops between batches (several: agreed stops only)
+                stop_signal.raise_if_requested()
             batch_rewards, _ = evaluation.generate_and_score(
                 greedy_fn,
                 params,
@@ -250,7 +275,9 @@ def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], flo
                 rng=jax.random.key(evaluation.GREEDY_RNG_SEED),
             )
             rewards.append(batch_rewards)
-        return float(np.mean(np.concatenate(rewards)))
+        rewards = np.concatenate(rewards)
+        total, count = run.group.gather(np.asarray([rewards.sum(), len(rewards)])).sum(axis=0)
+        return float(total / count)
 
     return evaluate
 
@@ -328,7 +355,8 @@ def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
         mesh=run.meshes.learner,
         seed=config.seed,
         progress=progress,
-        should_stop=lambda: stop_signal.requested,
+        # over several processes a stop is agreed once the loop starts, never mid-way here
+        should_stop=lambda: stop_signal.requested and not run.topology.multi_process,
         log_fn=warm_start_logger(cfg.steps),
     )
     if progress.steps_done < cfg.steps:
@@ -349,7 +377,7 @@ def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
     is set) with a fresh optimiser. The first evaluation comes after the first save."""
     begin = time.time()
     params = warm_started_params(run, stop_signal)
-    reference = reference_params(run.config, run.model, params, run.sampler_shardings)
+    reference = reference_params(run.config, run.model, params, run.reference_shardings)
     state = learner.init_train_state(params, run.optimizer, run.state_sharding)
     history = {"warm_start_seconds": time.time() - begin, **run_totals.empty_totals()}
     return Start(state, reference, history, source_state=None)
@@ -360,7 +388,7 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     with finite params. A checkpoint that fails is moved to `checkpoints_set_aside/` (not
     deleted) with a warning, and the one before it is tried."""
     template = runs.checkpoint_template(
-        run.optimizer, run.abstract_params, run.state_sharding, run.sampler_shardings
+        run.optimizer, run.abstract_params, run.state_sharding, run.reference_shardings
     )
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
@@ -436,9 +464,18 @@ def save_checkpoint(
         logging.info("Saved checkpoint %d.", step)
 
 
-def device_batch(batch: SampledBatch, sharding) -> dict[str, jax.Array]:
-    """The fields the train step reads, on the learner mesh split over its batch axes."""
-    return jax.device_put({name: getattr(batch, name) for name in learner.BATCH_FIELDS}, sharding)
+def device_batch(run: Setup, batch: SampledBatch, sharding) -> dict[str, jax.Array]:
+    """The fields the train step reads, on the learner mesh split over its batch axes (over
+    several processes, `batch` is this process's rows of the global batch)."""
+    fields = {name: getattr(batch, name) for name in learner.BATCH_FIELDS}
+    return run.group.global_batch(fields, sharding)
+
+
+def batch_policy_versions(run: Setup, batch: SampledBatch) -> np.ndarray:
+    """The policy version of every row of the global batch."""
+    if not run.topology.multi_process:
+        return batch.policy_version
+    return run.group.gather(batch.policy_version).ravel()
 
 
 def finished_summary(run: Setup) -> dict | None:
@@ -470,14 +507,21 @@ def stop_on_signals() -> Iterator[StopSignal]:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs `config` in `workdir` (resuming if it holds a checkpoint); returns the summary
-    of the whole run, or {} when SIGTERM / Ctrl-C stopped it (after saving)."""
+    of the whole run, or {} when SIGTERM / Ctrl-C stopped it (after saving). A searcher
+    process of a roles_by_process run returns {} when the learners are done."""
     segment = run_totals.Segment(run_totals.Meters(), started_at=time.time())
     run = setup(config, workdir)
-    if (summary := finished_summary(run)) is not None:
-        logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
-        run.checkpointer.close()
-        return summary
+    summary = finished_summary(run) if run.topology.is_primary else None
+    if distributed.any_process(summary is not None):
+        if summary is not None:
+            logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
+        if run.checkpointer is not None:
+            run.checkpointer.close()
+        return summary or {}
     with stop_on_signals() as stop_signal:
+        if not run.topology.is_learner:
+            search_only(run, segment, stop_signal)
+            return {}
         try:
             return train_from_start(run, segment, stop_signal)
         except RunStopped as stopped:
@@ -488,58 +532,117 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             run.checkpointer.close()
 
 
-def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal) -> dict:
-    """The start, the loop and the final evaluation (see `train_and_evaluate`)."""
-    config, workdir = run.config, run.workdir
-    resuming = run.checkpointer.latest_step() is not None
-    start = resume(run) if resuming else fresh_start(run, stop_signal)
-    state, reference, history = start.state, start.reference, start.history
-    step = int(jax.device_get(state.step))
-    source = sources.make_source(
+def search_only(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal) -> None:
+    """A searcher process of a roles_by_process run (see `tba_jax.by_process`)."""
+    config = run.config
+    worker = sources.make_search_worker(
+        config,
+        run.task,
+        run.model,
+        reference_params=None,  # from the learners' start broadcast
+        samples_per_prompt=sources.samples_per_prompt_searched(config),
+        meters=segment.meters,
+        drop_nonfinite=config.mode == "async",
+    )
+    by_process.run_searcher_process(
+        config,
+        run.topology,
+        worker=worker,
+        stream=sources.prompt_stream(run.task, run.topology, config.seed),
+        sampler_shardings=run.sampler_shardings,
+        abstract_params=run.abstract_params,
+        meters=segment.meters,
+        stop_signal=stop_signal,
+    )
+
+
+def make_batch_source(
+    run: Setup, state: learner.TrainState, reference: Params, segment: run_totals.Segment
+) -> sources.BatchSource:
+    """The batch source of this process: local searchers (one process, or
+    roles_within_host), or the searcher processes' exchange (roles_by_process)."""
+    config, step = run.config, int(jax.device_get(state.step))
+    if run.topology.name == topology_lib.ROLES_BY_PROCESS:
+        buffer = None
+        if config.mode == "async":
+            buffer = sources.make_replay_buffer(config, run.task.tokenizer.pad_id)
+        return by_process.RemoteSource(
+            config,
+            run.topology,
+            run.group,
+            params=state.params,
+            reference=reference,
+            version=step,
+            buffer=buffer,
+            meters=segment.meters,
+            pad_id=run.task.tokenizer.pad_id,
+        )
+    return sources.make_source(
         config,
         task=run.task,
         model=run.model,
         sampler_shardings=run.sampler_shardings,
         params=state.params,
         version=step,
-        reference_params=reference,
+        reference_params=(
+            run.group.publish(reference, run.sampler_shardings)
+            if run.topology.multi_process
+            else reference
+        ),
         meters=segment.meters,
+        topology=run.topology,
+        group=run.group,
     )
+
+
+def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal) -> dict:
+    """The start, the loop and the final evaluation (see `train_and_evaluate`)."""
+    config, workdir, topology = run.config, run.workdir, run.topology
+    resuming = run.checkpointer.latest_step() is not None
+    start = resume(run) if resuming else fresh_start(run, stop_signal)
+    state, reference, history = start.state, start.reference, start.history
+    step = int(jax.device_get(state.step))
+    source = make_batch_source(run, state, reference, segment)
     if start.source_state is not None:
         source.restore(start.source_state)
 
     def save(force: bool) -> None:
+        segment.remote_counts = source.remote_counts
         history_now = run_totals.history_so_far(history, segment)
         save_checkpoint(run, step, state, reference, source, history_now, force=force)
 
     if not resuming:
         save(force=True)  # the warm start is never redone
-        WarmStartCheckpoint(os.path.join(workdir, WARM_START_SUBDIR)).clear()
+        if topology.is_primary:
+            WarmStartCheckpoint(os.path.join(workdir, WARM_START_SUBDIR)).clear()
     evaluate = make_evaluate(run, stop_signal)
     key = eval_key(run)
     if f"{key}_start" not in history and step == 0:
         score_start = evaluate(state.params)
         history[f"{key}_start"] = score_start
         logging.info("Held-out greedy %s at the start: %.3f", run.task.eval_metric, score_start)
-    writer = MetricsWriter(
-        workdir,
-        log_every=config.log_every,
-        total_steps=config.learner_steps,
-        show_progress=config.progress_bar,
-    )
+    writer = None
+    if topology.is_primary:
+        writer = MetricsWriter(
+            workdir,
+            log_every=config.log_every,
+            total_steps=config.learner_steps,
+            show_progress=config.progress_bar,
+        )
     batch_sharding = mesh_lib.batch_sharding(run.meshes.learner)
     nonfinite_in_a_row = 0
     try:
         segment.rl_started_at = time.time()
         source.start(stop_signal)
-        while step < config.learner_steps and not stop_signal.requested:
+        while step < config.learner_steps and not source.agreed_stop(stop_signal.requested):
             batch = source.next_batch(step)
             with segment.meters.time_split.measure("training"):
-                state, metrics = run.train_step(state, device_batch(batch, batch_sharding))
+                state, metrics = run.train_step(state, device_batch(run, batch, batch_sharding))
                 metrics = jax.device_get(metrics)
-            batch_lags = runtime.policy_lags(step, batch.policy_version)
+            batch_lags = runtime.policy_lags(step, batch_policy_versions(run, batch))
             skipped = bool(metrics["skipped_nonfinite"])
             segment.add_batch(batch_lags, skipped)
+            segment.remote_counts = source.remote_counts
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if skipped else 0
             step += 1
             if step % source.publish_every == 0:
@@ -549,7 +652,8 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             metrics.update(source.metrics(step))
             if config.eval.every_steps and step % config.eval.every_steps == 0:
                 metrics[key] = evaluate(state.params)
-            writer.write(step, metrics)
+            if writer is not None:
+                writer.write(step, metrics)
             if nonfinite_in_a_row >= config.max_nonfinite_steps:
                 save(force=True)
                 raise NonFiniteError(
@@ -564,8 +668,12 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
         pass  # stopped in an evaluation: the step is saved below
     finally:
         source.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
+    source.agreed_stop(False)  # over several processes: also a last count of their samples
     save(force=True)
+    if step < config.learner_steps:  # stopped early: every process agreed to
+        stop_signal.request(stop_signal.reason or "a stop request on another process")
     stop_signal.raise_if_requested()
     score_end = evaluate(state.params)
     summary = run_totals.run_summary(
@@ -575,7 +683,10 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
         score_end=score_end,
         learner_steps=step,
         colocated=run.meshes.colocated,
+        layout=topology.describe(),
     )
+    if not topology.is_primary:
+        return summary
     summary_path = write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
     logging.info(
         "Finished %d learner steps in %.0f s (warm start %.0f s); %s %s → %.3f; %s",

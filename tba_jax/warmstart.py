@@ -167,6 +167,7 @@ def warm_start(
     while step < cfg.steps and not should_stop():
         rows = rng.choice(len(examples), size=cfg.batch_size, replace=False)
         batch = {name: array[rows] for name, array in data.items()}
+        batch = mesh_lib.from_identical_host_data(batch, mesh_lib.batch_sharding(mesh))
         params, opt_state, loss = step_fn(params, opt_state, batch)
         if log_fn is not None:
             log_fn(step, {"warm_start_loss": loss})

@@ -1,0 +1,317 @@
+"""Runs over several JAX processes, as the README's "Multi-host" section launches them:
+`python -m tba_jax.launch --num_processes=N -- experiments/train.py ...` on local CPU
+processes (gloo collectives). Both topologies train and write summary.json with the
+layout; a multi-process learner step equals the single-process one; SIGTERM saves and a
+rerun resumes; another process count is refused in one line; a process that dies ends
+the others. Unit tests of the exchange's and the topology's pure parts come first.
+
+The multi-process runs are few and small (CI has 2 cores): each starts N Python
+processes that import JAX and compile the smoke model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from configs.arithmetic import get_config
+from tba_jax import distributed, exchange, topology
+from tba_jax.config_lib import ConfigError
+from tba_jax.trajectories import Trajectory
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_SECONDS = 300  # stops a hung test; every run here takes well under a minute alone
+DEAD_PROCESS_SECONDS = 30  # the issue's bound: one process killed ends the others by then
+# A quick smoke run: 4 learner steps, a short warm start, few held-out prompts.
+SMOKE = "configs/arithmetic.py:smoke,warm_start.steps=1,eval.num_examples=4,eval.batch_size=4"
+STEP_CHECK = os.path.join(REPO_ROOT, "tests", "multiprocess_step_check.py")
+
+
+# ------------------------------------------------------------------------ pure parts
+
+
+def trajectory(prompt_id: int, prompt_len: int, response_len: int, version: int) -> Trajectory:
+    rng = np.random.default_rng(prompt_id)
+    behaviour = rng.normal(size=response_len).astype(np.float32)
+    reference = rng.normal(size=response_len).astype(np.float32)
+    return Trajectory(
+        prompt_id=prompt_id,
+        prompt_tokens=rng.integers(1, 50, prompt_len).astype(np.int32),
+        response_tokens=rng.integers(1, 50, response_len).astype(np.int32),
+        reward=float(rng.normal()),
+        logp_behaviour=float(behaviour.sum()),
+        logp_ref=float(reference.sum()),
+        token_logp_behaviour=behaviour,
+        token_logp_ref=reference,
+        policy_version=version,
+        created_at=123.5 + prompt_id,
+    )
+
+
+def test_a_block_gives_back_the_trajectories_packed_into_it():
+    sent = [trajectory(3, 4, 6, version=2), trajectory(9, 7, 1, version=5)]
+    block = exchange.pack_block(sent, rows=4, max_prompt_len=8, max_response_len=6)
+    assert all(len(value) == 4 for value in block.values())
+    received = exchange.unpack_block(block)
+    assert len(received) == 2
+    for got, want in zip(received, sent, strict=True):
+        assert got.prompt_id == want.prompt_id and got.policy_version == want.policy_version
+        np.testing.assert_array_equal(got.prompt_tokens, want.prompt_tokens)
+        np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
+        np.testing.assert_array_equal(got.token_logp_ref, want.token_logp_ref)
+        assert got.reward == pytest.approx(want.reward)
+        assert got.logp_behaviour == pytest.approx(want.logp_behaviour, rel=1e-6)
+        assert got.created_at == want.created_at
+
+
+def test_a_block_refuses_more_trajectories_than_rows():
+    with pytest.raises(ValueError, match="do not fit a block of 1 rows"):
+        exchange.pack_block([trajectory(1, 2, 2, 0)] * 2, 1, 4, 4)
+
+
+def test_blocks_of_takes_only_the_named_processes_in_order():
+    blocks = [
+        exchange.pack_block([trajectory(p, 2, 2, p)], 2, 4, 4) for p in range(3)
+    ]  # process p sent prompt p
+    gathered = {name: np.stack([b[name] for b in blocks]) for name in exchange.BLOCK_FIELDS}
+    assert [t.prompt_id for t in exchange.blocks_of(gathered, [2, 1])] == [2, 1]
+
+
+def test_the_outbox_drops_its_oldest_samples_when_full():
+    outbox = exchange.Outbox(capacity=3)
+    outbox.add([trajectory(i, 2, 2, 0) for i in range(5)])
+    assert outbox.dropped == 2 and len(outbox) == 3
+    assert [t.prompt_id for t in outbox.take(2)] == [2, 3]
+    assert [t.prompt_id for t in outbox.take(5)] == [4]
+
+
+def test_each_learner_is_fed_by_every_lth_searcher():
+    assert exchange.searchers_of(0, 2, [2, 3, 4, 5]) == [2, 4]
+    assert exchange.searchers_of(1, 2, [2, 3, 4, 5]) == [3, 5]
+
+
+def layout_config(**changes) -> ml_collections.ConfigDict:
+    config = get_config("smoke")
+    for key, value in changes.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return config
+
+
+def test_roles_by_process_makes_the_first_processes_learners():
+    config = layout_config(
+        distributed__topology="roles_by_process", distributed__learner_processes=2
+    )
+    layout = topology.make_topology(config, num_processes=4, process_index=3)
+    assert layout.learner_processes == (0, 1) and layout.searcher_processes == (2, 3)
+    assert layout.is_searcher and not layout.is_learner and layout.searcher_rank == 1
+    assert layout.describe() == {
+        "topology": "roles_by_process",
+        "num_processes": 4,
+        "learner_processes": 2,
+        "searcher_processes": 2,
+    }
+
+
+def test_roles_within_host_gives_every_process_both_roles():
+    layout = topology.make_topology(layout_config(), num_processes=2, process_index=1)
+    assert layout.is_learner and layout.is_searcher and not layout.is_primary
+    single = topology.make_topology(layout_config(), num_processes=1, process_index=0)
+    assert single.name == topology.SINGLE_PROCESS and not single.multi_process
+
+
+@pytest.mark.parametrize(
+    ("changes", "processes", "message"),
+    [
+        (
+            {"distributed__topology": "roles_by_process", "distributed__learner_processes": 2},
+            2,
+            "must leave at least one of the 2 processes to search",
+        ),
+        (
+            {"distributed__topology": "roles_by_process", "distributed__learner_processes": 2},
+            3,
+            "at least as many searcher processes as learner processes",
+        ),
+        ({"batch__prompts_per_batch": 6}, 4, "does not split over 4 processes"),
+    ],
+)
+def test_a_layout_that_cannot_work_is_a_config_error(changes, processes, message):
+    with pytest.raises(ConfigError, match=message):
+        topology.make_topology(layout_config(**changes), num_processes=processes, process_index=0)
+
+
+def test_a_pod_or_a_slurm_job_is_detected_from_its_environment():
+    assert distributed.cluster_detected({"TPU_WORKER_HOSTNAMES": "a,b,c"}) == "TPU pod"
+    assert distributed.cluster_detected({"TPU_WORKER_HOSTNAMES": "a"}) is None
+    assert distributed.cluster_detected({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"}) == "SLURM"
+    assert distributed.cluster_detected({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"}) is None
+    assert distributed.cluster_detected({}) is None
+
+
+def test_the_process_flags_go_together():
+    distributed.check_flags(None, None, None)
+    distributed.check_flags("localhost:1234", 2, 1)
+    with pytest.raises(ValueError, match="go together"):
+        distributed.check_flags("localhost:1234", 2, None)
+    with pytest.raises(ValueError, match=r"must be in 0\.\.1"):
+        distributed.check_flags("localhost:1234", 2, 2)
+
+
+# ------------------------------------------------------------------- several processes
+
+
+def launch(num_processes: int, *program: str, devices: int = 1, grace_s: int = 15, **popen):
+    """`python -m tba_jax.launch --num_processes=N -- <program>` from the repo root."""
+    command = [
+        sys.executable,
+        "-m",
+        "tba_jax.launch",
+        f"--num_processes={num_processes}",
+        f"--devices_per_process={devices}",
+        f"--grace_s={grace_s}",
+        "--",
+        *program,
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    return subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE, **popen
+    )
+
+
+def train_command(workdir, *overrides: str, config: str = SMOKE) -> list[str]:
+    return ["experiments/train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    stdout, stderr = process.communicate(timeout=RUN_SECONDS)
+    return process.returncode, stdout, stderr or ""
+
+
+def summary_of(workdir) -> dict:
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
+def test_a_learner_step_over_two_processes_equals_the_single_process_step(tmp_path):
+    one, two = tmp_path / "one.npz", tmp_path / "two.npz"
+    single = subprocess.run(
+        [sys.executable, STEP_CHECK, str(one)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_SECONDS,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    code, _, stderr = finish(launch(2, STEP_CHECK, str(two), stderr=subprocess.PIPE))
+    assert code == 0, stderr[-2000:]
+    alone, spread = np.load(one), np.load(two)
+    trained = [name for name in alone.files if not name.startswith("initial")]
+    assert trained and set(alone.files) == set(spread.files)
+    for name in trained:
+        moved = np.abs(alone[name] - alone["initial" + name]).max()
+        assert moved > 1e-6, f"{name} did not change: the check would prove nothing"
+        np.testing.assert_allclose(spread[name], alone[name], rtol=0, atol=moved * 1e-3)
+
+
+def test_roles_within_host_trains_over_two_processes_and_refuses_one(tmp_path):
+    workdir = tmp_path / "run"
+    code, _, stderr = finish(launch(2, *train_command(workdir), devices=2, stderr=subprocess.PIPE))
+    assert code == 0, stderr[-3000:]
+    summary = summary_of(workdir)
+    assert summary["num_processes"] == 2 and summary["topology"] == "roles_within_host"
+    assert summary["learner_steps"] == 4 and summary["num_devices"] == 4
+    assert summary["learner_processes"] == 2 and summary["samples_generated"] > 0
+    assert "[p0] Finished 4 learner steps" in stderr  # absl logs on stderr
+    assert "[p1] Finished" not in stderr  # process 0 reports for the run
+    # resuming with another process count: one line, before any work
+    before = sorted(os.listdir(workdir / "checkpoints"))
+    alone = subprocess.run(
+        [sys.executable, *train_command(workdir, "--config.learner_steps=8")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_SECONDS,
+    )
+    assert alone.returncode == 1
+    assert re.fullmatch(r"error: .*processes: \{.*num_processes.*'<absent>'.*\n", alone.stderr)
+    assert sorted(os.listdir(workdir / "checkpoints")) == before
+
+
+def test_roles_by_process_saves_on_sigterm_and_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    command = train_command(
+        workdir, "--config.distributed.topology=roles_by_process", "--config.learner_steps=400"
+    )
+    run = launch(2, *command, stderr=subprocess.STDOUT)
+    for line in run.stdout:  # wait until training is under way
+        if re.match(r"\[p0\] step \d+/400", line):
+            break
+    run.send_signal(signal.SIGTERM)  # a preemption: every process gets it
+    code, rest, _ = finish(run)
+    assert code == 0, rest[-3000:]
+    assert "stopped and saved" in rest
+    saved = max(int(name) for name in os.listdir(workdir / "checkpoints") if name.isdigit())
+    assert 0 < saved < 400
+    assert not os.path.exists(workdir / "summary.json")
+    short = train_command(
+        workdir,
+        "--config.distributed.topology=roles_by_process",
+        "--config.learner_steps=" + str(saved + 4),
+    )
+    code, _, stderr = finish(launch(2, *short, stderr=subprocess.PIPE))
+    assert code == 0, stderr[-3000:]
+    assert f"Resuming from step {saved}" in stderr
+    summary = summary_of(workdir)
+    assert summary["learner_steps"] == saved + 4
+    assert summary["topology"] == "roles_by_process" and summary["searcher_processes"] == 1
+    assert summary["exchange_seconds_per_step"] > 0 and summary["mean_policy_lag"] > 0
+
+
+def test_roles_by_process_sync_over_four_processes(tmp_path):
+    workdir = tmp_path / "run"
+    command = train_command(
+        workdir,
+        "--config.distributed.topology=roles_by_process",
+        "--config.distributed.learner_processes=2",
+        config=SMOKE + ",mode=sync",
+    )
+    code, _, stderr = finish(launch(4, *command, stderr=subprocess.PIPE))
+    assert code == 0, stderr[-3000:]
+    summary = summary_of(workdir)
+    assert summary["num_processes"] == 4 and summary["learner_processes"] == 2
+    assert summary["mean_policy_lag"] == 0 and summary["max_policy_lag"] == 0
+    # B=4 prompts × K=4 fresh samples per step from the two searcher processes
+    assert summary["samples_generated"] == 4 * 4 * 4
+
+
+def test_a_killed_process_ends_the_others(tmp_path):
+    workdir = tmp_path / "run"
+    command = train_command(
+        workdir, "--config.distributed.topology=roles_by_process", "--config.learner_steps=400"
+    )
+    # a long grace period: process 0 must end through JAX's heartbeats, not the launcher
+    run = launch(2, *command, grace_s=RUN_SECONDS, stderr=subprocess.STDOUT)
+    for line in run.stdout:
+        if re.match(r"\[p0\] step \d+/400", line):
+            break
+    searcher = subprocess.run(
+        ["pgrep", "-f", f"workdir={workdir} .*--process_id=1"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(searcher) == 1
+    killed_at = time.monotonic()
+    os.kill(int(searcher[0]), signal.SIGKILL)
+    code, rest, _ = finish(run)
+    assert time.monotonic() - killed_at < DEAD_PROCESS_SECONDS
+    assert code != 0
+    assert "launch: process 1 was ended by SIGKILL" in rest
+    assert "unhealthy" in rest or "failed" in rest  # process 0's error names the cause
