@@ -1,7 +1,9 @@
 r"""Sizing a multi-device TBA run from a short measured profile: how to split N devices.
 
     python benchmarks/profile_roles.py --config=configs/arithmetic.py --out=profile.json
-    python -m tba_jax.sizing --profile=profile.json --devices=8 [--topology=2x4]
+    python -m tba_jax.sizing --profile=profile.json --devices=8 [--topology=2x4] \
+        [--exchange_s=0.05]
+    python benchmarks/sizing_check.py --profile=profile.json WORKDIR ...   # against runs
 
 `benchmarks/profile_roles.py` times, on one device group, a search call (prompts_per_call
 × S responses generated and scored), a learner step on B×K samples, the host's batch draw
@@ -23,15 +25,21 @@ Scaling assumptions (each one a field of `Assumptions`):
 - Publish: the copy of the params to the sampler (t_pub) takes constant time, charged to
   the learner once every k steps (an upper bound: `mesh.publish` is asynchronous and may
   overlap the next step). It does not slow the sampler.
+- Exchange (optional; 0 by default): t_x = `exchange_seconds`, the seconds per learner
+  step the learner is blocked exchanging trajectories and params with searcher processes
+  (roles_by_process pays one every step; summary.json's `exchange_seconds_per_step`
+  measures it, or `--exchange_s` sets it). Charged in full to every learner step, whatever
+  n is; it does not slow the sampler. (In roles_by_process the params travel inside the
+  exchange, so a measured t_x already holds the publish that t_pub/k also charges.)
 - Colocated: both roles time-share all N devices; the sampler gets `colocated_sampler_share`
   (f) of their time and the learner the rest, so samples/s = f·r(N), a searcher's call
-  takes c/f, and a learner step takes (t_draw + t(N) + t_pub/k) / (1 − f).
+  takes c/f, and a learner step takes (t_draw + t(N) + t_pub/k + t_x) / (1 − f).
 - Profiles taken on several devices are first brought to one device by the same laws.
 - The learner never waits for the searchers (it samples the replay buffer), so ρ does not
   depend on the sampler; a slow sampler shows as few new samples per step (`fresh`) and a
   longer lag. `search.num_searchers` is not modelled: one searcher per sampler device.
 
-So, with ρ = learner steps/s = 1 / (t_draw + t(n) + t_pub/k) and R = samples/s:
+So, with ρ = learner steps/s = 1 / (t_draw + t(n) + t_pub/k + t_x) and R = samples/s:
 
     samples per learner step   G = R / ρ
     fresh fraction             G / (B·K)   (≥ 1: the sampler makes a whole batch per step)
@@ -102,7 +110,7 @@ ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
 TOPOLOGY_SEPARATOR = "x"
 # Profile figures that may be 0 (every other number must be positive).
-MAY_BE_ZERO = ("batch_draw_seconds", "publish_seconds", "recency_prob")
+MAY_BE_ZERO = ("batch_draw_seconds", "publish_seconds", "exchange_seconds", "recency_prob")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +123,8 @@ class Profile:
     The devices each role used while measured (both all of them when colocated). Seconds
     are medians: one search call, which made `samples_per_call` samples; one learner step
     (device work, batch placed and metrics fetched); the host's batch draw from the replay
-    buffer; one publish of the params.
+    buffer; one publish of the params. `exchange_seconds` (optional, 0 when absent): the
+    seconds per learner step the learner is blocked exchanging with searcher processes.
     """
 
     prompts_per_batch: int
@@ -134,6 +143,7 @@ class Profile:
     learner_step_seconds: float
     batch_draw_seconds: float
     publish_seconds: float
+    exchange_seconds: float = 0.0
     config: str = ""
     platform: str = ""
 
@@ -179,6 +189,14 @@ def load_profile(path: str) -> Profile:
     """The profile JSON file at `path` (as benchmarks/profile_roles.py writes it)."""
     with open(path) as f:
         return Profile.from_dict(json.load(f))
+
+
+def with_exchange(profile: Profile, exchange_seconds: float) -> Profile:
+    """`profile` with its learner blocked `exchange_seconds` per step in exchanges with
+    searcher processes (ValueError unless a number >= 0)."""
+    if not (math.isfinite(exchange_seconds) and exchange_seconds >= 0):
+        raise ValueError(f"exchange_seconds={exchange_seconds!r} must be a number >= 0.")
+    return dataclasses.replace(profile, exchange_seconds=exchange_seconds)
 
 
 def as_profile(profile: Profile | Mapping[str, Any]) -> Profile:
@@ -304,12 +322,13 @@ def learner_seconds_one_device(profile: Profile, assumptions: Assumptions) -> fl
 
 def step_seconds(profile: Profile, learner_devices: int, assumptions: Assumptions) -> float:
     """Seconds per learner step on `learner_devices` devices of its own: the host's batch
-    draw + the step's device time + the publish every k steps."""
+    draw + the step's device time + the publish every k steps + the exchange with searcher
+    processes (0 unless the profile sets one)."""
     device_time = learner_seconds_one_device(profile, assumptions) / speedup(
         learner_devices, assumptions.learner_efficiency
     )
     publish = profile.publish_seconds / profile.sync_period
-    return profile.batch_draw_seconds + device_time + publish
+    return profile.batch_draw_seconds + device_time + publish + profile.exchange_seconds
 
 
 def batch_divides(profile: Profile, learner_devices: int) -> bool:
@@ -558,6 +577,11 @@ def table_row(
 def profile_line(profile: Profile) -> str:
     """What the profile measured, in one line."""
     where = f"{profile.config or 'a config'} on {profile.platform or 'a device'}"
+    exchange = (
+        f", exchange {profile.exchange_seconds:.2g} s per learner step"
+        if profile.exchange_seconds
+        else ""
+    )
     return (
         f"profile: {where} (sampler {profile.sampler_devices} device(s), learner "
         f"{profile.learner_devices}): search call {profile.search_call_seconds:.4g} s for "
@@ -565,7 +589,7 @@ def profile_line(profile: Profile) -> str:
         f"s + batch draw {profile.batch_draw_seconds:.2g} s, publish "
         f"{profile.publish_seconds:.2g} s; B×K = {profile.batch_samples}, "
         f"S = {profile.samples_generated_per_prompt}, k = {profile.sync_period}, "
-        f"m = {profile.recency_prob}"
+        f"m = {profile.recency_prob}{exchange}"
     )
 
 
@@ -640,6 +664,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="new samples per learner step ÷ B·K the best split must reach",
     )
     parser.add_argument(
+        "--exchange_s",
+        type=float,
+        help="seconds per learner step the learner is blocked exchanging with searcher "
+        "processes (default: the profile's exchange_seconds, else 0)",
+    )
+    parser.add_argument(
         "--run_steps",
         type=float,
         help="average the lag over this many learner steps (default: the profile's "
@@ -669,6 +699,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         profile = load_profile(args.profile)
+        if args.exchange_s is not None:
+            profile = with_exchange(profile, args.exchange_s)
         topology = parse_topology(args.topology) if args.topology else None
         devices = device_count(args.devices, topology)
         assumptions = Assumptions(

@@ -16,7 +16,9 @@ import sys
 import numpy as np
 import pytest
 
-from tba_jax import sizing
+from benchmarks import sizing_check
+from configs import arithmetic
+from tba_jax import runs, sizing
 from tba_jax.replay import ReplayBuffer
 from tba_jax.trajectories import Trajectory
 
@@ -164,6 +166,39 @@ def test_a_steady_state_lag_and_the_profiles_run_length():
     # A run shorter than the lag: every sample is as old as the run allows, L/2 on average.
     tiny = sizing.predict({**PROFILE, "learner_steps": 2}, 1, 1, assumptions=LINEAR)
     assert tiny.policy_lag_recency == pytest.approx(2 / 2)
+
+
+def test_an_exchange_is_charged_to_every_learner_step():
+    # 0.06 s blocked in exchanges per step: 0.02 + 0.4 + 0.08 / 4 + 0.06 = 0.5 s a step.
+    got = sizing.predict({**PROFILE, "exchange_seconds": 0.06}, 1, 1, assumptions=LINEAR)
+    assert got.step_seconds == pytest.approx(0.5)
+    assert got.learner_steps_per_s == pytest.approx(2.0)
+    assert got.samples_per_s == pytest.approx(32)  # the sampler is not slowed
+    assert got.samples_per_learner_step == pytest.approx(16)  # 32 samples/s × 0.5 s
+    assert got.fresh_fraction == pytest.approx(1.0)
+    # Recency: 0.75 s of delay is 1.5 steps, + k/2 = 2. Priority: the buffer holds
+    # 1000 / 16 = 62.5 steps' worth; the call (0.5 s) is 1 step, + k/2 = 2.
+    assert got.policy_lag_recency == pytest.approx(run_mean(3.5, 10_000))
+    residence = 62.5 / 2 - 62.5**2 / (4 * 10_000)
+    assert got.policy_lag_priority == pytest.approx(residence + run_mean(3.0, 10_000))
+    # Colocated, the learner's share of the time stretches the whole step, exchange too.
+    colocated = sizing.predict(
+        {**PROFILE, "exchange_seconds": 0.06}, 1, 1, colocated=True, assumptions=LINEAR
+    )
+    assert colocated.step_seconds == pytest.approx(0.5 / 0.5)
+    # No exchange: the profile as it was, and with_exchange sets or refuses one.
+    assert sizing.predict({**PROFILE, "exchange_seconds": 0.0}, 2, 3) == sizing.predict(
+        PROFILE, 2, 3
+    )
+    profile = sizing.Profile.from_dict(PROFILE)
+    assert profile.exchange_seconds == 0.0
+    assert sizing.with_exchange(profile, 0.06) == sizing.Profile.from_dict(
+        {**PROFILE, "exchange_seconds": 0.06}
+    )
+    with pytest.raises(ValueError, match=r"exchange_seconds=-0\.1 must be a number >= 0"):
+        sizing.with_exchange(profile, -0.1)
+    with pytest.raises(ValueError, match=r"exchange_seconds=-1 must be a number >= 0"):
+        sizing.Profile.from_dict({**PROFILE, "exchange_seconds": -1})
 
 
 def test_a_profile_missing_or_with_bad_figures_is_refused():
@@ -380,6 +415,17 @@ def test_the_cli_prints_a_table_and_the_best_split_as_json(tmp_path):
     assert best["best"]["policy_lag_mean"] == pytest.approx(expected.policy_lag_mean)
 
 
+def test_the_cli_charges_an_exchange_over_the_profiles(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**PROFILE, "exchange_seconds": 1.0}))
+    result = run_sizing(f"--profile={path}", "--devices=2", "--exchange_s=0.06")
+    assert result.returncode == 0, result.stderr
+    assert "exchange 0.06 s per learner step" in result.stdout
+    best = json.loads(result.stdout.strip().splitlines()[-1])
+    assert best["best"]["split"] == "1 + 1"
+    assert best["best"]["step_seconds"] == pytest.approx(0.5)  # 0.44 s + the 0.06 s given
+
+
 def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(split_profile(12_000)))
@@ -400,6 +446,7 @@ def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
         ((), "pass --devices=N"),
         (("--devices=6", "--topology=2x4"), "--devices=6 but --topology=2x4 has 8"),
         (("--devices=4", "--colocated_sampler_share=1"), "colocated_sampler_share=1.0 must be"),
+        (("--devices=2", "--exchange_s=-1"), "exchange_seconds=-1.0 must be a number >= 0"),
     ],
 )
 def test_a_mistake_is_one_error_line(tmp_path, args, message):
@@ -417,6 +464,179 @@ def test_a_profile_without_the_models_keys_is_one_error_line(tmp_path):
     result = run_sizing(f"--profile={path}", "--devices=2")
     assert result.returncode == 1
     assert result.stderr.startswith("error: the profile lacks prompts_per_batch")
+
+
+# ------------------------------------------------------------ benchmarks/sizing_check.py
+
+# configs/arithmetic.py's shapes (B=16, K=8, S=8, 16 prompts per call), timed on one device:
+# 128 samples per 0.5 s call (256 samples/s); a 0.2 s learner step + 0.01 s draw + a 0.04 s
+# publish. Its k, m, capacity and steps are not the config's: the run's replace them.
+CHECK_PROFILE = {
+    **PROFILE,
+    "prompts_per_batch": 16,
+    "samples_per_prompt": 8,
+    "samples_generated_per_prompt": 8,
+    "prompts_per_call": 16,
+    "max_prompt_len": 10,
+    "max_response_len": 12,
+    "sync_period": 4,
+    "recency_prob": 0.5,
+    "replay_capacity": 1000,
+    "learner_steps": 10,
+    "samples_per_call": 128,
+    "search_call_seconds": 0.5,
+    "learner_step_seconds": 0.2,
+    "batch_draw_seconds": 0.01,
+    "publish_seconds": 0.04,
+}
+# What the run's config sets (configs/arithmetic.py): k = 2, m = 0.8, capacity 8000.
+AS_THE_RUN = {"sync_period": 2, "recency_prob": 0.8, "replay_capacity": 8000}
+
+
+def fake_run(workdir, *, by_process: bool, overrides: dict | None = None) -> str:
+    """A finished run's workdir as train.py leaves it: config.json (configs/arithmetic.py)
+    and summary.json (300 steps at 3 steps/s, 600 samples/s, a mean lag of 5; by_process:
+    one learner and one searcher process, 0.07 s per step in exchanges)."""
+    workdir.mkdir()
+    config = arithmetic.get_config()
+    for dotted, value in (overrides or {}).items():
+        *parents, key = dotted.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[key] = value
+    summary = {
+        "mode": "async",
+        "learner_steps": 300,
+        "rl_seconds": 100.0,
+        "learner_steps_per_second": 3.0,
+        "samples_per_second": 600.0,
+        "mean_policy_lag": 5.0,
+        "colocated": not by_process,
+        "exchange_seconds_per_step": 0.07 if by_process else 0.0,
+    }
+    if by_process:
+        config.distributed.topology = "roles_by_process"
+        layout = {"topology": "roles_by_process", "num_processes": 2, "num_devices": 2}
+        summary.update(layout, learner_processes=1, searcher_processes=1)
+    else:
+        summary.update(topology="single_process", num_processes=1, num_devices=1)
+    runs.write_config(str(workdir), config)
+    (workdir / "summary.json").write_text(json.dumps(summary))
+    return str(workdir)
+
+
+def run_check(capsys, *args: str) -> tuple[list[str], dict]:
+    """sizing_check's stdout lines (the JSON line left out) and its JSON line, parsed."""
+    sizing_check.main(list(args))
+    lines = capsys.readouterr().out.strip().splitlines()
+    return lines[:-1], json.loads(lines[-1])
+
+
+def test_sizing_check_compares_runs_with_both_predictions(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(CHECK_PROFILE))
+    by_process = fake_run(tmp_path / "by_process", by_process=True)
+    single = fake_run(tmp_path / "single", by_process=False)
+    lines, result = run_check(capsys, f"--profile={profile}", by_process, single)
+
+    first, second = result["runs"]
+    assert (first["layout"], first["topology"]) == ("1 + 1", "roles_by_process")
+    assert (second["layout"], second["colocated"]) == ("colocated 1", True)
+    assert first["measured"] == {
+        "learner_steps_per_s": 3.0,
+        "samples_per_learner_step": 200.0,  # 600 samples/s ÷ 3 steps/s
+        "policy_lag_mean": 5.0,
+    }
+    # A step: 0.01 + 0.2 + 0.04 / 2 (the run's k) = 0.23 s, + 0.07 s of exchange = 0.3 s.
+    model, exchanged = first["predicted"]["model"], first["predicted"]["with_exchange"]
+    assert model["learner_steps_per_s"] == pytest.approx(1 / 0.23)
+    assert exchanged["learner_steps_per_s"] == pytest.approx(1 / 0.3)
+    assert model["samples_per_learner_step"] == pytest.approx(256 * 0.23)
+    assert exchanged["samples_per_learner_step"] == pytest.approx(256 * 0.3)
+    errors = first["relative_error"]
+    assert errors["model"]["learner_steps_per_s"] == pytest.approx((1 / 0.23 - 3) / 3)
+    assert errors["with_exchange"]["learner_steps_per_s"] == pytest.approx(1 / 9)
+    assert errors["with_exchange"]["samples_per_learner_step"] == pytest.approx(-0.616)
+    # The lag with the run's k, m, capacity and its 300 steps, not the profile's.
+    as_run = {**CHECK_PROFILE, **AS_THE_RUN, "learner_steps": 300}
+    for name, exchange in (("model", 0.0), ("with_exchange", 0.07)):
+        expected = sizing.predict({**as_run, "exchange_seconds": exchange}, 1, 1)
+        got = first["predicted"][name]["policy_lag_mean"]
+        assert got == pytest.approx(expected.policy_lag_mean)
+        assert first["relative_error"][name]["policy_lag_mean"] == pytest.approx((got - 5) / 5)
+    # One process exchanges nothing: both predictions are the colocated layout's.
+    assert second["predicted"]["model"] == second["predicted"]["with_exchange"]
+    colocated = sizing.predict(as_run, 1, 1, colocated=True)
+    assert second["predicted"]["model"]["learner_steps_per_s"] == pytest.approx(
+        colocated.learner_steps_per_s
+    )
+    mean = result["mean_abs_relative_error"]["with_exchange"]["learner_steps_per_s"]
+    second_error = second["relative_error"]["with_exchange"]["learner_steps_per_s"]
+    assert mean == pytest.approx((1 / 9 + abs(second_error)) / 2)
+
+    # The table: a header, then three rows per run, the run's cells on its first row.
+    header = next(i for i, line in enumerate(lines) if line.startswith("| run |"))
+    assert lines[0].startswith("profile: ")
+    assert lines[header].split(" | ")[1:] == [
+        "layout", "exchange s/step", "figure", "measured", "model", "error",
+        "model + exchange", "error |",
+    ]  # fmt: skip
+    table = lines[header + 2 :]
+    assert len(table) == 7 and table[-1] == ""  # a blank line before the JSON
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table[:-1]]
+    assert rows[0][:5] == [by_process, "1 + 1 (roles_by_process)", "0.07", "learner steps/s", "3"]
+    assert rows[0][5:] == [f"{1 / 0.23:.3g}", f"{(1 / 0.23 - 3) / 3:+.1%}", "3.33", "+11.1%"]
+    assert rows[1][:5] == ["", "", "", "samples / learner step", "200"]
+    assert rows[1][5:] == ["58.9", "-70.6%", "76.8", "-61.6%"]
+    assert rows[2][3] == "mean policy lag"
+    assert rows[3][:3] == [single, "colocated 1 (single_process)", "0"]
+
+
+def test_sizing_check_needs_the_profile_of_the_runs_shapes(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(CHECK_PROFILE))
+    wider = fake_run(tmp_path / "wider", by_process=True, overrides={"batch.prompts_per_batch": 32})
+    with pytest.raises(SystemExit) as exit_info:
+        sizing_check.main([f"--profile={profile}", wider])
+    assert exit_info.value.code == sizing.USER_ERROR_EXIT_STATUS
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ")
+    assert "batch.prompts_per_batch=32 (the profile's 16)" in error
+
+
+@pytest.mark.parametrize(
+    ("remove", "message"),
+    [
+        ("the folder", "is not a folder"),
+        ("summary.json", "is not a finished run"),
+        ("config.json", "config.json is missing"),
+    ],
+)
+def test_sizing_check_a_workdir_mistake_is_one_error_line(tmp_path, capsys, remove, message):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(CHECK_PROFILE))
+    run = fake_run(tmp_path / "run", by_process=True)
+    if remove == "the folder":
+        run = str(tmp_path / "nowhere")
+    else:
+        os.remove(os.path.join(run, remove))
+    with pytest.raises(SystemExit):
+        sizing_check.main([f"--profile={profile}", run])
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ") and message in error
+
+
+def test_sizing_check_a_profile_mistake_is_one_error_line(tmp_path, capsys):
+    run = fake_run(tmp_path / "run", by_process=True)
+    with pytest.raises(SystemExit):
+        sizing_check.main([f"--profile={tmp_path / 'missing.json'}", run])
+    assert capsys.readouterr().err.startswith("error: --profile=")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"config": "x"}))
+    with pytest.raises(SystemExit):
+        sizing_check.main([f"--profile={bad}", run])
+    assert capsys.readouterr().err.startswith("error: the profile lacks prompts_per_batch")
 
 
 # ------------------------------------------------------------- profile_roles.py, for real
