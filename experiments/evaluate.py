@@ -44,7 +44,7 @@ import shutil
 from absl import flags, logging
 from ml_collections import config_flags
 
-from tba_jax import cli, evaluation, runs, tasks
+from tba_jax import cli, distributed, evaluation, runs, tasks
 from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
@@ -84,6 +84,8 @@ _OUT = flags.DEFINE_string(
     f"<workdir>/{OUT_FILENAME}).",
 )
 flags.adopt_module_key_flags(cli)  # -v / --verbosity in --help
+distributed.define_flags()
+flags.adopt_module_key_flags(distributed)
 
 
 class OutputConflictError(Exception):
@@ -353,6 +355,13 @@ USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError, OutputCo
 
 def main(argv):
     del argv
+    if (flags.FLAGS.num_processes or 1) > 1 or distributed.cluster_detected():
+        # a run of any layout is evaluated from its checkpoint by one process
+        raise cli.UsageError(
+            "experiments/evaluate.py runs as one process (it reads the checkpoint of a run "
+            "made by any number of processes); start it without tba_jax.launch / srun, on "
+            "one host."
+        )
     workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
     run_config = runs.load_config(workdir)
     config = _CONFIG.value or run_config

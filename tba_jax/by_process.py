@@ -9,8 +9,6 @@ inside exchanges is its `exchanging` time (per step in summary.json).
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Any
 
 import jax
@@ -25,14 +23,14 @@ from tba_jax.data.pipeline import PromptStream
 from tba_jax.models import Params
 from tba_jax.replay import ReplayBuffer
 from tba_jax.run_totals import EXCHANGING, Meters
-from tba_jax.sources import SEARCHER_JOIN_TIMEOUT_S, SourceState
+from tba_jax.sources import SEARCHER_JOIN_TIMEOUT_S, SourceState, make_searcher_pool
 from tba_jax.topology import LearnerGroup, Topology
 from tba_jax.trajectories import SampledBatch, Trajectory, collate
 
 SOURCE = 0  # learner process 0 sends params
-# An async searcher process sends at most this many search calls' samples per round and
-# holds at most OUTBOX_CALLS calls' worth (older samples are dropped first).
-BLOCK_CALLS = 2
+# An async searcher process sends at most this many search calls' samples per round (the
+# newest) and holds at most OUTBOX_CALLS calls' worth (older samples are dropped first).
+BLOCK_CALLS = 4
 OUTBOX_CALLS = 8
 
 
@@ -65,6 +63,7 @@ class RemoteSource:
         topology: Topology,
         group: LearnerGroup,
         *,
+        exchange_mesh: exchange.ExchangeMesh,
         params: Params,
         reference: Params,
         version: int,
@@ -73,6 +72,7 @@ class RemoteSource:
         pad_id: int,
     ):
         self.config, self.topology, self.group = config, topology, group
+        self.exchange_mesh = exchange_mesh
         self.buffer, self.meters, self.pad_id = buffer, meters, pad_id
         self.is_sync = config.mode == "sync"
         self.publish_every = 1 if self.is_sync else config.sync_period
@@ -100,7 +100,7 @@ class RemoteSource:
             self.rows, self.config.max_prompt_len, self.config.max_response_len
         )
         with self.meters.time_split.measure(EXCHANGING):
-            all_flags, blocks = exchange.exchange_round(flags, block)
+            all_flags, blocks = exchange.exchange_round(self.exchange_mesh, flags, block)
         searchers = list(self.topology.searcher_processes)
         self.positions = stream_positions(all_flags, searchers)
         self.remote_counts = {
@@ -132,7 +132,7 @@ class RemoteSource:
                 tree = jax.device_get(local)
             else:
                 tree = exchange.zeros_like_abstract(local)
-            exchange.broadcast_tree({**tree, **host_values}, is_source=self.topology.is_primary)
+            self.exchange_mesh.broadcast({**tree, **host_values}, self.topology.is_primary)
 
     # -- BatchSource -------------------------------------------------------------------
 
@@ -226,6 +226,7 @@ def run_searcher_process(
     worker: runtime.SearchWorker,
     stream: PromptStream,
     sampler_shardings: Any,
+    exchange_mesh: exchange.ExchangeMesh,
     abstract_params: Any,
     meters: Meters,
     stop_signal: StopSignal,
@@ -239,7 +240,7 @@ def run_searcher_process(
         "version": jax.ShapeDtypeStruct((), np.int64),
         "positions": jax.ShapeDtypeStruct((topology.num_searchers, 2), np.int64),
     }
-    start = exchange.broadcast_tree(exchange.zeros_like_abstract(start_template), is_source=False)
+    start = exchange_mesh.broadcast(exchange.zeros_like_abstract(start_template), is_source=False)
     epoch, index = start["positions"][topology.searcher_rank]
     stream.restore({"epoch": int(epoch), "index": int(index)})
     worker.reference_params = mesh_lib.publish(start["reference"], sampler_shardings)
@@ -247,9 +248,12 @@ def run_searcher_process(
     rows = block_rows(config, topology.num_searchers)
     is_sync = config.mode == "sync"
     outbox = exchange.Outbox(rows // BLOCK_CALLS * OUTBOX_CALLS)
-    pool = (
-        None if is_sync else searcher_pool(config, topology, worker, store, stream, outbox, start)
-    )
+    pool = None
+    if not is_sync:
+        pool = make_searcher_pool(
+            config, worker, store, stream, outbox, topology.process_index, int(start["version"])
+        )
+        pool.start()
     try:
         while True:
             if is_sync:
@@ -259,12 +263,12 @@ def run_searcher_process(
                 fresh = outbox.take(rows)
             flags = searcher_flags(stream, meters, outbox, stop_signal)
             block = exchange.pack_block(fresh, rows, config.max_prompt_len, config.max_response_len)
-            all_flags, _ = exchange.exchange_round(flags, block)
+            all_flags, _ = exchange.exchange_round(exchange_mesh, flags, block)
             next_op = all_flags[SOURCE, exchange.FLAG_NEXT]
             if all_flags[:, exchange.FLAG_STOP].any() or next_op == exchange.NEXT_FINISH:
                 break
             if next_op == exchange.NEXT_PUBLISH:
-                published = exchange.broadcast_tree(
+                published = exchange_mesh.broadcast(
                     {
                         "params": exchange.zeros_like_abstract(abstract_params),
                         "version": np.zeros((), np.int64),
@@ -280,34 +284,6 @@ def run_searcher_process(
         topology.process_index,
         meters.rates.totals().get("samples", 0),
     )
-
-
-def searcher_pool(config, topology, worker, store, stream, outbox, start) -> runtime.SearcherPool:
-    """`search.num_searchers` threads searching into `outbox`; their RNGs differ from every
-    other process's (the searcher index counts across processes)."""
-    stop, errors = threading.Event(), queue.Queue()
-    first_index = topology.process_index * config.search.num_searchers
-    pool = runtime.SearcherPool(
-        [
-            runtime.Searcher(
-                first_index + i,
-                worker,
-                store,
-                stream,
-                outbox,
-                prompts_per_call=config.search.prompts_per_call,
-                seed=config.seed + int(start["version"]),
-                stop=stop,
-                errors=errors,
-                max_empty_calls=config.max_nonfinite_steps,
-            )
-            for i in range(config.search.num_searchers)
-        ],
-        stop,
-        errors,
-    )
-    pool.start()
-    return pool
 
 
 def search_share(config, topology, worker, store, stream) -> list[Trajectory]:

@@ -1,7 +1,8 @@
 """roles_by_process: searcher processes send trajectories, learner processes send params.
 
-Every exchange is a collective of JAX's multi-controller runtime that all processes call
-at the same point (`jax.experimental.multihost_utils`); there is no other channel.
+Every exchange is a collective of JAX's multi-controller runtime over a mesh of one
+device per process (`ExchangeMesh`) that all processes call at the same point; there is
+no other channel.
 
 - A *round* (`exchange_round`) all-gathers, from every process, a vector of flags and a
   fixed-size block of trajectories (`pack_block`; learners send empty blocks). Learners
@@ -9,7 +10,7 @@ at the same point (`jax.experimental.multihost_utils`); there is no other channe
   The flags carry each process's stop request, what the learners do next (another round,
   a params broadcast first, or the end), and each searcher's prompt-stream position and
   sample counts, so learner process 0 can checkpoint the searchers' state.
-- A *broadcast* (`broadcast_tree`) copies learner process 0's params to every process.
+- A *broadcast* (`ExchangeMesh.broadcast`) copies learner process 0's params to every process.
 
 The protocol, identical on every process: one START broadcast (params, π_ref, the
 searchers' stream positions), then rounds; after a round whose learner flags say
@@ -21,13 +22,17 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tba_jax.trajectories import Trajectory
+
+EXCHANGE_AXIS = "processes"
 
 # the round's flag vector (int64), one per process
 FLAG_STOP = 0  # this process asks the run to stop (SIGTERM, Ctrl-C)
@@ -54,7 +59,7 @@ BLOCK_FIELDS = (
     "reward",
     "prompt_id",
     "policy_version",
-    "created_at",
+    "created_ago",
 )
 
 
@@ -68,9 +73,10 @@ def empty_block(rows: int, max_prompt_len: int, max_response_len: int) -> dict[s
         "token_logp_behaviour": np.zeros((rows, max_response_len), np.float32),
         "token_logp_ref": np.zeros((rows, max_response_len), np.float32),
         "reward": np.zeros(rows, np.float32),
-        "prompt_id": np.full(rows, -1, np.int64),
-        "policy_version": np.zeros(rows, np.int64),
-        "created_at": np.zeros(rows, np.float64),
+        "prompt_id": np.full(rows, -1, np.int32),
+        "policy_version": np.zeros(rows, np.int32),
+        # seconds before packing (float32 keeps them exact; a time.time() would not)
+        "created_ago": np.zeros(rows, np.float32),
     }
 
 
@@ -81,6 +87,7 @@ def pack_block(
     if len(trajectories) > rows:
         raise ValueError(f"{len(trajectories)} trajectories do not fit a block of {rows} rows.")
     block = empty_block(rows, max_prompt_len, max_response_len)
+    now = time.time()
     for row, t in enumerate(trajectories):
         prompt_len, response_len = len(t.prompt_tokens), len(t.response_tokens)
         block["prompt_tokens"][row, :prompt_len] = t.prompt_tokens
@@ -92,13 +99,13 @@ def pack_block(
         block["reward"][row] = t.reward
         block["prompt_id"][row] = t.prompt_id
         block["policy_version"][row] = t.policy_version
-        block["created_at"][row] = t.created_at
+        block["created_ago"][row] = now - t.created_at
     return block
 
 
 def unpack_block(block: dict[str, np.ndarray]) -> list[Trajectory]:
     """The trajectories of a block, in order (empty slots left out)."""
-    trajectories = []
+    trajectories, now = [], time.time()
     for row in np.flatnonzero(block["prompt_id"] >= 0):
         prompt_len, response_len = int(block["prompt_len"][row]), int(block["response_len"][row])
         behaviour = block["token_logp_behaviour"][row, :response_len].copy()
@@ -114,14 +121,14 @@ def unpack_block(block: dict[str, np.ndarray]) -> list[Trajectory]:
                 token_logp_behaviour=behaviour,
                 token_logp_ref=reference,
                 policy_version=int(block["policy_version"][row]),
-                created_at=float(block["created_at"][row]),
+                created_at=now - float(block["created_ago"][row]),
             )
         )
     return trajectories
 
 
 class Outbox:
-    """Trajectories a searcher process made since the last round (thread-safe). Holds at
+    """Trajectories a searcher process made and has not sent yet (thread-safe). Holds at
     most `capacity`; when full, the oldest are dropped (and counted)."""
 
     def __init__(self, capacity: int):
@@ -140,32 +147,76 @@ class Outbox:
         return len(trajectories)
 
     def take(self, n: int) -> list[Trajectory]:
-        """The oldest `n` trajectories held (fewer if it holds fewer)."""
+        """The newest `n` trajectories held (fewer if it holds fewer), oldest first. When the
+        searchers make more than a round carries, the learner gets the freshest; the rest
+        wait for the next round or, once the outbox is full, are dropped."""
         with self._lock:
-            return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+            taken = [self._items.pop() for _ in range(min(n, len(self._items)))]
+        return taken[::-1]
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
 
 
+class ExchangeMesh:
+    """One device per process (process order) on which every exchange runs.
+
+    A searcher process with two or more devices keeps its last one for exchanges
+    (`exchange_device`), so a round waiting for the learners never queues behind, or
+    stalls, generation on its sampler devices. Over a mesh of these devices a round is
+    an all-gather and a broadcast a sum in which only the source's row is non-zero.
+    """
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self.mesh = Mesh(np.asarray(devices), (EXCHANGE_AXIS,))
+        (self.local_device,) = [d for d in devices if d.process_index == jax.process_index()]
+        self._rows = NamedSharding(self.mesh, PartitionSpec(EXCHANGE_AXIS))
+        everywhere = NamedSharding(self.mesh, PartitionSpec())
+        self._gather = jax.jit(lambda tree: tree, out_shardings=everywhere)
+        self._sum = jax.jit(
+            lambda tree: jax.tree.map(lambda x: x.sum(axis=0), tree), out_shardings=everywhere
+        )
+
+    def _stacked(self, tree: Any) -> Any:
+        """This process's `tree` as its row of [processes, ...] arrays on the mesh."""
+
+        def one(value):
+            value = np.asarray(value)
+            shard = jax.device_put(value[None], self.local_device)
+            shape = (self.mesh.size, *value.shape)
+            return jax.make_array_from_single_device_arrays(shape, self._rows, [shard])
+
+        return jax.tree.map(one, tree)
+
+    def allgather(self, tree: Any) -> Any:
+        """Every process's `tree` (same shapes and dtypes), stacked: {..: [P, ...]}."""
+        gathered = self._gather(self._stacked(tree))
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), gathered)
+
+    def broadcast(self, tree: Any, is_source: bool) -> Any:
+        """The source process's `tree` on every process; the others pass a tree of the
+        same shapes and dtypes (its values are ignored)."""
+        sent = tree if is_source else jax.tree.map(np.zeros_like, tree)
+        summed = self._sum(self._stacked(sent))
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), summed)
+
+
+def exchange_device(process_index: int) -> jax.Device:
+    """The device a process runs exchanges on: its last (see `ExchangeMesh`)."""
+    return max(jax.local_devices(process_index=process_index), key=lambda d: d.id)
+
+
+def make_exchange_mesh(num_processes: int) -> ExchangeMesh:
+    return ExchangeMesh([exchange_device(p) for p in range(num_processes)])
+
+
 def exchange_round(
-    flags: np.ndarray, block: dict[str, np.ndarray]
+    mesh: ExchangeMesh, flags: np.ndarray, block: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Every process's flags [P, NUM_FLAGS] and blocks ({field: [P, rows, ...]})."""
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather({"flags": flags, **block}, tiled=False)
-    gathered = jax.tree.map(np.asarray, gathered)
+    gathered = mesh.allgather({"flags": flags, **block})
     return gathered.pop("flags"), gathered
-
-
-def broadcast_tree(tree: Any, is_source: bool) -> Any:
-    """The source process's `tree` (host NumPy arrays) on every process, as NumPy. Every
-    other process passes a tree of the same shapes and dtypes (its values are ignored)."""
-    from jax.experimental import multihost_utils
-
-    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree, is_source))
 
 
 def zeros_like_abstract(abstract: Any) -> Any:

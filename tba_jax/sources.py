@@ -195,6 +195,38 @@ class ProcessShare:
         return buffer
 
 
+def make_searcher_pool(
+    config: ml_collections.ConfigDict,
+    worker: runtime.SearchWorker,
+    store: runtime.PolicyStore,
+    stream: PromptStream,
+    sink: Any,
+    process_index: int,
+    start_step: int,
+) -> runtime.SearcherPool:
+    """`search.num_searchers` searcher threads adding to `sink` (a replay buffer or an
+    outbox; anything with `add(trajectories)`). Searcher indices count across processes,
+    so every thread of every process has its own RNG stream."""
+    first_index = process_index * config.search.num_searchers
+    stop, errors = threading.Event(), queue.Queue()
+    searchers = [
+        runtime.Searcher(
+            first_index + index,
+            worker,
+            store,
+            stream,
+            sink,
+            prompts_per_call=config.search.prompts_per_call,
+            seed=config.seed + start_step,
+            stop=stop,
+            errors=errors,
+            max_empty_calls=config.max_nonfinite_steps,
+        )
+        for index in range(config.search.num_searchers)
+    ]
+    return runtime.SearcherPool(searchers, stop, errors)
+
+
 class AsyncSource:
     """TBA: searcher threads fill a replay buffer; batches are sampled from it."""
 
@@ -212,26 +244,8 @@ class AsyncSource:
         self.config, self.store, self.stream, self.buffer = config, store, stream, buffer
         self.meters, self.share = meters, share
         self.publish_every = config.sync_period
-        first_index = share.topology.process_index * config.search.num_searchers
-        stop, errors = threading.Event(), queue.Queue()
-        self.pool = runtime.SearcherPool(
-            [
-                runtime.Searcher(
-                    first_index + index,
-                    worker,
-                    store,
-                    stream,
-                    buffer,
-                    prompts_per_call=config.search.prompts_per_call,
-                    seed=config.seed + start_step,
-                    stop=stop,
-                    errors=errors,
-                    max_empty_calls=config.max_nonfinite_steps,
-                )
-                for index in range(config.search.num_searchers)
-            ],
-            stop,
-            errors,
+        self.pool = make_searcher_pool(
+            config, worker, store, stream, buffer, share.topology.process_index, start_step
         )
 
     def start(self, stop_signal: StopSignal) -> None:

@@ -160,6 +160,14 @@ def process_devices(process_index: int) -> list[jax.Device]:
     return sorted(jax.local_devices(process_index=process_index), key=lambda d: d.id)
 
 
+def working_devices(process_index: int) -> list[jax.Device]:
+    """roles_by_process: a process's devices for its role. With two or more, the last
+    only runs the exchanges (`tba_jax.exchange.ExchangeMesh`), so a round never waits
+    behind generation or a train step, nor stalls them."""
+    devices = process_devices(process_index)
+    return devices[:-1] if len(devices) > 1 else devices
+
+
 def role_meshes(topology: Topology, config: ml_collections.ConfigDict) -> mesh_lib.RoleMeshes:
     """The sampler mesh (this process's own devices) and the learner mesh (spanning the
     learner devices of every learner process)."""
@@ -179,8 +187,8 @@ def role_meshes(topology: Topology, config: ml_collections.ConfigDict) -> mesh_l
         sampler = splits[topology.process_index][0]
         learner = [device for _, learner_devices in splits for device in learner_devices]
     else:
-        sampler = process_devices(topology.process_index)
-        learner = [d for p in topology.learner_processes for d in process_devices(p)]
+        sampler = working_devices(topology.process_index)
+        learner = [d for p in topology.learner_processes for d in working_devices(p)]
     return mesh_lib.RoleMeshes(
         mesh_lib.make_mesh(sampler, mesh_cfg.sampler_axes),
         mesh_lib.make_mesh(learner, mesh_cfg.learner_axes),

@@ -39,6 +39,7 @@ from tba_jax import (
     config_lib,
     distributed,
     evaluation,
+    exchange,
     learner,
     losses,
     run_totals,
@@ -72,6 +73,9 @@ from tba_jax.warmstart import (
 SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
 WARM_START_NOTICES = 5  # console lines over a warm start
+# logged per step: seconds since this segment's RL phase began, and an evaluation's seconds
+# (benchmarks/async_speedup.py takes time-to-accuracy from them, evaluations left out)
+RL_SECONDS, EVAL_SECONDS = "rl_seconds", "evaluation_seconds"
 
 
 class NonFiniteError(ConfigError):
@@ -550,6 +554,7 @@ def search_only(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal
         worker=worker,
         stream=sources.prompt_stream(run.task, run.topology, config.seed),
         sampler_shardings=run.sampler_shardings,
+        exchange_mesh=exchange.make_exchange_mesh(run.topology.num_processes),
         abstract_params=run.abstract_params,
         meters=segment.meters,
         stop_signal=stop_signal,
@@ -570,6 +575,7 @@ def make_batch_source(
             config,
             run.topology,
             run.group,
+            exchange_mesh=exchange.make_exchange_mesh(run.topology.num_processes),
             params=state.params,
             reference=reference,
             version=step,
@@ -651,7 +657,10 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             metrics.update(segment.rates_since_rl_start())
             metrics.update(source.metrics(step))
             if config.eval.every_steps and step % config.eval.every_steps == 0:
+                eval_began = time.time()
                 metrics[key] = evaluate(state.params)
+                metrics[EVAL_SECONDS] = time.time() - eval_began
+            metrics[RL_SECONDS] = time.time() - segment.rl_started_at  # this segment's
             if writer is not None:
                 writer.write(step, metrics)
             if nonfinite_in_a_row >= config.max_nonfinite_steps:

@@ -53,7 +53,7 @@ def trajectory(prompt_id: int, prompt_len: int, response_len: int, version: int)
         token_logp_behaviour=behaviour,
         token_logp_ref=reference,
         policy_version=version,
-        created_at=123.5 + prompt_id,
+        created_at=time.time() - 10.0 - prompt_id,
     )
 
 
@@ -70,7 +70,7 @@ def test_a_block_gives_back_the_trajectories_packed_into_it():
         np.testing.assert_array_equal(got.token_logp_ref, want.token_logp_ref)
         assert got.reward == pytest.approx(want.reward)
         assert got.logp_behaviour == pytest.approx(want.logp_behaviour, rel=1e-6)
-        assert got.created_at == want.created_at
+        assert got.created_at == pytest.approx(want.created_at, abs=0.5)  # sent as an age
 
 
 def test_a_block_refuses_more_trajectories_than_rows():
@@ -86,12 +86,12 @@ def test_blocks_of_takes_only_the_named_processes_in_order():
     assert [t.prompt_id for t in exchange.blocks_of(gathered, [2, 1])] == [2, 1]
 
 
-def test_the_outbox_drops_its_oldest_samples_when_full():
+def test_the_outbox_sends_its_newest_samples_and_drops_its_oldest_when_full():
     outbox = exchange.Outbox(capacity=3)
     outbox.add([trajectory(i, 2, 2, 0) for i in range(5)])
     assert outbox.dropped == 2 and len(outbox) == 3
-    assert [t.prompt_id for t in outbox.take(2)] == [2, 3]
-    assert [t.prompt_id for t in outbox.take(5)] == [4]
+    assert [t.prompt_id for t in outbox.take(2)] == [3, 4]  # the newest, oldest first
+    assert [t.prompt_id for t in outbox.take(5)] == [2]
 
 
 def test_each_learner_is_fed_by_every_lth_searcher():
