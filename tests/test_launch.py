@@ -77,11 +77,15 @@ from absl import flags
 from tba_jax import distributed
 
 flags.DEFINE_bool("fail", False, "Process 1 raises after joining.")
+distributed.define_flags()
 flags.FLAGS(sys.argv)
 distributed.initialize_from_flags()
 if flags.FLAGS.fail:
     if jax.process_index() == 1:
-        distributed.run_main(lambda: 1 / 0)
+        try:
+            1 / 0
+        except ZeroDivisionError as error:  # as tba_jax.cli.run reports a failure
+            distributed.fail_all(f"{type(error).__name__}: {error}")
     time.sleep(60)
 gathered = distributed.allgather(np.asarray(jax.process_index()))
 print("gathered", gathered.tolist(), "devices", jax.device_count())
