@@ -198,9 +198,12 @@ def run_layout(run: Run) -> Layout:
         )
     per_process = devices // processes
     if summary["topology"] == ROLES_BY_PROCESS:
+        # with two or more devices, a process's last one only runs the exchanges
+        # (tba_jax.topology.working_devices)
+        working = per_process - 1 if per_process > 1 else per_process
         return Layout(
-            summary["searcher_processes"] * per_process,
-            summary["learner_processes"] * per_process,
+            summary["searcher_processes"] * working,
+            summary["learner_processes"] * working,
             colocated=False,
         )
     if summary["colocated"]:
