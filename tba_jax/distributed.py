@@ -16,11 +16,11 @@ Failures end every process, never a hang in a collective:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 import jax
@@ -169,12 +169,16 @@ def _client():
 
 
 def watch_for_failures(poll_s: float = FAILURE_POLL_S) -> threading.Thread:
-    """A daemon thread that ends this process when another posts a failure."""
+    """A daemon thread that ends this process when another posts a failure.
+
+    It is stopped and joined at exit, before JAX's own exit handler shuts the coordination
+    client down: a daemon thread still inside a client call when the interpreter finalizes
+    is unwound through C++ frames and aborts the process ("exception not rethrown")."""
+    stop = threading.Event()
 
     def watch() -> None:
         client = _client()
-        while True:
-            time.sleep(poll_s)
+        while not stop.wait(poll_s):
             try:
                 posted = client.key_value_try_get(FAILURE_KEY)
             except Exception:  # not posted yet (NOT_FOUND), or the service went away
@@ -184,6 +188,13 @@ def watch_for_failures(poll_s: float = FAILURE_POLL_S) -> threading.Thread:
 
     thread = threading.Thread(target=watch, name="failure-watcher", daemon=True)
     thread.start()
+
+    def stop_watching() -> None:
+        stop.set()
+        thread.join()
+
+    # atexit runs handlers last-registered first: this one before JAX's (registered on import)
+    atexit.register(stop_watching)
     return thread
 
 

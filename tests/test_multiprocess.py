@@ -34,6 +34,7 @@ DEAD_PROCESS_SECONDS = 30  # the issue's bound: one process killed ends the othe
 # A quick smoke run: 4 learner steps, a short warm start, few held-out prompts.
 SMOKE = "configs/arithmetic.py:smoke,warm_start.steps=1,eval.num_examples=4,eval.batch_size=4"
 STEP_CHECK = os.path.join(REPO_ROOT, "tests", "multiprocess_step_check.py")
+EXIT_CHECK = os.path.join(REPO_ROOT, "tests", "multiprocess_exit_check.py")
 
 
 # ------------------------------------------------------------------------ pure parts
@@ -200,6 +201,12 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
 def summary_of(workdir) -> dict:
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
+
+
+def test_processes_exit_cleanly_while_their_failure_watchers_poll(tmp_path):
+    code, stdout, stderr = finish(launch(2, EXIT_CHECK, stderr=subprocess.PIPE))
+    assert code == 0, (stdout + stderr)[-2000:]
+    assert "not rethrown" not in stdout + stderr
 
 
 def test_a_learner_step_over_two_processes_equals_the_single_process_step(tmp_path):
