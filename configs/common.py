@@ -149,6 +149,22 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # π_ref scoring of a call's rows this many at a time (bounds the [rows, length, vocab]
     # logits); 0: all rows at once. Must divide prompts_per_call × S.
     config.search.score_rows_per_chunk = 0
+    # How responses are generated (README "The generation engine"): batch decodes each
+    # search call's rows to its longest, then scores them; slots keeps `slots` decode slots
+    # busy (a finished sample's slot is refilled while the others decode) and scores
+    # finished samples in groups of `score_rows` while decoding goes on.
+    config.search.engine = "batch"  # batch | slots
+    config.search.slots = 0  # decode width; 0: the rows of one call (async) or batch (sync)
+    config.search.chunk_steps = 16  # decode steps per host round trip (at most)
+    config.search.prefill_prompts = 1  # prompts per prefill call
+    # With no prompt waiting (end of a sync batch, an evaluation, a publish), live samples
+    # at most this share of the width move to a halved width (down to min_width); 0: off.
+    config.search.compact_below = 0.5
+    config.search.min_width = 8
+    config.search.score_rows = 0  # samples per π_ref scoring call; 0: samples per prompt
+    # Async searchers read newly published params between decode chunks instead of
+    # finishing their samples on the params they started with.
+    config.search.in_flight_updates = False
 
     config.optim = optimizer()
 

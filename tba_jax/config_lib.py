@@ -27,6 +27,7 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.losses import BETA_SCHEDULE_KINDS, get_loss, registered_losses
 from tba_jax.models.config import DTYPES
 from tba_jax.replay import PRIORITIES
+from tba_jax.sampling.engine import ENGINES
 
 LR_SCHEDULES = ("constant", "linear", "wsd")
 MAX_LEARNING_RATE = 1.0  # above this an Adam step moves every weight by more than 1
@@ -203,6 +204,14 @@ RANGES: dict[str, Allowed] = {
     "distributed.learner_processes": integer_at_least(1),
     "search.prompts_per_call": integer_at_least(1),
     "search.score_rows_per_chunk": integer_at_least(0),
+    "search.engine": one_of(ENGINES),
+    "search.slots": integer_at_least(0),
+    "search.chunk_steps": integer_at_least(1),
+    "search.prefill_prompts": integer_at_least(1),
+    "search.compact_below": number_in(0, 1, high_open=True),
+    "search.min_width": integer_at_least(1),
+    "search.score_rows": integer_at_least(0),
+    "search.in_flight_updates": BOOLEAN,
     "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
     "optim.schedule": one_of(LR_SCHEDULES),
     "optim.warmup_steps": integer_at_least(0),
@@ -280,6 +289,7 @@ def validate(
                 "pass a local folder saved with save_pretrained."
             )
     check_score_chunks(config)
+    check_engine(config)
     if config.loss.beta_schedule == "linear" and config.loss.beta_anneal_steps < 1:
         raise ConfigError(
             f"loss.beta_anneal_steps={config.loss.beta_anneal_steps} must be >= 1 for a linear "
@@ -293,18 +303,61 @@ def check_score_chunks(config: ml_collections.ConfigDict) -> None:
     chunk = config.search.score_rows_per_chunk
     if chunk < 0:
         raise ConfigError(f"search.score_rows_per_chunk={chunk} must be >= 0 (0: all rows).")
-    batch = config.batch
+    rows = samples_per_search_call(config)
     if config.mode == "async":
-        rows = config.search.prompts_per_call * batch.samples_generated_per_prompt
         described = "search.prompts_per_call × batch.samples_generated_per_prompt"
     else:
-        rows = batch.prompts_per_batch * batch.samples_per_prompt
         described = "batch.prompts_per_batch × batch.samples_per_prompt"
     if chunk and rows % chunk:
         raise ConfigError(
             f"search.score_rows_per_chunk={chunk} does not divide the {rows} rows a search "
             f"call scores ({described}); pick a divisor or 0."
         )
+
+
+def check_engine(config: ml_collections.ConfigDict) -> None:
+    """ConfigError unless the slot engine's width holds one prompt's samples and its scoring
+    groups split into search.score_rows_per_chunk rows."""
+    search = config.search
+    if search.engine != "slots":
+        return
+    samples = samples_per_search_prompt(config)
+    width = search.slots or samples_per_search_call(config)
+    if width < samples:
+        raise ConfigError(
+            f"search.slots={search.slots} cannot hold the {samples} samples of one prompt "
+            "(a prompt's samples are prefilled together); raise search.slots or set 0."
+        )
+    rows = search.score_rows or samples
+    chunk = search.score_rows_per_chunk
+    if chunk and rows % chunk:
+        raise ConfigError(
+            f"search.score_rows_per_chunk={chunk} does not divide the {rows} samples the slot "
+            "engine scores at a time (search.score_rows, 0: samples per prompt); pick a divisor."
+        )
+    if search.in_flight_updates and config.mode != "async":
+        raise ConfigError(
+            "search.in_flight_updates only applies to async searchers; a sync batch is "
+            "generated with the params of its step (set mode=async or leave it False)."
+        )
+
+
+def samples_per_search_prompt(config: ml_collections.ConfigDict) -> int:
+    """Responses generated per prompt: S in async mode, K in sync mode."""
+    batch = config.batch
+    if config.mode == "async":
+        return batch.samples_generated_per_prompt
+    return batch.samples_per_prompt
+
+
+def samples_per_search_call(config: ml_collections.ConfigDict) -> int:
+    """Rows of one search call: prompts_per_call × S (async) or prompts_per_batch × K (sync)."""
+    prompts = (
+        config.search.prompts_per_call
+        if config.mode == "async"
+        else (config.batch.prompts_per_batch)
+    )
+    return prompts * samples_per_search_prompt(config)
 
 
 def _learner_device_count(config: ml_collections.ConfigDict, num_devices: int) -> int:

@@ -136,11 +136,15 @@ class NonFiniteSamplesError(ConfigError):
 class Searcher(threading.Thread):
     """A host thread that generates and scores continuously into the replay buffer.
 
-    It never waits for the learner: it reads whatever params the policy store
-    holds at the start of each call. An exception stops the run: it is put on
-    `errors` and `stop` is set, and the learner re-raises it. So does a run of
-    `max_empty_calls` calls in a row whose samples were all dropped as non-finite
-    (the buffer would never fill).
+    It never waits for the learner. With a `SearchWorker` it reads whatever params the
+    policy store holds at the start of each call of `prompts_per_call` prompts. With a
+    `FusedSearchWorker` (the slot engine) it streams prompts through the engine's slots and
+    adds samples as they are scored: on the params it started with until a newer version
+    is published (then it stops taking prompts, finishes the live samples and starts over
+    with the new params), or with `in_flight_updates` on the newest params of every decode
+    chunk. An exception stops the run: it is put on `errors` and `stop` is set, and the
+    learner re-raises it. So does a run of `max_empty_calls` calls (or scored groups) in a
+    row whose samples were all dropped as non-finite (the buffer would never fill).
     """
 
     def __init__(
@@ -155,9 +159,10 @@ class Searcher(threading.Thread):
         stop: threading.Event,
         errors: queue.Queue,
         max_empty_calls: int,
+        in_flight_updates: bool = False,
     ):
         super().__init__(name=f"searcher-{index}", daemon=True)
-        self.max_empty_calls = max_empty_calls
+        self.max_empty_calls, self.in_flight_updates = max_empty_calls, in_flight_updates
         self.index = index
         self.worker, self.store, self.stream, self.buffer = worker, store, stream, buffer
         self.prompts_per_call = prompts_per_call
@@ -166,25 +171,63 @@ class Searcher(threading.Thread):
         self.calls = 0
 
     def run(self) -> None:
-        empty_calls = 0
         try:
-            while not self.stop.is_set():
-                params, version = self.store.get()
-                examples = self.stream.next_batch(self.prompts_per_call)
-                rng = jax.random.fold_in(self.rng, self.calls)
-                trajectories = self.worker.search(params, version, examples, rng)
-                self.buffer.add(trajectories)
-                self.calls += 1
-                empty_calls = 0 if trajectories else empty_calls + 1
-                if empty_calls >= self.max_empty_calls:
-                    raise NonFiniteSamplesError(
-                        f"Every sample of the last {empty_calls} search calls had a non-finite "
-                        "reward or log-prob and was dropped; check the task's reward (and "
-                        "π_ref's checkpoint)."
-                    )
+            if hasattr(self.worker, "stream"):
+                self._stream_through_slots()
+            else:
+                self._search_in_calls()
         except BaseException as error:
             self.errors.put(error)
             self.stop.set()
+
+    def _search_in_calls(self) -> None:
+        empty_calls = 0
+        while not self.stop.is_set():
+            params, version = self.store.get()
+            examples = self.stream.next_batch(self.prompts_per_call)
+            rng = jax.random.fold_in(self.rng, self.calls)
+            trajectories = self.worker.search(params, version, examples, rng)
+            self.buffer.add(trajectories)
+            self.calls += 1
+            empty_calls = self._check_empty(trajectories, empty_calls)
+
+    def _stream_through_slots(self) -> None:
+        empty_groups = 0
+        while not self.stop.is_set():
+            params_fn = self.store.get
+            if not self.in_flight_updates:
+                pinned = self.store.get()
+                params_fn = lambda pinned=pinned: pinned
+            version = params_fn()[1]
+
+            def prompts(version=version):
+                while not self.stop.is_set() and (
+                    self.in_flight_updates or self.store.get()[1] == version
+                ):
+                    yield from self.stream.next_batch(1)
+
+            rng = jax.random.fold_in(self.rng, self.calls)
+            scored_groups = self.worker.stream(
+                params_fn, prompts(), rng, in_flight_updates=self.in_flight_updates
+            )
+            for scored in scored_groups:
+                trajectories = [item.trajectory for item in scored]
+                self.buffer.add(trajectories)
+                empty_groups = self._check_empty(trajectories, empty_groups)
+                if self.stop.is_set():
+                    scored_groups.close()
+                    break
+            self.calls += 1
+
+    def _check_empty(self, trajectories: list[Trajectory], empty_calls: int) -> int:
+        empty_calls = 0 if trajectories else empty_calls + 1
+        if empty_calls >= self.max_empty_calls:
+            raise NonFiniteSamplesError(
+                f"Every sample of the last {empty_calls} search calls had a non-finite "
+                "reward or log-prob and was dropped; check the task's reward (and "
+                "π_ref's checkpoint)."
+            )
+        return empty_calls
 
 
 class SearcherPool:

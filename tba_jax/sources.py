@@ -29,12 +29,14 @@ import jax
 import ml_collections
 import numpy as np
 
-from tba_jax import runtime
+from tba_jax import config_lib, runtime
 from tba_jax.checkpoint import StopSignal
 from tba_jax.data.pipeline import PromptStream
+from tba_jax.fused import FusedSearchWorker
 from tba_jax.models import Model, Params
 from tba_jax.replay import ReplayBuffer
 from tba_jax.run_totals import Meters
+from tba_jax.sampling.engine import EngineConfig, SlotEngine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.tasks.base import Task
@@ -103,15 +105,11 @@ def make_search_worker(
     meters: Meters,
     drop_nonfinite: bool,
 ) -> runtime.SearchWorker:
-    """Generates `samples_per_prompt` responses per prompt and scores them for the task."""
+    """Generates `samples_per_prompt` responses per prompt and scores them for the task,
+    with `search.engine`'s generator (a `SearchWorker` or a `FusedSearchWorker`)."""
     tokenizer = task.tokenizer
-    return runtime.SearchWorker(
-        generate_fn=make_generate_fn(
-            model,
-            sampling_config(config, tokenizer.vocab_size),
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-        ),
+    sampling = sampling_config(config, tokenizer.vocab_size)
+    shared = dict(
         score_fn=make_score_fn(
             model,
             temperature=config.sampling.temperature,
@@ -126,6 +124,35 @@ def make_search_worker(
         rates=meters.rates,
         non_eos_penalty=task.non_eos_penalty,
         drop_nonfinite=drop_nonfinite,
+    )
+    if config.search.engine == "slots":
+        engine = SlotEngine(
+            model,
+            sampling,
+            engine_config(
+                config.search, config.search.slots or config_lib.samples_per_search_call(config)
+            ),
+            max_prompt_len=config.max_prompt_len,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
+        return FusedSearchWorker(
+            engine=engine, score_rows=config.search.score_rows or samples_per_prompt, **shared
+        )
+    generate_fn = make_generate_fn(
+        model, sampling, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+    )
+    return runtime.SearchWorker(generate_fn=generate_fn, **shared)
+
+
+def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig:
+    """The slot engine's settings from `config.search`, with `slots` decode slots."""
+    return EngineConfig(
+        slots=slots,
+        chunk_steps=search.chunk_steps,
+        prefill_prompts=search.prefill_prompts,
+        compact_below=search.compact_below,
+        min_width=search.min_width,
     )
 
 
@@ -221,6 +248,7 @@ def make_searcher_pool(
             stop=stop,
             errors=errors,
             max_empty_calls=config.max_nonfinite_steps,
+            in_flight_updates=config.search.in_flight_updates,
         )
         for index in range(config.search.num_searchers)
     ]
@@ -363,14 +391,6 @@ def prompt_stream(task: Task, topology: Topology, seed: int) -> PromptStream:
     )
 
 
-def samples_per_prompt_searched(config: ml_collections.ConfigDict) -> int:
-    """async: S per prompt, of which batches draw K; sync: the K of the batch."""
-    batch = config.batch
-    return (
-        batch.samples_generated_per_prompt if config.mode == "async" else batch.samples_per_prompt
-    )
-
-
 def make_source(
     config: ml_collections.ConfigDict,
     *,
@@ -395,7 +415,7 @@ def make_source(
         task,
         model,
         reference_params,
-        samples_per_prompt=samples_per_prompt_searched(config),
+        samples_per_prompt=config_lib.samples_per_search_prompt(config),
         meters=meters,
         drop_nonfinite=is_async,  # a sync batch keeps its shape (see SearchWorker)
     )

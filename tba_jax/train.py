@@ -60,7 +60,7 @@ from tba_jax.checkpoint import (
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, Params, abstract_model, init_model
-from tba_jax.sampling.generate import make_generate_fn
+from tba_jax.sampling.engine import make_generator
 from tba_jax.trajectories import SampledBatch
 from tba_jax.warmstart import (
     WarmStartCheckpoint,
@@ -73,6 +73,9 @@ from tba_jax.warmstart import (
 SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
 WARM_START_NOTICES = 5  # console lines over a warm start
+# In-training evaluation with the slot engine: eval.batch_size × this many prompts per
+# engine call (a stop is honoured between calls).
+SLOT_EVAL_BATCHES_PER_CALL = 4
 # logged per step: seconds since this segment's RL phase began, and an evaluation's seconds
 # (benchmarks/async_speedup.py takes time-to-accuracy from them, evaluations left out)
 RL_SECONDS, EVAL_SECONDS = "rl_seconds", "evaluation_seconds"
@@ -250,28 +253,38 @@ def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], flo
     `eval.num_examples` test prompts (0: all), on the sampler mesh, `eval.batch_size` at a
     time; raises RunStopped between batches once a stop is requested."""
     config, task, tokenizer = run.config, run.task, run.task.tokenizer
-    greedy_fn = make_generate_fn(
+    batch_size = config.eval.batch_size
+    greedy_fn = make_generator(
         run.model,
         sources.sampling_config(config, tokenizer.vocab_size, greedy=True),
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
+        max_prompt_len=config.max_prompt_len,
+        engine=(
+            sources.engine_config(config.search, batch_size)
+            if config.search.engine == "slots"
+            else None
+        ),
     )
     topology = run.topology
     examples = task.test[: config.eval.num_examples or None]
     if topology.multi_process:  # each learner process scores its own share
         examples = topology_lib.shard_of(examples, topology.learner_rank, topology.num_learners)
-    batch_size = config.eval.batch_size
+
+    # A stop is honoured between calls; the slot engine streams several batches per call,
+    # so its slots are refilled instead of ending with each batch.
+    per_call = batch_size * (SLOT_EVAL_BATCHES_PER_CALL if config.search.engine == "slots" else 1)
 
     def evaluate(params: Params) -> float:
         params = run.group.publish(params, run.sampler_shardings)
         rewards = [np.zeros(0, np.float32)]
-        for start in range(0, len(examples), batch_size):
+        for start in range(0, len(examples), per_call):
             if not topology.multi_process:  # stops between batches (several: agreed stops only)
                 stop_signal.raise_if_requested()
             batch_rewards, _ = evaluation.generate_and_score(
                 greedy_fn,
                 params,
-                examples[start : start + batch_size],
+                examples[start : start + per_call],
                 tokenizer,
                 task.rewards,
                 max_prompt_len=config.max_prompt_len,
@@ -544,7 +557,7 @@ def search_only(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal
         run.task,
         run.model,
         reference_params=None,  # from the learners' start broadcast
-        samples_per_prompt=sources.samples_per_prompt_searched(config),
+        samples_per_prompt=config_lib.samples_per_search_prompt(config),
         meters=segment.meters,
         drop_nonfinite=config.mode == "async",
     )

@@ -162,7 +162,8 @@ class Attention(nnx.Module):
 
         Without a cache S_kv == S and the queries sit in slots 0..S-1. With a
         cache (`cache_layer` = {"k","v"}: [B, S_kv, KV, hd]) the new keys and
-        values are written at slots cache_offset..cache_offset+S-1.
+        values are written at slots cache_offset..cache_offset+S-1: `cache_offset` is
+        one offset for every row (a scalar) or one per row ([B], the slot engine's).
         """
         cfg = self.cfg
         batch, seq_len, _ = x.shape
@@ -170,20 +171,17 @@ class Attention(nnx.Module):
         k = self._rotate(self._project(x, self.wk, "bk"), positions)
         v = self._project(x, self.wv, "bv")
         if cache_layer is not None:
-            start = (0, cache_offset, 0, 0)
-            k = jax.lax.dynamic_update_slice(
-                cache_layer["k"], k.astype(cache_layer["k"].dtype), start
-            )
-            v = jax.lax.dynamic_update_slice(
-                cache_layer["v"], v.astype(cache_layer["v"].dtype), start
-            )
+            offsets = jnp.asarray(cache_offset)
+            k = write_cache(cache_layer["k"], k, offsets)
+            v = write_cache(cache_layer["v"], v, offsets)
             cache_layer = {"k": k, "v": v}
-            query_slots = cache_offset + jnp.arange(seq_len)
+            # [1, S] with one offset for every row, [B, S] with one per row
+            query_slots = offsets.reshape(-1, 1) + jnp.arange(seq_len)
         else:
-            query_slots = jnp.arange(seq_len)
+            query_slots = jnp.arange(seq_len)[None]
         key_slots = jnp.arange(k.shape[1])
-        causal = key_slots[None, :] <= query_slots[:, None]  # [S, S_kv]
-        mask = causal[None, :, :] & key_valid[:, None, :]  # [B, S, S_kv]
+        causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
+        mask = causal & key_valid[:, None, :]  # [B, S, S_kv]
 
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(batch, seq_len, cfg.num_kv_heads, groups, cfg.resolved_head_dim)
@@ -195,6 +193,19 @@ class Attention(nnx.Module):
         out = out.reshape(batch, seq_len, cfg.num_heads, cfg.resolved_head_dim)
         out = dense(out, self.wo.value.astype(cfg.compute_dtype), in_dims=2)
         return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
+
+
+def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
+    """`new` [B, S, KV, hd] written into `cache` [B, S_kv, KV, hd] from slot `offsets`
+    (a scalar, or [B]: one per row)."""
+    new = new.astype(cache.dtype)
+    if offsets.ndim == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, offsets, 0, 0))
+
+    def one_row(row: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(row, update, (start, 0, 0))
+
+    return jax.vmap(one_row)(cache, new, offsets)
 
 
 class MLP(nnx.Module):

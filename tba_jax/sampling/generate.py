@@ -215,7 +215,19 @@ def generated_batches(
     """One response per example, generated `batch_size` rows at a time (batch i drawn with
     `fold_in(rng, i)`). Yields, per batch, (the batch's real examples, prompt tokens
     [batch_size, P], prompt mask [batch_size, P], Generation): the arrays hold
-    `batch_size` rows, of which the first len(real examples) are real."""
+    `batch_size` rows, of which the first len(real examples) are real.
+
+    A generate function that `streams_any_rows` (`engine.SlotGenerator`) gets every
+    example in one call, drawn with `rng`; its output is sliced into the same batches."""
+    if getattr(generate_fn, "streams_any_rows", False) and examples:
+        all_prompts, all_mask = tokenizer.encode_prompts(
+            [example["prompt"] for example in examples], max_prompt_len
+        )
+        everything = generate_fn(params, all_prompts, all_mask, rng)
+        for rows, real in fixed_batches(len(examples), batch_size):
+            out = Generation(*(np.asarray(field)[rows] for field in everything))
+            yield [examples[i] for i in rows[:real]], all_prompts[rows], all_mask[rows], out
+        return
     for index, (rows, real) in enumerate(fixed_batches(len(examples), batch_size)):
         prompts, prompt_mask = tokenizer.encode_prompts(
             [examples[i]["prompt"] for i in rows], max_prompt_len

@@ -15,7 +15,8 @@ from tba_jax.config_lib import ConfigError
 from tba_jax.models import Model
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
 from tba_jax.rewards import score_pairs
-from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+from tba_jax.sampling.engine import EngineConfig, make_generator
+from tba_jax.sampling.generate import SamplingConfig
 
 # (examples, response texts) -> rewards float32 [N]; examples[i] is response i's prompt.
 BatchRewardFn = Callable[[Sequence[dict], Sequence[str]], np.ndarray]
@@ -189,6 +190,8 @@ class EvalSettings:
     top_k: int
     top_p: float
     seed: int
+    # The slot engine with batch_size slots (the run's search.engine=slots); None: batches.
+    engine: EngineConfig | None = None
 
 
 def check_sequence_fits(model: Model, settings: EvalSettings) -> None:
@@ -203,11 +206,16 @@ def check_sequence_fits(model: Model, settings: EvalSettings) -> None:
 
 
 def evaluation_generate_fns(model: Model, tokenizer: Tokenizer, settings: EvalSettings):
-    """(greedy, sampling) jitted generate functions with the settings' lengths."""
+    """(greedy, sampling) generate functions with the settings' lengths (and engine)."""
     common = dict(max_new_tokens=settings.max_new_tokens, vocab_limit=tokenizer.vocab_size)
     greedy = SamplingConfig(greedy=True, **common)
     sampling = SamplingConfig(
         temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, **common
     )
-    ids = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    return make_generate_fn(model, greedy, **ids), make_generate_fn(model, sampling, **ids)
+    common = dict(
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        max_prompt_len=settings.max_prompt_len,
+        engine=settings.engine,
+    )
+    return make_generator(model, greedy, **common), make_generator(model, sampling, **common)

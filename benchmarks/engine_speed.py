@@ -1,0 +1,509 @@
+r"""Scored samples per second: batch-then-score against the fused slot engine, same decode width.
+
+    python benchmarks/engine_speed.py                      # tiny model, W=64 slots, S=4
+    python benchmarks/engine_speed.py --mixes=long_tailed --eos_bias=2.0 --repeats=5
+    python benchmarks/engine_speed.py --smoke              # seconds on CPU: it runs, no more
+
+Both paths make and score `--prompts` × S samples (S = `--samples_per_prompt`) with the
+same random-weight model as the policy and as π_ref, the same jitted `score_fn`
+(`sampling.scoring.make_score_fn`) and the same cheap host reward (the share of digits in
+the response text), at the same decode width W (`--width`):
+
+- batch: `runtime.SearchWorker.search` over the prompts in calls of W / S prompts, each
+  call generating W rows with `generate.make_generate_fn` (one jitted prefill + decode
+  loop that runs until the call's longest response ends), then scoring them;
+- fused: one `fused.FusedSearchWorker.search` over all the prompts with a
+  `sampling.engine.SlotEngine` of W slots (`--chunk_steps`, `--prefill_prompts`,
+  `--compact_below`, `--min_width`), scoring finished samples `--score_rows` at a time
+  while decoding goes on.
+
+Response lengths come from the model's EOS logit. Residual dimension 0 is made a constant
+(embedding column 0 = 3; no attention or MLP output writes to it), so after the final
+RMSNorm it is about sqrt(d_model) at every position, and lm_head[0, EOS] =
+bias / sqrt(d_model) adds about `bias` nats to the EOS logit everywhere (the other logits
+of a random init_std=0.02 model are all near 0). Two length mixes:
+
+- `long_tailed`: bias `--eos_bias`; every step ends a response with about the same
+  probability, so lengths are geometric: most responses are short and a few run to
+  `--max_new_tokens`. A batch call decodes until its longest row ends, so most of its
+  slot-steps go to rows that have already ended; the slot engine refills those slots;
+- `uniform`: bias `--no_eos_bias` (EOS never drawn): every response runs to
+  `--max_new_tokens`. There is nothing to refill, so this measures the engine's overhead
+  (a host round trip per decode chunk, one prefill call per prompt) against one jitted loop.
+
+For each mix, both paths first run once untimed over all the prompts (compiling their
+shapes; `compiles_while_timing` counts any compilation the timed runs still hit, e.g. a
+tail-compaction width the warm-up did not reach), then `--repeats` timed runs of each,
+alternating. samples/s is a run's samples over its wall seconds; figures are medians over
+the repeats. Per mix and path: samples/s and fused / batch (`fused_over_batch`, of the
+medians; `fused_over_batch_paired`, the median of each repeat's ratio), response
+lengths (mean, max, share at the limit), decode work as slot-steps (width × decode steps,
+summed over calls or chunks) and occupancy (the share of slot-steps that produced a token;
+the engine's `counters.occupancy`), the engine's decode chunks, prefill calls and tail
+compactions, and each worker's `TimeSplit` "generating" / "scoring" seconds.
+`decode_work_ratio` = batch slot-steps / engine slot-steps: the speed-up that decode work
+alone would give.
+
+Reading the split: the batch worker blocks on generation, then scores, so its two figures
+are device time. The fused worker's π_ref scoring runs on the device behind the decode
+chunks, so its device time shows in "generating" (waits on the next chunk) and its
+"scoring" is host time only. Scoring costs the same in both paths (every sample is scored
+at the full `--max_new_tokens` width), so it bounds the speed-up where the device cannot
+run it alongside decoding, as on a CPU, whose cores do both.
+
+The last stdout line is JSON: {"benchmark": "engine_speed", "mixes": {mix: {"batch": {...},
+"fused": {...}, "fused_over_batch", ...}}, then the settings and the device}. Run it on a
+quiet machine: every figure is a wall-clock time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from tba_jax import cli
+from tba_jax.fused import FusedSearchWorker
+from tba_jax.metrics import RateMeter, TimeSplit
+from tba_jax.models import PRESETS, init_model, preset
+from tba_jax.models.tokenizers import PRINTABLE_ASCII, CharTokenizer
+from tba_jax.runtime import SearchWorker
+from tba_jax.sampling.engine import EngineConfig, EngineCounters, SlotEngine
+from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+from tba_jax.sampling.scoring import make_score_fn
+from tba_jax.trajectories import Trajectory
+
+MIXES = ("long_tailed", "uniform")
+# --smoke: small enough to compile and run in seconds on a CPU (flags given explicitly win).
+SMOKE = dict(
+    preset="micro",
+    max_prompt_len=8,
+    max_new_tokens=16,
+    width=8,
+    samples_per_prompt=2,
+    prompts=8,
+    score_rows=4,
+    chunk_steps=4,
+    min_width=2,
+    repeats=1,
+    eos_bias=3.0,
+)
+DIGITS = frozenset("0123456789")
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
+_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
+_MAX_NEW_TOKENS = flags.DEFINE_integer(
+    "max_new_tokens", 128, "T: the response length limit.", lower_bound=1
+)
+_WIDTH = flags.DEFINE_integer(
+    "width", 64, "W: rows per batch call = the engine's decode slots.", lower_bound=1
+)
+_SAMPLES_PER_PROMPT = flags.DEFINE_integer(
+    "samples_per_prompt", 4, "S: samples per prompt (W must be a multiple).", lower_bound=1
+)
+_PROMPTS = flags.DEFINE_integer(
+    "prompts", 64, "Prompts per measurement (a multiple of W / S).", lower_bound=1
+)
+_SCORE_ROWS = flags.DEFINE_integer(
+    "score_rows", None, "Samples per π_ref scoring call of the fused path (default W / 2)."
+)
+_CHUNK_STEPS = flags.DEFINE_integer("chunk_steps", 16, "Engine decode steps per chunk (at most).")
+_PREFILL_PROMPTS = flags.DEFINE_integer("prefill_prompts", 1, "Engine: prompts per prefill call.")
+_COMPACT_BELOW = flags.DEFINE_float("compact_below", 0.5, "Engine tail compaction (0: off).")
+_MIN_WIDTH = flags.DEFINE_integer("min_width", 8, "Engine: compaction's narrowest width.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Timed runs of each path per mix (medians are reported).", lower_bound=1
+)
+_SEED = flags.DEFINE_integer("seed", 0, "Model init, prompts and sampling.")
+_MIXES = flags.DEFINE_list("mixes", list(MIXES), f"Length mixes to measure, of {MIXES}.")
+_EOS_BIAS = flags.DEFINE_float(
+    "eos_bias",
+    1.0,
+    "long_tailed: about the EOS logit's lead over the other ~97 near-0 logits (nats). "
+    "1.0: mean length ~40 of 128, ~4% of responses at the limit.",
+)
+_NO_EOS_BIAS = flags.DEFINE_float("no_eos_bias", -50.0, "uniform: EOS logit bias (never drawn).")
+_SMOKE = flags.DEFINE_boolean("smoke", False, f"Tiny sizes, one repeat: {SMOKE}.")
+flags.adopt_module_key_flags(cli)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    preset: str
+    max_prompt_len: int
+    max_new_tokens: int
+    width: int
+    samples_per_prompt: int
+    prompts: int
+    score_rows: int
+    chunk_steps: int
+    prefill_prompts: int
+    compact_below: float
+    min_width: int
+    repeats: int
+    seed: int
+    mixes: tuple[str, ...]
+    eos_bias: float
+    no_eos_bias: float
+    smoke: bool
+
+    @property
+    def prompts_per_call(self) -> int:
+        """The batch path's prompts per `SearchWorker.search` call: W rows of S samples."""
+        return self.width // self.samples_per_prompt
+
+
+def read_settings() -> Settings:
+    """The flags, with --smoke's sizes for those not given explicitly; UsageError on a
+    combination the measurement cannot run."""
+    values = {
+        name: getattr(flags.FLAGS, name)
+        for name in (
+            "preset",
+            "max_prompt_len",
+            "max_new_tokens",
+            "width",
+            "samples_per_prompt",
+            "prompts",
+            "score_rows",
+            "chunk_steps",
+            "prefill_prompts",
+            "compact_below",
+            "min_width",
+            "repeats",
+            "seed",
+            "eos_bias",
+            "no_eos_bias",
+            "smoke",
+        )
+    }
+    if _SMOKE.value:
+        values.update({k: v for k, v in SMOKE.items() if not flags.FLAGS[k].present})
+    if values["score_rows"] is None:
+        values["score_rows"] = max(1, values["width"] // 2)
+    settings = Settings(mixes=tuple(_MIXES.value), **values)
+    unknown = sorted(set(settings.mixes) - set(MIXES))
+    if unknown or not settings.mixes:
+        raise cli.UsageError(f"--mixes={','.join(settings.mixes)}: choose from {MIXES}.")
+    if settings.width % settings.samples_per_prompt:
+        raise cli.UsageError(
+            f"--width={settings.width} is not a multiple of "
+            f"--samples_per_prompt={settings.samples_per_prompt}: the batch path's calls "
+            "hold W / S whole prompts."
+        )
+    if settings.prompts % settings.prompts_per_call:
+        raise cli.UsageError(
+            f"--prompts={settings.prompts} is not a multiple of W / S = "
+            f"{settings.prompts_per_call} (the batch path's prompts per call; a smaller last "
+            "call would compile a second shape)."
+        )
+    if settings.score_rows < 1:
+        raise cli.UsageError(f"--score_rows={settings.score_rows} must be >= 1.")
+    return settings
+
+
+# ---------------------------------------------------------------------------- the setup
+
+
+def length_params(params: dict, eos_id: int, bias: float) -> dict:
+    """`params` whose EOS logit is raised by about `bias` (nats) at every position (see
+    the module docstring: residual dimension 0 is a constant after the final norm)."""
+    p = jax.tree.map(np.array, params)
+    d_model = p["embedding"].shape[1]
+    p["embedding"][:, 0] = 3.0
+    for block in p["blocks"].values():
+        block["attn"]["wo"][..., 0] = 0.0
+        block["mlp"]["w_down"][:, 0] = 0.0
+    p["lm_head"][0, :] = 0.0
+    p["lm_head"][0, eos_id] = bias / math.sqrt(d_model)
+    return jax.tree.map(jnp.asarray, p)
+
+
+def make_prompts(settings: Settings) -> list[dict]:
+    """`prompts` examples of random printable text, 1/4 to all of max_prompt_len long."""
+    rng = np.random.default_rng(settings.seed)
+    alphabet = np.asarray(list(PRINTABLE_ASCII))
+    longest = settings.max_prompt_len
+    lengths = rng.integers(max(1, longest // 4), longest + 1, size=settings.prompts)
+    return [
+        {"id": i, "prompt": "".join(rng.choice(alphabet, size=length))}
+        for i, length in enumerate(lengths)
+    ]
+
+
+def digit_share_rewards(examples: list[dict], texts: list[str]) -> np.ndarray:
+    """A cheap host reward: the share of digits in each response text. float32 [N]."""
+    del examples
+    return np.asarray(
+        [sum(c in DIGITS for c in text) / max(len(text), 1) for text in texts], np.float32
+    )
+
+
+@dataclasses.dataclass
+class Paths:
+    """The two workers (built once, so both mixes reuse their compiled functions)."""
+
+    batch: SearchWorker
+    fused: FusedSearchWorker
+    base_params: dict
+    eos_id: int
+
+
+def build_paths(settings: Settings) -> Paths:
+    tokenizer = CharTokenizer.for_text()
+    if settings.preset not in PRESETS:
+        raise cli.UsageError(f"--preset={settings.preset}: choose one of {sorted(PRESETS)}.")
+    sequence = settings.max_prompt_len + settings.max_new_tokens
+    config = preset(
+        settings.preset,
+        vocab_size=tokenizer.vocab_size,
+        max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
+    )
+    model, params = init_model(config, settings.seed)
+    sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens)
+    ids = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    shared = dict(
+        score_fn=make_score_fn(model, temperature=sampling.temperature),
+        reference_params=params,
+        tokenizer=tokenizer,
+        rewards_fn=digit_share_rewards,
+        max_prompt_len=settings.max_prompt_len,
+        samples_per_prompt=settings.samples_per_prompt,
+        time_split=TimeSplit(),
+        rates=RateMeter(),
+    )
+    try:
+        engine_config = EngineConfig(
+            slots=settings.width,
+            chunk_steps=settings.chunk_steps,
+            prefill_prompts=settings.prefill_prompts,
+            compact_below=settings.compact_below,
+            min_width=settings.min_width,
+        )
+        engine_config.check_samples_per_prompt(settings.samples_per_prompt)
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from error
+    engine = SlotEngine(
+        model, sampling, engine_config, max_prompt_len=settings.max_prompt_len, **ids
+    )
+    return Paths(
+        batch=SearchWorker(generate_fn=make_generate_fn(model, sampling, **ids), **shared),
+        fused=FusedSearchWorker(engine=engine, score_rows=settings.score_rows, **shared),
+        base_params=params,
+        eos_id=tokenizer.eos_id,
+    )
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def length_figures(trajectories: list[Trajectory], limit: int) -> dict:
+    lengths = np.asarray([t.response_length for t in trajectories])
+    return {
+        "mean_length": float(lengths.mean()),
+        "max_length": int(lengths.max()),
+        "share_at_limit": float(np.mean(lengths >= limit)),
+    }
+
+
+def run_batch(paths: Paths, settings: Settings, params, examples, rng) -> dict:
+    """The batch path over `examples`, W / S prompts per call: its wall seconds, samples
+    and decode work (each call decodes W rows until its longest response ends)."""
+    worker, per_call = paths.batch, settings.prompts_per_call
+    worker.reference_params, worker.time_split = params, TimeSplit()
+    trajectories, decode_steps = [], 0
+    start = time.perf_counter()
+    for call in range(len(examples) // per_call):
+        batch = examples[call * per_call : (call + 1) * per_call]
+        out = worker.search(params, 0, batch, jax.random.fold_in(rng, call))
+        decode_steps += max(t.response_length for t in out)
+        trajectories += out
+    seconds = time.perf_counter() - start
+    tokens = sum(t.response_length for t in trajectories)
+    seconds_by_phase = worker.time_split.totals()
+    return {
+        "seconds": seconds,
+        "samples": len(trajectories),
+        "samples_per_s": len(trajectories) / seconds,
+        "decode_steps": decode_steps,
+        "slot_steps": decode_steps * settings.width,
+        "occupancy": tokens / (decode_steps * settings.width),
+        "generating_s": seconds_by_phase.get("generating", 0.0),
+        "scoring_s": seconds_by_phase.get("scoring", 0.0),
+        **length_figures(trajectories, settings.max_new_tokens),
+    }
+
+
+def run_fused(paths: Paths, settings: Settings, params, examples, rng) -> dict:
+    """The fused path: one `search` over every prompt; its wall seconds, samples and the
+    engine's counters."""
+    worker = paths.fused
+    worker.reference_params, worker.time_split = params, TimeSplit()
+    worker.engine.counters = EngineCounters()
+    start = time.perf_counter()
+    trajectories = worker.search(params, 0, examples, rng)
+    seconds = time.perf_counter() - start
+    counters = worker.engine.counters
+    seconds_by_phase = worker.time_split.totals()
+    return {
+        "seconds": seconds,
+        "samples": len(trajectories),
+        "samples_per_s": len(trajectories) / seconds,
+        "decode_steps": counters.decode_steps,
+        "slot_steps": counters.slot_steps,
+        "occupancy": counters.occupancy,
+        "chunks": counters.chunks,
+        "prefills": counters.prefills,
+        "compactions": counters.compactions,
+        "generating_s": seconds_by_phase.get("generating", 0.0),
+        "scoring_s": seconds_by_phase.get("scoring", 0.0),
+        **length_figures(trajectories, settings.max_new_tokens),
+    }
+
+
+class CompileCounter:
+    """Counts XLA compilations (a timed run that compiles is not measuring throughput)."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        del duration, kwargs
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per figure, the median over runs (ints stay ints when the median is whole)."""
+    out = {}
+    for name in runs[0]:
+        value = statistics.median(run[name] for run in runs)
+        out[name] = int(value) if isinstance(runs[0][name], int) and value == int(value) else value
+    return out
+
+
+def measure_mix(
+    paths: Paths, settings: Settings, mix: str, examples: list[dict], compiles: CompileCounter
+) -> dict:
+    bias = settings.eos_bias if mix == "long_tailed" else settings.no_eos_bias
+    params = length_params(paths.base_params, paths.eos_id, bias)
+    rng = jax.random.fold_in(jax.random.key(settings.seed), MIXES.index(mix))
+    start = time.perf_counter()  # warm-up: compiles every shape of both paths
+    run_batch(paths, settings, params, examples, jax.random.fold_in(rng, 10_000))
+    run_fused(paths, settings, params, examples, jax.random.fold_in(rng, 10_001))
+    warmup_s = time.perf_counter() - start
+    compiled_before = compiles.count
+    batch_runs, fused_runs = [], []
+    for repeat in range(settings.repeats):
+        key = jax.random.fold_in(rng, repeat)
+        batch_runs.append(run_batch(paths, settings, params, examples, key))
+        fused_runs.append(run_fused(paths, settings, params, examples, key))
+    batch, fused = medians(batch_runs), medians(fused_runs)
+    return {
+        "eos_bias": bias,
+        "batch": batch,
+        "fused": fused,
+        "fused_over_batch": fused["samples_per_s"] / batch["samples_per_s"],
+        # the median of each repeat's fused / batch: the two runs of a repeat are adjacent in
+        # time, so this is the steadier figure on a machine whose speed drifts
+        "fused_over_batch_paired": statistics.median(
+            f["samples_per_s"] / b["samples_per_s"]
+            for b, f in zip(batch_runs, fused_runs, strict=True)
+        ),
+        "decode_work_ratio": batch["slot_steps"] / max(fused["slot_steps"], 1),
+        "batch_samples_per_s_runs": [run["samples_per_s"] for run in batch_runs],
+        "fused_samples_per_s_runs": [run["samples_per_s"] for run in fused_runs],
+        "warmup_s": warmup_s,
+        "compiles_while_timing": compiles.count - compiled_before,
+    }
+
+
+# ------------------------------------------------------------------------------- output
+
+
+def rounded(value, digits: int = 4):
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def table(results: dict) -> str:
+    """One row per mix and path: the figures a reader compares."""
+    header = (
+        f"{'mix':<12} {'path':<6} {'samples/s':>10} {'×batch':>7} {'mean len':>9} "
+        f"{'max':>4} {'at limit':>8} {'slot-steps':>10} {'occupancy':>9} {'chunks':>6} "
+        f"{'prefills':>8} {'compact':>7} {'gen s':>6} {'score s':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for mix, result in results.items():
+        for path in ("batch", "fused"):
+            r = result[path]
+            ratio = result["fused_over_batch"] if path == "fused" else 1.0
+            extra = (
+                f"{r['chunks']:>6} {r['prefills']:>8} {r['compactions']:>7}"
+                if path == "fused"
+                else f"{'':>6} {'':>8} {'':>7}"
+            )
+            lines.append(
+                f"{mix:<12} {path:<6} {r['samples_per_s']:>10.1f} {ratio:>7.2f} "
+                f"{r['mean_length']:>9.1f} {r['max_length']:>4} {r['share_at_limit']:>8.1%} "
+                f"{r['slot_steps']:>10} {r['occupancy']:>9.1%} {extra} "
+                f"{r['generating_s']:>6.2f} {r['scoring_s']:>7.2f}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    settings = read_settings()
+    paths = build_paths(settings)
+    examples = make_prompts(settings)
+    compiles = CompileCounter()
+    results = {}
+    for mix in settings.mixes:
+        results[mix] = measure_mix(paths, settings, mix, examples, compiles)
+        r = results[mix]
+        if r["compiles_while_timing"]:
+            print(
+                f"warning: {mix}: {r['compiles_while_timing']} compilations during the timed "
+                "runs (a shape the warm-up did not reach); its figures include them.",
+                flush=True,
+            )
+        print(
+            f"{mix}: batch {r['batch']['samples_per_s']:.1f} samples/s, fused "
+            f"{r['fused']['samples_per_s']:.1f} samples/s ({r['fused_over_batch']:.2f}×, "
+            f"paired {r['fused_over_batch_paired']:.2f}×; warm-up {r['warmup_s']:.1f} s)",
+            flush=True,
+        )
+    print(table(results), flush=True)
+    settings_json = {k: v for k, v in dataclasses.asdict(settings).items() if k != "mixes"}
+    line = {
+        "benchmark": "engine_speed",
+        "mixes": rounded(results),  # in --mixes order
+        **settings_json,
+        "samples_per_measurement": settings.prompts * settings.samples_per_prompt,
+        "device": jax.devices()[0].device_kind,
+        "cpus": os.cpu_count(),
+        "jax_version": jax.__version__,
+        "python_version": platform.python_version(),
+    }
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    cli.run(main)

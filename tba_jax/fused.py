@@ -1,0 +1,202 @@
+"""Searching with the slot engine: per-sample scoring overlapped with decoding.
+
+`runtime.SearchWorker` generates a whole batch, then scores it. `FusedSearchWorker`
+feeds prompts to `sampling.engine.SlotEngine` and scores finished samples in groups of
+`score_rows` while the engine keeps decoding (RLHFuse's inter-stage fusion): each
+group's π_ref log-probs are dispatched to the device behind the running decode chunk,
+its rewards (verifier, reward model, judge) are computed on the host meanwhile, and its
+trajectories are handed on one chunk later, when the device has finished them.
+
+- `search(params, version, examples, rng)`: the same contract as `SearchWorker.search`
+  (prompt-major trajectories of one params version), for the sync loop and for async
+  searchers that finish each call on the params it started with;
+- `stream(params_fn, examples, rng)`: scored samples as soon as they are ready, for
+  async searchers with in-flight weight updates (params re-read between decode chunks;
+  each sample records its first and last version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from tba_jax.metrics import RateMeter, TimeSplit
+from tba_jax.models.tokenizers import Tokenizer
+from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
+from tba_jax.runtime import DROPPED_NONFINITE, is_finite
+from tba_jax.sampling.engine import Finished, Request, SlotEngine
+from tba_jax.trajectories import Trajectory
+
+# π_ref scoring compiles for this many response lengths: max_new_tokens × i / N, i = 1..N.
+SCORE_LENGTH_BUCKETS = 4
+
+
+def score_length(longest: int, max_new: int) -> int:
+    """The scoring length of a group whose longest response has `longest` tokens."""
+    bucket = -(-max_new // SCORE_LENGTH_BUCKETS)
+    return min(max_new, -(-longest // bucket) * bucket)
+
+
+class Scored(NamedTuple):
+    """A scored sample: its request's key, its index among the prompt's samples, and it."""
+
+    key: Any
+    sample: int
+    trajectory: Trajectory
+
+
+class _Group(NamedTuple):
+    """Samples being scored: π_ref log-probs in flight on the device, rewards done."""
+
+    samples: list[Finished]
+    prompt_tokens: np.ndarray  # [rows, P]
+    prompt_mask: np.ndarray  # [rows, P]
+    logp_ref: jax.Array  # [rows, T], not yet fetched
+    rewards: np.ndarray  # [n]
+
+
+@dataclasses.dataclass
+class FusedSearchWorker:
+    """Generates S responses per prompt with the slot engine and scores them as they end."""
+
+    engine: SlotEngine
+    score_fn: Callable  # (params, prompt_tokens, prompt_mask, response_tokens, mask) -> [N, T]
+    reference_params: object
+    tokenizer: Tokenizer
+    rewards_fn: Callable  # (examples, response texts) -> float32 [N]
+    max_prompt_len: int
+    samples_per_prompt: int
+    score_rows: int  # samples per π_ref scoring call (a fixed shape)
+    time_split: TimeSplit
+    rates: RateMeter
+    non_eos_penalty: float | None = None
+    drop_nonfinite: bool = False
+
+    def search(
+        self, params, version: int, examples: Sequence[dict], rng: jax.Array
+    ) -> list[Trajectory]:
+        """len(examples) * samples_per_prompt trajectories of `params` (as `version`),
+        prompt-major (fewer when non-finite ones are dropped)."""
+        scored = [
+            item
+            for items in self.stream(lambda: (params, version), examples, rng)
+            for item in items
+        ]
+        scored.sort(key=lambda item: (item.key, item.sample))
+        return [item.trajectory for item in scored]
+
+    def stream(
+        self,
+        params_fn: Callable[[], tuple[Any, int]],
+        examples: Iterable[dict],
+        rng: jax.Array,
+        *,
+        in_flight_updates: bool = False,
+    ) -> Iterator[list[Scored]]:
+        """Scored samples of `examples` (read lazily; may be endless) as they are ready.
+        Keys are the examples' indices in `examples`."""
+        by_key: dict[int, dict] = {}
+        samples_left: dict[int, int] = {}
+
+        def requests() -> Iterator[Request]:
+            for key, example in enumerate(examples):
+                tokens, mask = self._encode(example)
+                by_key[key], samples_left[key] = example, self.samples_per_prompt
+                yield Request(key, tokens, mask, self.samples_per_prompt)
+
+        finished: list[Finished] = []
+        in_flight: list[_Group] = []
+        generation = self.engine.run(
+            params_fn, requests(), rng, in_flight_updates=in_flight_updates
+        )
+        while True:
+            with self.time_split.measure("generating"):
+                chunk = next(generation, None)
+            with self.time_split.measure("scoring"):
+                # groups dispatched last time ran before the chunk now decoding
+                ready = [self._complete(group, by_key) for group in in_flight]
+                in_flight = []
+                if chunk is not None:
+                    finished.extend(chunk)
+                last = chunk is None
+                while len(finished) >= self.score_rows or (last and finished):
+                    group, finished = finished[: self.score_rows], finished[self.score_rows :]
+                    in_flight.append(self._dispatch(group, by_key))
+                if last:
+                    ready += [self._complete(group, by_key) for group in in_flight]
+                items = [item for items in ready for item in items]
+                for item in items:
+                    samples_left[item.key] -= 1
+                    if not samples_left[item.key]:
+                        del samples_left[item.key], by_key[item.key]
+            if items:  # an empty list when every one was dropped as non-finite
+                yield self._count(items)
+            if last:
+                return
+
+    def _encode(self, example: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The example's prompt, left-padded: tokens [P] int32, mask [P] bool."""
+        tokens, mask = self.tokenizer.encode_prompts([example["prompt"]], self.max_prompt_len)
+        return tokens[0], mask[0]
+
+    def _dispatch(self, samples: list[Finished], by_key: dict[int, dict]) -> _Group:
+        """Starts π_ref scoring of `samples` on the device and computes their rewards.
+        Responses are padded to the smallest of SCORE_LENGTH_BUCKETS lengths that holds the
+        group's longest, so a group of short samples is not scored at full length."""
+        rows = self.score_rows
+        max_new = score_length(max(len(sample.tokens) for sample in samples), self.engine.max_new)
+        prompt_tokens = np.full((rows, self.max_prompt_len), self.tokenizer.pad_id, np.int32)
+        prompt_mask = np.zeros((rows, self.max_prompt_len), bool)
+        tokens = np.full((rows, max_new), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros((rows, max_new), np.float32)
+        lengths = np.zeros(rows, np.int32)
+        for row, sample in enumerate(samples):
+            prompt_tokens[row], prompt_mask[row] = self._encode(by_key[sample.key])
+            length = len(sample.tokens)
+            tokens[row, :length], mask[row, :length], lengths[row] = sample.tokens, 1.0, length
+        logp_ref = self.score_fn(self.reference_params, prompt_tokens, prompt_mask, tokens, mask)
+        n = len(samples)
+        rewards = self.rewards_fn(
+            [by_key[sample.key] for sample in samples],
+            [self.tokenizer.decode(sample.tokens) for sample in samples],
+        )
+        ended = ended_with_eos(tokens[:n], lengths[:n], self.tokenizer.eos_id)
+        rewards = apply_non_eos_penalty(rewards, ended, self.non_eos_penalty)
+        return _Group(samples, prompt_tokens, prompt_mask, logp_ref, rewards)
+
+    def _complete(self, group: _Group, by_key: dict[int, dict]) -> list[Scored]:
+        """The group's trajectories, once its π_ref log-probs are back."""
+        logp_ref = np.asarray(jax.device_get(group.logp_ref))
+        created_at = time.time()
+        scored = []
+        for row, sample in enumerate(group.samples):
+            length = len(sample.tokens)
+            trajectory = Trajectory(
+                prompt_id=int(by_key[sample.key]["id"]),
+                prompt_tokens=group.prompt_tokens[row][group.prompt_mask[row]],
+                response_tokens=sample.tokens,
+                reward=float(group.rewards[row]),
+                logp_behaviour=float(sample.token_logp.sum()),
+                logp_ref=float(logp_ref[row, :length].sum()),
+                token_logp_behaviour=sample.token_logp,
+                token_logp_ref=logp_ref[row, :length],
+                policy_version=sample.version_first,
+                created_at=created_at,
+            )
+            scored.append(Scored(sample.key, sample.sample, trajectory))
+        return scored
+
+    def _count(self, scored: list[Scored]) -> list[Scored]:
+        """Counts samples and tokens; leaves out non-finite samples with `drop_nonfinite`."""
+        self.rates.add("samples", len(scored))
+        self.rates.add("tokens", sum(item.trajectory.response_length for item in scored))
+        if not self.drop_nonfinite:
+            return scored
+        kept = [item for item in scored if is_finite(item.trajectory)]
+        self.rates.add(DROPPED_NONFINITE, len(scored) - len(kept))
+        return kept

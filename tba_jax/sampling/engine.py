@@ -1,0 +1,537 @@
+"""Continuous batching: a generation engine with decode slots (RLHFuse's inter-stage fusion).
+
+`generate.generate` decodes a fixed batch until its longest row ends, so on long-tailed
+lengths most decode steps of a batch are spent on a handful of rows. The slot engine
+keeps `width` decode slots, each holding one sample's KV cache:
+
+- a **refill** prefills waiting prompts (`prefill_prompts` at a time, one prefill per
+  prompt) and copies each prompt's cache into the S free slots of its samples;
+- a **decode chunk** runs up to `chunk_steps` steps for every slot in one jitted
+  `lax.while_loop`, and returns early once enough slots are free for the next refill;
+- finished samples (EOS or `max_new_tokens`) are handed to the caller while the next
+  chunk runs (JAX dispatch is asynchronous), so scoring them overlaps decoding
+  (`fused.py` does that);
+- **tail compaction**: once no prompt is waiting and the live samples fill at most
+  `compact_below` of the width, they move into the smallest narrower width that holds
+  them (halving down to `min_width`), so the tail stops paying for the full width.
+
+Shapes are static: the slot width (and its halvings), the cache length
+`max_prompt_len + max_new_tokens` and the prefill shape `[prefill_prompts,
+max_prompt_len]`; nothing recompiles as prompts come and go.
+
+Each slot's cache row is laid out as in `generate.generate`: the left-padded prompt in
+slots 0..P-1, the response from slot P on. The decoder writes each slot's new key at
+its own offset (`cache_offset` per row); keys past a slot's own offset are hidden by the
+causal mask, so a refilled slot never sees its previous occupant.
+
+Behaviour log-probs are the same quantity as `generate.generate`'s (log_softmax at the
+sampling temperature); with `params_fn` returning newer params between chunks
+(in-flight updates) a sample's tokens come from several policy versions, recorded as its
+first and last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tba_jax.models import KVCache, Model, Params, positions_from_mask
+from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
+
+ENGINES = ("batch", "slots")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The slot engine's shape and schedule (config.search.*; see the module docstring)."""
+
+    slots: int  # decode width
+    chunk_steps: int = 16  # decode steps per host round trip (at most)
+    prefill_prompts: int = 1  # prompts prefilled per refill call
+    # Tail compaction: with no prompt waiting, live samples at most this share of the width
+    # move to the smallest halving of the width that holds them; 0 turns it off.
+    compact_below: float = 0.5
+    min_width: int = 8  # compaction never goes narrower
+
+    def __post_init__(self):
+        if self.slots < 1:
+            raise ValueError(f"slots={self.slots} must be >= 1.")
+        if self.chunk_steps < 1:
+            raise ValueError(f"chunk_steps={self.chunk_steps} must be >= 1.")
+        if self.prefill_prompts < 1:
+            raise ValueError(f"prefill_prompts={self.prefill_prompts} must be >= 1.")
+        if not 0.0 <= self.compact_below < 1.0:
+            raise ValueError(f"compact_below={self.compact_below} must be in [0, 1).")
+        if self.min_width < 1:
+            raise ValueError(f"min_width={self.min_width} must be >= 1.")
+
+    def check_samples_per_prompt(self, samples_per_prompt: int) -> None:
+        if samples_per_prompt > self.slots:
+            raise ValueError(
+                f"{samples_per_prompt} samples per prompt do not fit in {self.slots} decode "
+                "slots (a prompt's samples are prefilled together); raise search.slots."
+            )
+
+    def widths(self) -> list[int]:
+        """The compiled decode widths: `slots`, then its halvings down to `min_width`."""
+        widths = [self.slots]
+        while self.compact_below > 0 and widths[-1] // 2 >= self.min_width:
+            widths.append(widths[-1] // 2)
+        return widths
+
+
+class SlotState(NamedTuple):
+    """The device state of `W` decode slots; C = P + T (prompt + new tokens).
+
+    cache: per layer {"k", "v"}: [W, C, KV, hd]; key_valid: [W, C] bool; next_logits:
+    [W, V] float32 (the logits the slot samples from next); position: [W] int32 (the
+    position id of the next token); step: [W] int32 (tokens generated so far); live: [W]
+    bool (still generating); tokens: [W, T] int32 (pad after the end); token_logp: [W, T]
+    float32 (0 after the end)."""
+
+    cache: KVCache
+    key_valid: jax.Array
+    next_logits: jax.Array
+    position: jax.Array
+    step: jax.Array
+    live: jax.Array
+    tokens: jax.Array
+    token_logp: jax.Array
+
+
+class Request(NamedTuple):
+    """A prompt to sample `samples` responses for. prompt_tokens, prompt_mask: [P]
+    (left-padded to the engine's max_prompt_len); key: the caller's tag."""
+
+    key: Any
+    prompt_tokens: np.ndarray
+    prompt_mask: np.ndarray
+    samples: int
+
+
+class Finished(NamedTuple):
+    """One finished sample: tokens [L] (EOS included when emitted), token_logp [L], and
+    the policy versions of the params it was generated with (first and last)."""
+
+    key: Any
+    sample: int
+    tokens: np.ndarray
+    token_logp: np.ndarray
+    version_first: int
+    version_last: int
+
+
+def init_slots(model: Model, width: int, prompt_len: int, max_new: int) -> SlotState:
+    """`width` empty slots (nothing live)."""
+    cache = model.init_cache(width, prompt_len + max_new)
+    return SlotState(
+        cache=cache,
+        key_valid=jnp.zeros((width, prompt_len + max_new), bool),
+        next_logits=jnp.zeros((width, model.config.vocab_size), jnp.float32),
+        position=jnp.zeros((width,), jnp.int32),
+        step=jnp.zeros((width,), jnp.int32),
+        live=jnp.zeros((width,), bool),
+        tokens=jnp.zeros((width, max_new), jnp.int32),
+        token_logp=jnp.zeros((width, max_new), jnp.float32),
+    )
+
+
+def prefill_slots(
+    model: Model,
+    params: Params,
+    state: SlotState,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    pad_id: int,
+) -> SlotState:
+    """Prefills R prompts once each and puts prompt r into slots `slot_ids[r]` (ids >= W
+    are dropped: unused rows of the fixed prefill shape). prompt_tokens, prompt_mask: [R, P]
+    (left-padded); slot_ids: [R, S] int32."""
+    max_new = state.tokens.shape[1]
+    rows, prompt_len = prompt_tokens.shape
+    copies = slot_ids.shape[1]
+    prompt_mask = prompt_mask.astype(bool)
+    positions = positions_from_mask(prompt_mask)
+    cache = model.init_cache(rows, prompt_len)
+    logits, cache = model.apply(params, prompt_tokens, positions, prompt_mask, cache, 0)
+    ids = slot_ids.reshape(-1)
+
+    def spread(x: jax.Array) -> jax.Array:  # [R, ...] -> [R * S, ...], prompt-major
+        return jnp.repeat(x, copies, axis=0)
+
+    def put_prompt_cache(slots: jax.Array, prompt_cache: jax.Array) -> jax.Array:
+        return slots.at[ids, :prompt_len].set(spread(prompt_cache).astype(slots.dtype), mode="drop")
+
+    key_valid = jnp.concatenate([prompt_mask, jnp.ones((rows, max_new), bool)], axis=1)
+    return SlotState(
+        cache=jax.tree.map(put_prompt_cache, state.cache, cache),
+        key_valid=state.key_valid.at[ids].set(spread(key_valid), mode="drop"),
+        next_logits=state.next_logits.at[ids].set(spread(logits[:, -1]), mode="drop"),
+        position=state.position.at[ids].set(spread(positions[:, -1] + 1), mode="drop"),
+        step=state.step.at[ids].set(0, mode="drop"),
+        live=state.live.at[ids].set(True, mode="drop"),
+        tokens=state.tokens.at[ids].set(pad_id, mode="drop"),
+        token_logp=state.token_logp.at[ids].set(0.0, mode="drop"),
+    )
+
+
+def decode_chunk(
+    model: Model,
+    params: Params,
+    state: SlotState,
+    rng: jax.Array,
+    max_steps: jax.Array,
+    stop_when_free: jax.Array,
+    *,
+    sampling: SamplingConfig,
+    eos_id: int,
+    pad_id: int,
+) -> tuple[SlotState, jax.Array, jax.Array]:
+    """Decodes every live slot for up to `max_steps` steps; stops early when no slot is
+    live or `stop_when_free` slots are free (a refill can start). Returns the new state and
+    the number of steps run and the slot-steps spent on live samples."""
+    width, max_new = state.tokens.shape
+    prompt_len = state.key_valid.shape[1] - max_new
+    rows = jnp.arange(width)
+
+    def keep_going(carry) -> jax.Array:
+        steps, _, s, _ = carry
+        free = width - jnp.sum(s.live.astype(jnp.int32))
+        return (steps < max_steps) & jnp.any(s.live) & (free < stop_when_free)
+
+    def one_step(carry):
+        steps, live_steps, s, rng = carry
+        rng, step_rng = jax.random.split(rng)
+        token, logp = sample_token(s.next_logits, step_rng, sampling)
+        token = jnp.where(s.live, token, pad_id)
+        logp = jnp.where(s.live, logp, 0.0)
+        write_at = jnp.where(s.live, s.step, max_new)  # out of range: dropped
+        ended = s.live & ((token == eos_id) | (s.step + 1 >= max_new))
+        logits, cache = model.apply(
+            params,
+            token[:, None],
+            s.position[:, None],
+            s.key_valid,
+            s.cache,
+            prompt_len + jnp.minimum(s.step, max_new - 1),
+        )
+        advance = s.live.astype(jnp.int32)
+        new_state = SlotState(
+            cache=cache,
+            key_valid=s.key_valid,
+            next_logits=logits[:, 0],
+            position=s.position + advance,
+            step=s.step + advance,
+            live=s.live & ~ended,
+            tokens=s.tokens.at[rows, write_at].set(token, mode="drop"),
+            token_logp=s.token_logp.at[rows, write_at].set(logp, mode="drop"),
+        )
+        return steps + 1, live_steps + jnp.sum(advance), new_state, rng
+
+    initial = (jnp.int32(0), jnp.int32(0), state, rng)
+    steps, live_steps, state, _ = jax.lax.while_loop(keep_going, one_step, initial)
+    return state, steps, live_steps
+
+
+def take_rows(state: SlotState, ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens [N, T], token_logp [N, T], lengths [N]) of slots `ids` [N]."""
+    return state.tokens[ids], state.token_logp[ids], state.step[ids]
+
+
+def compact(state: SlotState, keep: jax.Array) -> SlotState:
+    """The state of slots `keep` [w] only (w < W): slot i of the result is slot keep[i]."""
+    return jax.tree.map(lambda x: x[keep], state)
+
+
+class SlotEngine:
+    """Samples responses with `width` decode slots (see the module docstring).
+
+    `run` takes requests and yields lists of finished samples after every decode chunk;
+    the caller works on them while the next chunk runs on the device."""
+
+    def __init__(
+        self,
+        model: Model,
+        sampling: SamplingConfig,
+        config: EngineConfig,
+        *,
+        max_prompt_len: int,
+        eos_id: int,
+        pad_id: int,
+    ):
+        self.model, self.sampling, self.config = model, sampling, config
+        self.max_prompt_len, self.eos_id, self.pad_id = max_prompt_len, eos_id, pad_id
+        self.max_new = sampling.max_new_tokens
+        self._init = jax.jit(
+            functools.partial(init_slots, model, prompt_len=max_prompt_len, max_new=self.max_new),
+            static_argnums=0,
+        )
+        # the slot state is donated: each call updates it in place instead of copying it
+        self._prefill = jax.jit(
+            functools.partial(prefill_slots, model, pad_id=pad_id), donate_argnums=1
+        )
+        self._decode = jax.jit(
+            functools.partial(decode_chunk, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id),
+            donate_argnums=1,
+        )
+        self._take = jax.jit(take_rows)
+        self._compact = jax.jit(compact)
+        self.counters = EngineCounters()
+
+    def run(
+        self,
+        params_fn: Callable[[], tuple[Params, int]],
+        requests: Iterable[Request],
+        rng: jax.Array,
+        *,
+        in_flight_updates: bool = False,
+    ) -> Iterator[list[Finished]]:
+        """Samples every request's responses; yields the samples finished by each chunk.
+
+        `params_fn() -> (params, version)` is called once at the start, and before every
+        chunk with `in_flight_updates`. `requests` is read lazily (one refill at a time),
+        so it may be an endless stream; the caller stops by closing the generator."""
+        config = self.config
+        width = config.slots
+        widths = config.widths()
+        params, version = params_fn()
+        state = self._init(width)
+        slots = _SlotTable(width)
+        pending = iter(requests)
+        waiting: Request | None = None  # a request read but not yet placed
+        exhausted = False
+        harvest = None  # finished samples of the last chunk, gathered on the device
+        chunk = 0
+        while True:
+            # Refill free slots, `prefill_prompts` prompts per prefill call.
+            while not exhausted and width == config.slots:
+                batch: list[Request] = []
+                free = slots.free_count()
+                while len(batch) < config.prefill_prompts:
+                    if waiting is None:
+                        waiting = next(pending, None)
+                        if waiting is None:
+                            exhausted = True
+                            break
+                        _check_request(waiting, config, self.max_prompt_len)
+                    if waiting.samples > free:
+                        break
+                    batch.append(waiting)
+                    free -= waiting.samples
+                    waiting = None
+                if not batch:
+                    break
+                state = self._prefill_requests(params, state, slots, batch, version)
+            if in_flight_updates:
+                params, version = params_fn()
+            live_count = slots.occupied_count()
+            if live_count == 0:
+                break
+            if exhausted and config.compact_below > 0:
+                narrower = [w for w in widths if w < width and w >= live_count]
+                if narrower and live_count <= config.compact_below * width:
+                    new_width = min(narrower)
+                    keep = slots.compact_to(new_width)
+                    state = self._compact(state, jnp.asarray(keep, jnp.int32))
+                    self.counters.compactions += 1
+                    width = new_width
+            stop_when_free = width + 1 if exhausted else _next_refill_size(waiting)
+            state, steps, live_steps = self._decode(
+                params,
+                state,
+                jax.random.fold_in(rng, chunk),
+                jnp.int32(config.chunk_steps),
+                jnp.int32(stop_when_free),
+            )
+            chunk += 1
+            if harvest is not None:  # the caller works while the chunk runs
+                yield _collect(harvest)
+                harvest = None
+            live, steps, live_steps = jax.device_get((state.live, steps, live_steps))
+            self.counters.add_chunk(int(steps), width, int(live_steps))
+            slots.mark_decoded(version)
+            ended = slots.ended(live)
+            if len(ended):
+                ids = np.zeros(width, np.int32)
+                ids[: len(ended)] = ended
+                harvest = (slots.release(ended), self._take(state, jnp.asarray(ids)))
+        if harvest is not None:
+            yield _collect(harvest)
+
+    def _prefill_requests(
+        self, params, state: SlotState, slots: _SlotTable, batch: list[Request], version: int
+    ) -> SlotState:
+        config = self.config
+        copies = max(request.samples for request in batch)
+        shape = (config.prefill_prompts, self.max_prompt_len)
+        prompt_tokens = np.full(shape, self.pad_id, np.int32)
+        prompt_mask = np.zeros(shape, bool)
+        slot_ids = np.full((config.prefill_prompts, copies), slots.width, np.int32)  # dropped
+        for row, request in enumerate(batch):
+            prompt_tokens[row] = request.prompt_tokens
+            prompt_mask[row] = request.prompt_mask
+            slot_ids[row, : request.samples] = slots.place(request, version)
+        self.counters.prefills += 1
+        return self._prefill(params, state, prompt_tokens, prompt_mask, slot_ids)
+
+
+def _check_request(request: Request, config: EngineConfig, max_prompt_len: int) -> None:
+    config.check_samples_per_prompt(request.samples)
+    if np.shape(request.prompt_tokens) != (max_prompt_len,):
+        raise ValueError(
+            f"A request's prompt has shape {np.shape(request.prompt_tokens)}; the engine takes "
+            f"prompts left-padded to max_prompt_len={max_prompt_len}."
+        )
+
+
+def _next_refill_size(waiting: Request | None) -> int:
+    """Free slots at which a decode chunk returns early for a refill: the waiting request's
+    samples (none read yet: one slot, then the request is read)."""
+    return waiting.samples if waiting is not None else 1
+
+
+def _collect(harvest) -> list[Finished]:
+    owners, (tokens, token_logp, lengths) = harvest
+    tokens, token_logp, lengths = jax.device_get((tokens, token_logp, lengths))
+    finished = []
+    for row, (key, sample, first, last) in enumerate(owners):
+        length = int(lengths[row])
+        finished.append(
+            Finished(key, sample, tokens[row, :length], token_logp[row, :length], first, last)
+        )
+    return finished
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """What the engine did: decode chunks and steps, slot-steps (width × steps) and those
+    spent on live samples, prefill calls and compactions."""
+
+    chunks: int = 0
+    decode_steps: int = 0
+    slot_steps: int = 0
+    live_slot_steps: int = 0
+    prefills: int = 0
+    compactions: int = 0
+
+    def add_chunk(self, steps: int, width: int, live_steps: int) -> None:
+        self.chunks += 1
+        self.decode_steps += steps
+        self.slot_steps += steps * width
+        self.live_slot_steps += live_steps
+
+    @property
+    def occupancy(self) -> float:
+        """The share of decoded slot-steps that produced a token."""
+        return self.live_slot_steps / max(self.slot_steps, 1)
+
+
+class _SlotTable:
+    """The host's view of the slots: which sample each holds and its policy versions."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.owner: list[tuple | None] = [None] * width  # (key, sample, first version)
+        self.last_version = np.zeros(width, np.int64)
+
+    def free_count(self) -> int:
+        return sum(owner is None for owner in self.owner)
+
+    def occupied_count(self) -> int:
+        return self.width - self.free_count()
+
+    def place(self, request: Request, version: int) -> list[int]:
+        """Takes `request.samples` free slots for its samples; returns their ids."""
+        free = [slot for slot, owner in enumerate(self.owner) if owner is None]
+        taken = free[: request.samples]
+        for sample, slot in enumerate(taken):
+            self.owner[slot] = (request.key, sample, version)
+            self.last_version[slot] = version
+        return taken
+
+    def mark_decoded(self, version: int) -> None:
+        for slot, owner in enumerate(self.owner):
+            if owner is not None:
+                self.last_version[slot] = version
+
+    def ended(self, live: np.ndarray) -> np.ndarray:
+        """Occupied slots whose sample is no longer live."""
+        return np.asarray(
+            [slot for slot, owner in enumerate(self.owner) if owner is not None and not live[slot]],
+            np.int32,
+        )
+
+    def release(self, slots: np.ndarray) -> list[tuple]:
+        """Frees `slots`; returns their (key, sample, first version, last version)."""
+        owners = []
+        for slot in slots:
+            key, sample, first = self.owner[slot]
+            owners.append((key, sample, first, int(self.last_version[slot])))
+            self.owner[slot] = None
+        return owners
+
+    def compact_to(self, width: int) -> np.ndarray:
+        """Moves the occupied slots to 0..n-1 of a table of `width`; returns, per new slot,
+        the old slot it takes (free old slots fill the rest)."""
+        occupied = [slot for slot, owner in enumerate(self.owner) if owner is not None]
+        free = [slot for slot, owner in enumerate(self.owner) if owner is None]
+        keep = np.asarray((occupied + free)[:width], np.int32)
+        self.owner = [self.owner[slot] for slot in keep]
+        self.last_version = self.last_version[keep]
+        self.width = width
+        return keep
+
+
+class SlotGenerator:
+    """`generate.generate`'s contract through the slot engine: `(params, prompt_tokens,
+    prompt_mask, rng) -> Generation` (NumPy arrays) for any number of rows N, one response
+    per row, the rows streamed through the engine's slots. `generated_batches` hands it
+    every row at once (`streams_any_rows`) and slices the result into its batches."""
+
+    streams_any_rows = True
+
+    def __init__(self, engine: SlotEngine):
+        self.engine = engine
+
+    def __call__(self, params, prompt_tokens, prompt_mask, rng) -> Generation:
+        prompt_tokens, prompt_mask = np.asarray(prompt_tokens), np.asarray(prompt_mask)
+        rows, max_new = len(prompt_tokens), self.engine.max_new
+        tokens = np.full((rows, max_new), self.engine.pad_id, np.int32)
+        token_logp = np.zeros((rows, max_new), np.float32)
+        lengths = np.zeros(rows, np.int32)
+        requests = (Request(row, prompt_tokens[row], prompt_mask[row], 1) for row in range(rows))
+        for chunk in self.engine.run(lambda: (params, 0), requests, rng):
+            for item in chunk:
+                length = len(item.tokens)
+                tokens[item.key, :length] = item.tokens
+                token_logp[item.key, :length] = item.token_logp
+                lengths[item.key] = length
+        mask = (np.arange(max_new)[None, :] < lengths[:, None]).astype(np.float32)
+        return Generation(tokens=tokens, mask=mask, lengths=lengths, token_logp=token_logp)
+
+
+def make_generator(
+    model: Model,
+    sampling: SamplingConfig,
+    *,
+    eos_id: int,
+    pad_id: int,
+    max_prompt_len: int,
+    engine: EngineConfig | None,
+):
+    """A generate function for `sampling`: the batch generator (`make_generate_fn`) when
+    `engine` is None, else a `SlotGenerator` with `engine`'s slots."""
+    if engine is None:
+        return make_generate_fn(model, sampling, eos_id=eos_id, pad_id=pad_id)
+    slot_engine = SlotEngine(
+        model, sampling, engine, max_prompt_len=max_prompt_len, eos_id=eos_id, pad_id=pad_id
+    )
+    return SlotGenerator(slot_engine)

@@ -1,0 +1,282 @@
+"""The slot engine (continuous batching) against the batch generator it replaces.
+
+Greedy decoding is deterministic, so the engine must return exactly the batch path's
+responses whatever the slot width, refills, chunking and tail compaction; sampled
+responses' behaviour log-probs must equal teacher-forced scoring of the same tokens (an
+independent check that every slot reads its own cache at its own offsets).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tba_jax.models import ModelConfig, abstract_model
+from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine
+from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+from tba_jax.sampling.scoring import make_score_fn
+
+EOS, PAD = 2, 1
+P, T = 6, 12
+CFG = ModelConfig(
+    vocab_size=24,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=64,
+    max_seq_len=32,
+    init_std=0.3,
+)
+GREEDY = SamplingConfig(max_new_tokens=T, greedy=True)
+SAMPLED = SamplingConfig(max_new_tokens=T, temperature=0.8, top_k=10)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, abstract = abstract_model(CFG)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda a: jnp.asarray(rng.normal(0.0, CFG.init_std, a.shape).astype(np.float32)),
+        abstract,
+    )
+    for norm in [params["final_norm"]] + [
+        block[name] for block in params["blocks"].values() for name in ("attn_norm", "mlp_norm")
+    ]:
+        norm["scale"] = jnp.ones(CFG.d_model)
+    # EOS a little likelier than the rest, so responses end at many different lengths
+    params["lm_head"] = params["lm_head"].at[:, EOS].add(0.15)
+    lengths = rng.integers(1, P + 1, size=20)
+    tokens = rng.integers(3, CFG.vocab_size, size=(20, P)).astype(np.int32)
+    mask = np.arange(P)[None, :] >= P - lengths[:, None]
+    tokens = np.where(mask, tokens, 0).astype(np.int32)
+    return dict(model=model, params=params, prompt_tokens=tokens, prompt_mask=mask)
+
+
+def engine_for(setup, sampling, **config) -> SlotEngine:
+    return SlotEngine(
+        setup["model"],
+        sampling,
+        EngineConfig(**config),
+        max_prompt_len=P,
+        eos_id=EOS,
+        pad_id=PAD,
+    )
+
+
+def run_engine(setup, engine, samples=1, rng=0, rows=None, **run):
+    rows = range(len(setup["prompt_tokens"])) if rows is None else rows
+    requests = [
+        Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], samples)
+        for row in rows
+    ]
+    finished = [
+        item
+        for chunk in engine.run(lambda: (setup["params"], 0), requests, jax.random.key(rng), **run)
+        for item in chunk
+    ]
+    return {(item.key, item.sample): item for item in finished}
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(setup):
+    generate_fn = make_generate_fn(setup["model"], GREEDY, eos_id=EOS, pad_id=PAD)
+    out = jax.device_get(
+        generate_fn(
+            setup["params"], setup["prompt_tokens"], setup["prompt_mask"], jax.random.key(0)
+        )
+    )
+    return [
+        (out.tokens[row, : out.lengths[row]], out.token_logp[row, : out.lengths[row]])
+        for row in range(len(out.tokens))
+    ]
+
+
+def test_the_reference_responses_end_at_many_lengths(greedy_reference):
+    lengths = {len(tokens) for tokens, _ in greedy_reference}
+    assert len(lengths) >= 4, f"lengths {lengths}: the tests below would not exercise refills"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(slots=4, chunk_steps=3, compact_below=0.0),  # refills mid-chunk, no compaction
+        dict(slots=8, chunk_steps=5, prefill_prompts=3),  # several prompts per prefill
+        dict(slots=16, chunk_steps=2, compact_below=0.5, min_width=2),  # tail compaction
+    ],
+)
+def test_greedy_engine_responses_equal_the_batch_generator(setup, greedy_reference, config):
+    engine = engine_for(setup, GREEDY, **config)
+    finished = run_engine(setup, engine)
+    assert sorted(finished) == [(row, 0) for row in range(len(greedy_reference))]
+    for row, (tokens, token_logp) in enumerate(greedy_reference):
+        np.testing.assert_array_equal(finished[row, 0].tokens, tokens, err_msg=f"row {row}")
+        np.testing.assert_allclose(finished[row, 0].token_logp, token_logp, atol=TOL)
+    if config.get("compact_below"):
+        assert engine.counters.compactions > 0
+    if config.get("compact_below") == 0.0:
+        assert engine.counters.compactions == 0
+
+
+def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):
+    engine = engine_for(setup, GREEDY, slots=8, chunk_steps=4)
+    finished = run_engine(setup, engine, samples=3)
+    assert sorted(finished) == [(row, s) for row in range(20) for s in range(3)]
+    assert engine.counters.prefills == 20  # one per prompt, not one per sample
+    for (row, _), item in finished.items():
+        np.testing.assert_array_equal(item.tokens, greedy_reference[row][0])
+
+
+def test_sampled_behaviour_logp_equals_teacher_forced_scoring(setup):
+    engine = engine_for(setup, SAMPLED, slots=6, chunk_steps=4, min_width=2)
+    finished = run_engine(setup, engine, samples=2, rng=3)
+    score_fn = make_score_fn(setup["model"], temperature=SAMPLED.temperature)
+    keys = sorted(finished)
+    rows = np.asarray([row for row, _ in keys])
+    tokens = np.full((len(keys), T), PAD, np.int32)
+    mask = np.zeros((len(keys), T), np.float32)
+    for i, key in enumerate(keys):
+        length = len(finished[key].tokens)
+        assert 1 <= length <= T
+        tokens[i, :length], mask[i, :length] = finished[key].tokens, 1.0
+        ended = finished[key].tokens[-1] == EOS
+        assert ended or length == T
+        assert EOS not in finished[key].tokens[:-1]
+    logp = np.asarray(
+        score_fn(
+            setup["params"], setup["prompt_tokens"][rows], setup["prompt_mask"][rows], tokens, mask
+        )
+    )
+    for i, key in enumerate(keys):
+        length = len(finished[key].tokens)
+        np.testing.assert_allclose(finished[key].token_logp, logp[i, :length], atol=TOL)
+    # two samples of one prompt differ somewhere (each slot draws its own tokens)
+    assert any(
+        not np.array_equal(finished[row, 0].tokens, finished[row, 1].tokens) for row in range(20)
+    )
+
+
+def test_nothing_recompiles_as_prompts_come_and_go(setup):
+    engine = engine_for(setup, SAMPLED, slots=8, chunk_steps=2, min_width=2)
+    run_engine(setup, engine, samples=2, rng=1)
+    run_engine(setup, engine, samples=2, rng=2, rows=range(7))
+    # one decode program per width (8, 4, 2) and one prefill program, whatever the traffic
+    assert engine._decode._cache_size() <= 3
+    assert engine._prefill._cache_size() == 1
+
+
+def test_in_flight_updates_record_the_first_and_last_versions(setup):
+    engine = engine_for(setup, SAMPLED, slots=4, chunk_steps=2)
+    calls = iter(range(1000))
+    requests = [
+        Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], 1) for row in range(8)
+    ]
+
+    def newer_params_every_call():
+        return setup["params"], next(calls)
+
+    finished = [
+        item
+        for chunk in engine.run(
+            newer_params_every_call, requests, jax.random.key(0), in_flight_updates=True
+        )
+        for item in chunk
+    ]
+    assert all(item.version_first <= item.version_last for item in finished)
+    long = [item for item in finished if len(item.tokens) > 2]
+    assert long and all(item.version_last > item.version_first for item in long)
+    fixed = run_engine(setup, engine_for(setup, SAMPLED, slots=4, chunk_steps=2))
+    assert all(item.version_first == item.version_last == 0 for item in fixed.values())
+
+
+def test_more_samples_than_slots_is_refused(setup):
+    engine = engine_for(setup, GREEDY, slots=2)
+    with pytest.raises(ValueError, match=r"raise search\.slots"):
+        run_engine(setup, engine, samples=3)
+
+
+def test_a_decoder_with_per_row_cache_offsets_equals_one_row_at_a_time(setup):
+    model, params = setup["model"], setup["params"]
+    rng = np.random.default_rng(1)
+    rows, length = 3, 10
+    cache = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), model.init_cache(rows, length)
+    )
+    tokens = jnp.asarray(rng.integers(3, CFG.vocab_size, size=(rows, 1)), jnp.int32)
+    offsets = jnp.asarray([2, 7, 4], jnp.int32)
+    positions = offsets[:, None] + 1
+    key_valid = jnp.ones((rows, length), bool)
+    logits, new_cache = model.apply(params, tokens, positions, key_valid, cache, offsets)
+    for row in range(rows):
+        one_cache = jax.tree.map(lambda x, r=row: x[r : r + 1], cache)
+        expected, expected_cache = model.apply(
+            params,
+            tokens[row : row + 1],
+            positions[row : row + 1],
+            key_valid[row : row + 1],
+            one_cache,
+            int(offsets[row]),
+        )
+        np.testing.assert_allclose(logits[row], expected[0], atol=1e-5)
+        caches = zip(jax.tree.leaves(new_cache), jax.tree.leaves(expected_cache), strict=True)
+        for got, want in caches:
+            np.testing.assert_allclose(got[row], want[0], atol=1e-5)
+
+
+def test_fused_search_equals_batch_then_score_on_greedy_samples(setup):
+    from tba_jax.fused import FusedSearchWorker
+    from tba_jax.metrics import RateMeter, TimeSplit
+    from tba_jax.models.tokenizers import CharTokenizer
+    from tba_jax.runtime import SearchWorker
+
+    tokenizer = CharTokenizer("abcdefghijklmnopqrstu")  # ids 3..23: the model's vocabulary
+    assert tokenizer.vocab_size == CFG.vocab_size and tokenizer.eos_id == EOS
+    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(10)]
+
+    def rewards(examples, texts):  # any host function of the text
+        pairs = zip(examples, texts, strict=True)
+        return np.asarray([len(text) + 0.5 * example["id"] for example, text in pairs])
+
+    shared = dict(
+        score_fn=make_score_fn(setup["model"], temperature=1.0),
+        reference_params=jax.tree.map(lambda x: x * 0.9, setup["params"]),
+        tokenizer=tokenizer,
+        rewards_fn=rewards,
+        max_prompt_len=P,
+        samples_per_prompt=2,
+        time_split=TimeSplit(),
+        rates=RateMeter(),
+        non_eos_penalty=-1.0,
+    )
+    batch = SearchWorker(
+        generate_fn=make_generate_fn(setup["model"], GREEDY, eos_id=EOS, pad_id=tokenizer.pad_id),
+        **shared,
+    )
+    fused = FusedSearchWorker(
+        engine=SlotEngine(
+            setup["model"],
+            GREEDY,
+            EngineConfig(slots=6, chunk_steps=3, min_width=2),
+            max_prompt_len=P,
+            eos_id=EOS,
+            pad_id=tokenizer.pad_id,
+        ),
+        score_rows=4,
+        **shared,
+    )
+    key = jax.random.key(0)
+    expected = batch.search(setup["params"], 7, examples, key)
+    got = fused.search(setup["params"], 7, examples, key)
+    assert len(got) == len(expected) == 20
+    assert {len(t.response_tokens) for t in got} != {T}, "every sample ran to the limit"
+    for want, have in zip(expected, got, strict=True):
+        assert have.prompt_id == want.prompt_id and have.policy_version == 7
+        np.testing.assert_array_equal(have.prompt_tokens, want.prompt_tokens)
+        np.testing.assert_array_equal(have.response_tokens, want.response_tokens)
+        assert have.reward == pytest.approx(want.reward)
+        np.testing.assert_allclose(have.token_logp_ref, want.token_logp_ref, atol=TOL)
+        np.testing.assert_allclose(have.token_logp_behaviour, want.token_logp_behaviour, atol=TOL)
+        assert have.logp_ref == pytest.approx(want.logp_ref, abs=1e-3)
