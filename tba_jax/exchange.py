@@ -59,6 +59,7 @@ BLOCK_FIELDS = (
     "reward",
     "prompt_id",
     "policy_version",
+    "policy_version_last",
     "created_ago",
 )
 
@@ -75,6 +76,7 @@ def empty_block(rows: int, max_prompt_len: int, max_response_len: int) -> dict[s
         "reward": np.zeros(rows, np.float32),
         "prompt_id": np.full(rows, -1, np.int32),
         "policy_version": np.zeros(rows, np.int32),
+        "policy_version_last": np.zeros(rows, np.int32),
         # seconds before packing (float32 keeps them exact; a time.time() would not)
         "created_ago": np.zeros(rows, np.float32),
     }
@@ -99,6 +101,7 @@ def pack_block(
         block["reward"][row] = t.reward
         block["prompt_id"][row] = t.prompt_id
         block["policy_version"][row] = t.policy_version
+        block["policy_version_last"][row] = t.policy_version_last
         block["created_ago"][row] = now - t.created_at
     return block
 
@@ -122,6 +125,7 @@ def unpack_block(block: dict[str, np.ndarray]) -> list[Trajectory]:
                 token_logp_ref=reference,
                 policy_version=int(block["policy_version"][row]),
                 created_at=now - float(block["created_ago"][row]),
+                policy_version_last=int(block["policy_version_last"][row]),
             )
         )
     return trajectories

@@ -50,6 +50,14 @@ class Scored(NamedTuple):
     trajectory: Trajectory
 
 
+class _Prompt(NamedTuple):
+    """A prompt being searched: its example and its encoding (left-padded [P])."""
+
+    example: dict
+    tokens: np.ndarray
+    mask: np.ndarray
+
+
 class _Group(NamedTuple):
     """Samples being scored: π_ref log-probs in flight on the device, rewards done."""
 
@@ -100,13 +108,16 @@ class FusedSearchWorker:
     ) -> Iterator[list[Scored]]:
         """Scored samples of `examples` (read lazily; may be endless) as they are ready.
         Keys are the examples' indices in `examples`."""
-        by_key: dict[int, dict] = {}
+        by_key: dict[int, _Prompt] = {}
         samples_left: dict[int, int] = {}
 
         def requests() -> Iterator[Request]:
             for key, example in enumerate(examples):
                 tokens, mask = self._encode(example)
-                by_key[key], samples_left[key] = example, self.samples_per_prompt
+                by_key[key], samples_left[key] = (
+                    _Prompt(example, tokens, mask),
+                    self.samples_per_prompt,
+                )
                 yield Request(key, tokens, mask, self.samples_per_prompt)
 
         finished: list[Finished] = []
@@ -144,7 +155,7 @@ class FusedSearchWorker:
         tokens, mask = self.tokenizer.encode_prompts([example["prompt"]], self.max_prompt_len)
         return tokens[0], mask[0]
 
-    def _dispatch(self, samples: list[Finished], by_key: dict[int, dict]) -> _Group:
+    def _dispatch(self, samples: list[Finished], by_key: dict[int, _Prompt]) -> _Group:
         """Starts π_ref scoring of `samples` on the device and computes their rewards.
         Responses are padded to the smallest of SCORE_LENGTH_BUCKETS lengths that holds the
         group's longest, so a group of short samples is not scored at full length."""
@@ -156,20 +167,23 @@ class FusedSearchWorker:
         mask = np.zeros((rows, max_new), np.float32)
         lengths = np.zeros(rows, np.int32)
         for row, sample in enumerate(samples):
-            prompt_tokens[row], prompt_mask[row] = self._encode(by_key[sample.key])
+            prompt_tokens[row], prompt_mask[row] = (
+                by_key[sample.key].tokens,
+                by_key[sample.key].mask,
+            )
             length = len(sample.tokens)
             tokens[row, :length], mask[row, :length], lengths[row] = sample.tokens, 1.0, length
         logp_ref = self.score_fn(self.reference_params, prompt_tokens, prompt_mask, tokens, mask)
         n = len(samples)
         rewards = self.rewards_fn(
-            [by_key[sample.key] for sample in samples],
+            [by_key[sample.key].example for sample in samples],
             [self.tokenizer.decode(sample.tokens) for sample in samples],
         )
         ended = ended_with_eos(tokens[:n], lengths[:n], self.tokenizer.eos_id)
         rewards = apply_non_eos_penalty(rewards, ended, self.non_eos_penalty)
         return _Group(samples, prompt_tokens, prompt_mask, logp_ref, rewards)
 
-    def _complete(self, group: _Group, by_key: dict[int, dict]) -> list[Scored]:
+    def _complete(self, group: _Group, by_key: dict[int, _Prompt]) -> list[Scored]:
         """The group's trajectories, once its π_ref log-probs are back."""
         logp_ref = np.asarray(jax.device_get(group.logp_ref))
         created_at = time.time()
@@ -177,7 +191,7 @@ class FusedSearchWorker:
         for row, sample in enumerate(group.samples):
             length = len(sample.tokens)
             trajectory = Trajectory(
-                prompt_id=int(by_key[sample.key]["id"]),
+                prompt_id=int(by_key[sample.key].example["id"]),
                 prompt_tokens=group.prompt_tokens[row][group.prompt_mask[row]],
                 response_tokens=sample.tokens,
                 reward=float(group.rewards[row]),
@@ -187,6 +201,7 @@ class FusedSearchWorker:
                 token_logp_ref=logp_ref[row, :length],
                 policy_version=sample.version_first,
                 created_at=created_at,
+                policy_version_last=sample.version_last,
             )
             scored.append(Scored(sample.key, sample.sample, trajectory))
         return scored

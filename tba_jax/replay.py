@@ -61,6 +61,8 @@ _TRAJECTORY_KEYS = (
     "token_logp_behaviour",
     "token_logp_ref",
 )
+# Read when present: states saved before in-flight updates have no last versions.
+_OPTIONAL_STATE_KEYS = ("traj_policy_version_last",)
 
 
 # ---------------------------------------------------------------------------------------
@@ -536,4 +538,5 @@ def _read_state_arrays(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise ValueError(
             f"replay state is missing keys {missing}; pass a dict made by ReplayBuffer.state_dict()"
         )
-    return {key: np.asarray(state[key]) for key in required}
+    optional = [key for key in _OPTIONAL_STATE_KEYS if key in state]
+    return {key: np.asarray(state[key]) for key in required + optional}

@@ -1,9 +1,10 @@
 """Searchers, the policy store, and the async (TBA) and sync training loops.
 
 Policy versions count learner steps: the params published after learner step
-s carry version s, and every sample records the version that generated it.
-The *policy lag* of a sample in a training batch is the learner step at which
-it is trained on minus its version (0 on-policy).
+s carry version s, and every sample records the version it was started with
+(and, under in-flight updates, the version of its last token). The *policy lag*
+of a sample in a training batch is the learner step at which it is trained on
+minus its first version (0 on-policy); `policy_lag_last_*` count from the last.
 """
 
 from __future__ import annotations
@@ -271,5 +272,6 @@ def policy_lags(learner_step: int, sample_versions: np.ndarray) -> np.ndarray:
     return learner_step - sample_versions.astype(np.int64)
 
 
-def lag_metrics(lags: np.ndarray) -> dict[str, float]:
-    return {"policy_lag_mean": float(lags.mean()), "policy_lag_max": float(lags.max())}
+def lag_metrics(lags: np.ndarray, prefix: str = "policy_lag") -> dict[str, float]:
+    """`{prefix}_mean` and `{prefix}_max` of a batch's lags."""
+    return {f"{prefix}_mean": float(lags.mean()), f"{prefix}_max": float(lags.max())}

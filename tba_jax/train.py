@@ -488,11 +488,12 @@ def device_batch(run: Setup, batch: SampledBatch, sharding) -> dict[str, jax.Arr
     return run.group.global_batch(fields, sharding)
 
 
-def batch_policy_versions(run: Setup, batch: SampledBatch) -> np.ndarray:
-    """The policy version of every row of the global batch."""
-    if not run.topology.multi_process:
-        return batch.policy_version
-    return run.group.gather(batch.policy_version).ravel()
+def batch_policy_versions(run: Setup, batch: SampledBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The first and the last policy version of every row of the global batch: int [N] each."""
+    versions = np.stack([batch.policy_version, batch.policy_version_last])
+    if run.topology.multi_process:
+        versions = np.concatenate(run.group.gather(versions), axis=1)
+    return versions[0], versions[1]
 
 
 def finished_summary(run: Setup) -> dict | None:
@@ -658,7 +659,9 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             with segment.meters.time_split.measure("training"):
                 state, metrics = run.train_step(state, device_batch(run, batch, batch_sharding))
                 metrics = jax.device_get(metrics)
-            batch_lags = runtime.policy_lags(step, batch_policy_versions(run, batch))
+            versions_first, versions_last = batch_policy_versions(run, batch)
+            batch_lags = runtime.policy_lags(step, versions_first)
+            last_lags = runtime.policy_lags(step, versions_last)
             skipped = bool(metrics["skipped_nonfinite"])
             segment.add_batch(batch_lags, skipped)
             segment.remote_counts = source.remote_counts
@@ -667,6 +670,8 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             if step % source.publish_every == 0:
                 source.publish(state.params, version=step)
             metrics.update(runtime.lag_metrics(batch_lags))
+            if config.search.in_flight_updates:
+                metrics.update(runtime.lag_metrics(last_lags, prefix="policy_lag_last"))
             metrics.update(segment.rates_since_rl_start())
             metrics.update(source.metrics(step))
             if config.eval.every_steps and step % config.eval.every_steps == 0:

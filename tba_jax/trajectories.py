@@ -30,8 +30,12 @@ class Trajectory:
       logp_ref: log π_ref(response | prompt), summed over response tokens.
       token_logp_behaviour: float32 [T_i], per-token behaviour log-probs.
       token_logp_ref: float32 [T_i], per-token reference log-probs.
-      policy_version: version of the params that generated it.
+      policy_version: version of the params it was generated with first (the version
+        it was started with; its lag is counted from this one).
       created_at: `time.time()` when it was made.
+      policy_version_last: version of the params that generated its last token; newer
+        than `policy_version` only when the searcher took in-flight updates. Defaults
+        to `policy_version`.
     """
 
     prompt_id: int
@@ -44,6 +48,11 @@ class Trajectory:
     token_logp_ref: np.ndarray
     policy_version: int
     created_at: float
+    policy_version_last: int | None = None
+
+    def __post_init__(self):
+        if self.policy_version_last is None:
+            self.policy_version_last = self.policy_version
 
     @property
     def response_length(self) -> int:
@@ -67,10 +76,12 @@ class SampledBatch:
       logp_ref: float32 [N], summed reference log-probs.
       token_logp_behaviour: float32 [N, max_response_len], 0 on padding.
       token_logp_ref: float32 [N, max_response_len], 0 on padding.
-      policy_version: int32 [N], version of the params that generated each row.
+      policy_version: int32 [N], version of the params each row was started with.
       created_at: float64 [N], creation time of each row.
       prompt_ids: int64 [B], prompt id of each slot.
       from_recency: bool [B], True where the slot was a recency draw.
+      policy_version_last: int32 [N], version of the params that generated each
+        row's last token (equal to `policy_version` without in-flight updates).
     """
 
     prompt_tokens: np.ndarray
@@ -86,6 +97,7 @@ class SampledBatch:
     created_at: np.ndarray
     prompt_ids: np.ndarray
     from_recency: np.ndarray
+    policy_version_last: np.ndarray
 
     @property
     def num_prompts(self) -> int:
@@ -138,6 +150,11 @@ def normalised_trajectory(
                 f"{where}: {name} has length {len(array)} but the response has "
                 f"{len(response_tokens)} tokens; they must match"
             )
+    if trajectory.policy_version_last < trajectory.policy_version:
+        raise ValueError(
+            f"{where}: policy_version_last={trajectory.policy_version_last} is older than "
+            f"policy_version={trajectory.policy_version}; the first version comes first"
+        )
     if not math.isfinite(trajectory.reward):
         raise ValueError(f"{where}: reward={trajectory.reward} must be finite")
     for name in ("logp_behaviour", "logp_ref"):
@@ -154,6 +171,7 @@ def normalised_trajectory(
         token_logp_ref=token_logp_ref,
         policy_version=int(trajectory.policy_version),
         created_at=float(trajectory.created_at),
+        policy_version_last=int(trajectory.policy_version_last),
     )
 
 
@@ -201,6 +219,7 @@ def collate(
         created_at=np.array([t.created_at for t in rows], dtype=np.float64),
         prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
         from_recency=np.asarray(from_recency, dtype=bool),
+        policy_version_last=np.array([t.policy_version_last for t in rows], dtype=np.int32),
     )
 
 
@@ -225,6 +244,7 @@ def pack_trajectories(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
         "traj_logp_behaviour": column("logp_behaviour", np.float64),
         "traj_logp_ref": column("logp_ref", np.float64),
         "traj_policy_version": column("policy_version", np.int64),
+        "traj_policy_version_last": column("policy_version_last", np.int64),
         "traj_created_at": column("created_at", np.float64),
         "traj_prompt_offsets": _offsets([len(t.prompt_tokens) for t in trajectories]),
         "traj_prompt_tokens": _concat([t.prompt_tokens for t in trajectories], np.int32),
@@ -247,9 +267,12 @@ def unpack_trajectories(state: dict[str, np.ndarray]) -> list[Trajectory]:
     response_tokens = np.asarray(state["traj_response_tokens"])
     token_logp_behaviour = np.asarray(state["traj_token_logp_behaviour"])
     token_logp_ref = np.asarray(state["traj_token_logp_ref"])
+    # Checkpoints written before in-flight updates have no last versions: the first ones.
+    versions_last = np.asarray(state.get("traj_policy_version_last", state["traj_policy_version"]))
     scalar_columns = ("reward", "logp_behaviour", "logp_ref", "policy_version", "created_at")
     consistent = (
         all(len(state[f"traj_{name}"]) == num for name in scalar_columns)
+        and len(versions_last) == num
         and len(prompt_offsets) == num + 1
         and len(response_offsets) == num + 1
         and prompt_offsets[-1] == len(prompt_tokens)
@@ -277,6 +300,7 @@ def unpack_trajectories(state: dict[str, np.ndarray]) -> list[Trajectory]:
                 token_logp_ref=token_logp_ref[response_slice],
                 policy_version=int(state["traj_policy_version"][i]),
                 created_at=float(state["traj_created_at"][i]),
+                policy_version_last=int(versions_last[i]),
             )
         )
     return trajectories

@@ -53,6 +53,7 @@ def global_batch(config, vocab_size: int) -> dict[str, np.ndarray]:
         "token_logp_ref": np.zeros((rows, response_len), np.float32),
         "policy_version": np.zeros(rows, np.int32),
         "created_at": np.zeros(rows),
+        "policy_version_last": np.zeros(rows, np.int32),
     }
 
 

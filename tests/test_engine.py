@@ -226,11 +226,11 @@ def test_a_decoder_with_per_row_cache_offsets_equals_one_row_at_a_time(setup):
             np.testing.assert_allclose(got[row], want[0], atol=1e-5)
 
 
-def test_fused_search_equals_batch_then_score_on_greedy_samples(setup):
-    from tba_jax.fused import FusedSearchWorker
+@pytest.fixture(scope="module")
+def fused_parts(setup):
+    """What the batch and the fused search workers share, and ten prompts to search."""
     from tba_jax.metrics import RateMeter, TimeSplit
     from tba_jax.models.tokenizers import CharTokenizer
-    from tba_jax.runtime import SearchWorker
 
     tokenizer = CharTokenizer("abcdefghijklmnopqrstu")  # ids 3..23: the model's vocabulary
     assert tokenizer.vocab_size == CFG.vocab_size and tokenizer.eos_id == EOS
@@ -251,22 +251,34 @@ def test_fused_search_equals_batch_then_score_on_greedy_samples(setup):
         rates=RateMeter(),
         non_eos_penalty=-1.0,
     )
+    return shared, examples
+
+
+def fused_worker(setup, shared, sampling):
+    from tba_jax.fused import FusedSearchWorker
+
+    engine = SlotEngine(
+        setup["model"],
+        sampling,
+        EngineConfig(slots=6, chunk_steps=3, min_width=2),
+        max_prompt_len=P,
+        eos_id=EOS,
+        pad_id=shared["tokenizer"].pad_id,
+    )
+    return FusedSearchWorker(engine=engine, score_rows=4, **shared)
+
+
+def test_fused_search_equals_batch_then_score_on_greedy_samples(setup, fused_parts):
+    from tba_jax.runtime import SearchWorker
+
+    shared, examples = fused_parts
     batch = SearchWorker(
-        generate_fn=make_generate_fn(setup["model"], GREEDY, eos_id=EOS, pad_id=tokenizer.pad_id),
-        **shared,
-    )
-    fused = FusedSearchWorker(
-        engine=SlotEngine(
-            setup["model"],
-            GREEDY,
-            EngineConfig(slots=6, chunk_steps=3, min_width=2),
-            max_prompt_len=P,
-            eos_id=EOS,
-            pad_id=tokenizer.pad_id,
+        generate_fn=make_generate_fn(
+            setup["model"], GREEDY, eos_id=EOS, pad_id=shared["tokenizer"].pad_id
         ),
-        score_rows=4,
         **shared,
     )
+    fused = fused_worker(setup, shared, GREEDY)
     key = jax.random.key(0)
     expected = batch.search(setup["params"], 7, examples, key)
     got = fused.search(setup["params"], 7, examples, key)
@@ -280,3 +292,15 @@ def test_fused_search_equals_batch_then_score_on_greedy_samples(setup):
         np.testing.assert_allclose(have.token_logp_ref, want.token_logp_ref, atol=TOL)
         np.testing.assert_allclose(have.token_logp_behaviour, want.token_logp_behaviour, atol=TOL)
         assert have.logp_ref == pytest.approx(want.logp_ref, abs=1e-3)
+
+
+def test_fused_stream_with_in_flight_updates_gives_trajectories_both_versions(setup, fused_parts):
+    shared, examples = fused_parts
+    calls = iter(range(1000))
+    stream = fused_worker(setup, shared, SAMPLED).stream(
+        lambda: (setup["params"], next(calls)), examples, jax.random.key(3), in_flight_updates=True
+    )
+    trajectories = [item.trajectory for items in stream for item in items]
+    assert len(trajectories) == 20
+    assert all(t.policy_version <= t.policy_version_last for t in trajectories)
+    assert any(t.policy_version < t.policy_version_last for t in trajectories)

@@ -55,6 +55,7 @@ def trajectory(prompt_id: int, prompt_len: int, response_len: int, version: int)
         token_logp_ref=reference,
         policy_version=version,
         created_at=time.time() - 10.0 - prompt_id,
+        policy_version_last=version + prompt_id % 2,  # some finished on newer params
     )
 
 
@@ -66,6 +67,7 @@ def test_a_block_gives_back_the_trajectories_packed_into_it():
     assert len(received) == 2
     for got, want in zip(received, sent, strict=True):
         assert got.prompt_id == want.prompt_id and got.policy_version == want.policy_version
+        assert got.policy_version_last == want.policy_version_last
         np.testing.assert_array_equal(got.prompt_tokens, want.prompt_tokens)
         np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
         np.testing.assert_array_equal(got.token_logp_ref, want.token_logp_ref)

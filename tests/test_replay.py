@@ -25,6 +25,7 @@ def make_trajectory(
     policy_version: int = 0,
     created_at: float = 0.0,
     prompt: tuple[int, ...] | None = None,
+    policy_version_last: int | None = None,
 ) -> Trajectory:
     """A trajectory whose per-token log-probs are distinct, recognisable numbers."""
     response_tokens = np.asarray(response, dtype=np.int32)
@@ -42,6 +43,7 @@ def make_trajectory(
         token_logp_ref=token_logp_ref,
         policy_version=policy_version,
         created_at=created_at,
+        policy_version_last=policy_version_last,
     )
 
 
@@ -203,6 +205,7 @@ def test_padding_layout_masks_shapes_and_dtypes():
         "created_at": ((n,), np.float64),
         "prompt_ids": ((2,), np.int64),
         "from_recency": ((2,), np.bool_),
+        "policy_version_last": ((n,), np.int32),
     }
     arrays = batch.as_dict()
     assert set(arrays) == set(expected)
@@ -413,6 +416,38 @@ def test_state_dict_round_trip_through_npz(tmp_path):
     buffer.add(more)
     restored.add(more)
     assert stored_responses(restored) == stored_responses(buffer)
+
+
+def test_first_and_last_policy_versions_survive_the_buffer_and_its_state():
+    buffer = make_buffer()
+    buffer.add(
+        [
+            make_trajectory(0, (1, 2), policy_version=3, policy_version_last=5),
+            make_trajectory(1, (4,), policy_version=4),  # no in-flight update: last = first
+        ]
+    )
+    batch = buffer.sample(2, 1, np.random.default_rng(0))
+    versions = zip(batch.policy_version, batch.policy_version_last, strict=True)
+    by_prompt = dict(zip(batch.prompt_ids, versions, strict=True))  # K = 1: a row per prompt
+    assert by_prompt == {0: (3, 5), 1: (4, 4)}
+
+    def stored_versions(state: dict[str, np.ndarray]) -> list[tuple[int, int]]:
+        pairs = zip(state["traj_policy_version"], state["traj_policy_version_last"], strict=True)
+        return sorted((int(first), int(last)) for first, last in pairs)
+
+    restored = make_buffer()
+    restored.load_state_dict(buffer.state_dict())
+    assert stored_versions(restored.state_dict()) == [(3, 5), (4, 4)]
+    # A state saved before last versions existed restores with last = first.
+    old_state = {k: v for k, v in buffer.state_dict().items() if k != "traj_policy_version_last"}
+    restored_old = make_buffer()
+    restored_old.load_state_dict(old_state)
+    assert stored_versions(restored_old.state_dict()) == [(3, 3), (4, 4)]
+
+
+def test_a_last_policy_version_older_than_the_first_is_refused():
+    with pytest.raises(ValueError, match="policy_version_last=2 is older than policy_version=3"):
+        make_buffer().add([make_trajectory(0, (1,), policy_version=3, policy_version_last=2)])
 
 
 def test_load_state_dict_rejects_other_padding_layout():
