@@ -157,6 +157,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.search.slots = 0  # decode width; 0: the rows of one call (async) or batch (sync)
     config.search.chunk_steps = 16  # decode steps per host round trip (at most)
     config.search.prefill_prompts = 1  # prompts per prefill call
+    # Prompts are prefilled at the smallest of this many lengths (max_prompt_len × i / N)
+    # that holds a refill's longest prompt; 1: always at max_prompt_len.
+    config.search.prefill_buckets = 4
     # With no prompt waiting (end of a sync batch, an evaluation, a publish), live samples
     # at most this share of the width move to a halved width (down to min_width); 0: off.
     config.search.compact_below = 0.5

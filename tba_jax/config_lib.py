@@ -208,6 +208,7 @@ RANGES: dict[str, Allowed] = {
     "search.slots": integer_at_least(0),
     "search.chunk_steps": integer_at_least(1),
     "search.prefill_prompts": integer_at_least(1),
+    "search.prefill_buckets": integer_at_least(1),
     "search.compact_below": number_in(0, 1, high_open=True),
     "search.min_width": integer_at_least(1),
     "search.score_rows": integer_at_least(0),

@@ -151,6 +151,7 @@ def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig
         slots=slots,
         chunk_steps=search.chunk_steps,
         prefill_prompts=search.prefill_prompts,
+        prefill_buckets=search.prefill_buckets,
         compact_below=search.compact_below,
         min_width=search.min_width,
     )

@@ -104,6 +104,8 @@ def test_the_reference_responses_end_at_many_lengths(greedy_reference):
     "config",
     [
         dict(slots=4, chunk_steps=3, compact_below=0.0),  # refills mid-chunk, no compaction
+        dict(slots=4, chunk_steps=3, prefill_buckets=1),  # every prompt at max_prompt_len
+        dict(slots=4, chunk_steps=3, prefill_buckets=6),  # a length per prompt length
         dict(slots=8, chunk_steps=5, prefill_prompts=3),  # several prompts per prefill
         dict(slots=16, chunk_steps=2, compact_below=0.5, min_width=2),  # tail compaction
     ],
@@ -163,9 +165,10 @@ def test_nothing_recompiles_as_prompts_come_and_go(setup):
     engine = engine_for(setup, SAMPLED, slots=8, chunk_steps=2, min_width=2)
     run_engine(setup, engine, samples=2, rng=1)
     run_engine(setup, engine, samples=2, rng=2, rows=range(7))
-    # one decode program per width (8, 4, 2) and one prefill program, whatever the traffic
+    # one decode program per width (8, 4, 2) and one prefill program per prefill length
+    # (prompts of 1..6 tokens at buckets of 2: 2, 4, 6), whatever the traffic
     assert engine._decode._cache_size() <= 3
-    assert engine._prefill._cache_size() == 1
+    assert engine._prefill._cache_size() == 3
 
 
 def test_in_flight_updates_record_the_first_and_last_versions(setup):

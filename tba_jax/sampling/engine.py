@@ -16,8 +16,10 @@ keeps `width` decode slots, each holding one sample's KV cache:
   them (halving down to `min_width`), so the tail stops paying for the full width.
 
 Shapes are static: the slot width (and its halvings), the cache length
-`max_prompt_len + max_new_tokens` and the prefill shape `[prefill_prompts,
-max_prompt_len]`; nothing recompiles as prompts come and go.
+`max_prompt_len + max_new_tokens` and the prefill shapes `[prefill_prompts, L]` for
+`prefill_buckets` lengths L (a refill is prefilled at the smallest L that holds its
+longest prompt, into the last L prompt positions of its slots); nothing recompiles as
+prompts come and go.
 
 Each slot's cache row is laid out as in `generate.generate`: the left-padded prompt in
 slots 0..P-1, the response from slot P on. The decoder writes each slot's new key at
@@ -58,6 +60,9 @@ class EngineConfig:
     # move to the smallest halving of the width that holds them; 0 turns it off.
     compact_below: float = 0.5
     min_width: int = 8  # compaction never goes narrower
+    # Prompts are prefilled at the smallest of this many lengths (max_prompt_len × i / N)
+    # that holds the longest prompt of a refill; 1: always at max_prompt_len.
+    prefill_buckets: int = 4
 
     def __post_init__(self):
         if self.slots < 1:
@@ -70,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"compact_below={self.compact_below} must be in [0, 1).")
         if self.min_width < 1:
             raise ValueError(f"min_width={self.min_width} must be >= 1.")
+        if self.prefill_buckets < 1:
+            raise ValueError(f"prefill_buckets={self.prefill_buckets} must be >= 1.")
 
     def check_samples_per_prompt(self, samples_per_prompt: int) -> None:
         if samples_per_prompt > self.slots:
@@ -77,6 +84,11 @@ class EngineConfig:
                 f"{samples_per_prompt} samples per prompt do not fit in {self.slots} decode "
                 "slots (a prompt's samples are prefilled together); raise search.slots."
             )
+
+    def prefill_length(self, longest_prompt: int, max_prompt_len: int) -> int:
+        """The prefill length of a refill whose longest prompt has `longest_prompt` tokens."""
+        bucket = -(-max_prompt_len // self.prefill_buckets)
+        return min(max_prompt_len, max(1, -(-longest_prompt // bucket)) * bucket)
 
     def widths(self) -> list[int]:
         """The compiled decode widths: `slots`, then its halvings down to `min_width`."""
@@ -153,14 +165,17 @@ def prefill_slots(
     pad_id: int,
 ) -> SlotState:
     """Prefills R prompts once each and puts prompt r into slots `slot_ids[r]` (ids >= W
-    are dropped: unused rows of the fixed prefill shape). prompt_tokens, prompt_mask: [R, P]
-    (left-padded); slot_ids: [R, S] int32."""
+    are dropped: unused rows of the fixed prefill shape). prompt_tokens, prompt_mask: [R, L]
+    (left-padded, L <= the slots' prompt length P: the last L of the P prompt positions;
+    the first P - L are masked off); slot_ids: [R, S] int32."""
     max_new = state.tokens.shape[1]
-    rows, prompt_len = prompt_tokens.shape
+    rows, length = prompt_tokens.shape
+    prompt_len = state.key_valid.shape[1] - max_new
+    start = prompt_len - length
     copies = slot_ids.shape[1]
     prompt_mask = prompt_mask.astype(bool)
     positions = positions_from_mask(prompt_mask)
-    cache = model.init_cache(rows, prompt_len)
+    cache = model.init_cache(rows, length)
     logits, cache = model.apply(params, prompt_tokens, positions, prompt_mask, cache, 0)
     ids = slot_ids.reshape(-1)
 
@@ -168,9 +183,11 @@ def prefill_slots(
         return jnp.repeat(x, copies, axis=0)
 
     def put_prompt_cache(slots: jax.Array, prompt_cache: jax.Array) -> jax.Array:
-        return slots.at[ids, :prompt_len].set(spread(prompt_cache).astype(slots.dtype), mode="drop")
+        prompt_cache = spread(prompt_cache).astype(slots.dtype)
+        return slots.at[ids, start:prompt_len].set(prompt_cache, mode="drop")
 
-    key_valid = jnp.concatenate([prompt_mask, jnp.ones((rows, max_new), bool)], axis=1)
+    hidden = jnp.zeros((rows, start), bool)  # a previous occupant's keys stay masked off
+    key_valid = jnp.concatenate([hidden, prompt_mask, jnp.ones((rows, max_new), bool)], axis=1)
     return SlotState(
         cache=jax.tree.map(put_prompt_cache, state.cache, cache),
         key_valid=state.key_valid.at[ids].set(spread(key_valid), mode="drop"),
@@ -371,13 +388,15 @@ class SlotEngine:
     ) -> SlotState:
         config = self.config
         copies = max(request.samples for request in batch)
-        shape = (config.prefill_prompts, self.max_prompt_len)
+        longest = max(_prompt_span(request.prompt_mask) for request in batch)
+        length = config.prefill_length(longest, self.max_prompt_len)
+        shape = (config.prefill_prompts, length)
         prompt_tokens = np.full(shape, self.pad_id, np.int32)
         prompt_mask = np.zeros(shape, bool)
         slot_ids = np.full((config.prefill_prompts, copies), slots.width, np.int32)  # dropped
         for row, request in enumerate(batch):
-            prompt_tokens[row] = request.prompt_tokens
-            prompt_mask[row] = request.prompt_mask
+            prompt_tokens[row] = request.prompt_tokens[-length:]
+            prompt_mask[row] = request.prompt_mask[-length:]
             slot_ids[row, : request.samples] = slots.place(request, version)
         self.counters.prefills += 1
         return self._prefill(params, state, prompt_tokens, prompt_mask, slot_ids)
@@ -390,6 +409,12 @@ def _check_request(request: Request, config: EngineConfig, max_prompt_len: int) 
             f"A request's prompt has shape {np.shape(request.prompt_tokens)}; the engine takes "
             f"prompts left-padded to max_prompt_len={max_prompt_len}."
         )
+
+
+def _prompt_span(prompt_mask: np.ndarray) -> int:
+    """How many of a left-padded prompt's last positions hold its tokens (from the first)."""
+    mask = np.asarray(prompt_mask, bool)
+    return len(mask) - int(np.argmax(mask)) if mask.any() else 0
 
 
 def _next_refill_size(waiting: Request | None) -> int:
