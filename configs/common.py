@@ -87,7 +87,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.name = name
     config.seed = 0
     config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
-    config.method = "tb"  # a registered loss: tb | rloo
+    config.method = "tb"  # a registered loss: tb | rloo | online_dpo
     config.learner_steps = None
     config.sync_period = None  # k: publish params to the searchers every k learner steps
     config.max_prompt_len = None  # policy tokens (characters with a char tokenizer)

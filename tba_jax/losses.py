@@ -226,6 +226,63 @@ def rloo_loss(logp: Array, batch: Mapping[str, Array], beta: Any) -> tuple[Array
     return loss, jax.lax.stop_gradient(metrics)
 
 
+@register_loss("online_dpo", on_policy=False)
+def online_dpo_loss(logp: Array, batch: Mapping[str, Array], beta: Any) -> tuple[Array, Metrics]:
+    """Online DPO: each prompt's best and worst response by reward form a preference pair.
+
+    w = argmax_j r_j, l = argmin_j r_j (the first on ties), h_j = logp_j − logp_ref_j
+    L = −mean over prompts with r_w > r_l of log σ(β·(h_w − h_l))
+
+    Prompts whose K rewards are all equal give no pair and no gradient. It is valid on any
+    pair's samples (the loss has no behaviour policy), so it runs in async mode as well:
+    the asynchronous online DPO of Noukhovitch et al. (2024).
+
+    Args:
+      logp: [B, K] current-policy summed log-probs (differentiable), K ≥ 2.
+      batch: ``logp_ref``, ``reward``, each [B, K].
+      beta: scalar β > 0 (DPO's β: the strength of the pull towards π_ref).
+
+    Returns:
+      (loss, metrics) with metrics ``loss``, ``kl_mean``, ``reward_mean``,
+      ``pair_fraction`` (the share of prompts that gave a pair), ``reward_margin`` (mean
+      r_w − r_l over pairs), ``preference_accuracy`` (the share of pairs with h_w > h_l).
+    """
+    _check_batch(logp, batch, ("logp_ref", "reward"))
+    _check_beta(beta)
+    if jnp.shape(logp)[_RESPONSE_AXIS] < _MIN_SAMPLES_FOR_LEAVE_ONE_OUT:
+        raise ValueError(
+            f"Online DPO pairs two of a prompt's responses; got K={jnp.shape(logp)[-1]}. "
+            "Sample at least 2 responses per prompt."
+        )
+    reward = batch["reward"]
+    log_ratio = logp - batch["logp_ref"]
+
+    def pick(x: Array, index: Array) -> Array:  # x[b, index[b]]: [B]
+        return jnp.take_along_axis(x, index[:, None], axis=_RESPONSE_AXIS)[:, 0]
+
+    best = jnp.argmax(reward, axis=_RESPONSE_AXIS)
+    worst = jnp.argmin(reward, axis=_RESPONSE_AXIS)
+    reward_margin = pick(reward, best) - pick(reward, worst)
+    is_pair = (reward_margin > 0).astype(log_ratio.dtype)
+    num_pairs = jnp.sum(is_pair)
+    log_ratio_margin = pick(log_ratio, best) - pick(log_ratio, worst)
+    pair_losses = -jax.nn.log_sigmoid(beta * log_ratio_margin)
+    loss = jnp.sum(is_pair * pair_losses) / jnp.maximum(num_pairs, 1.0)
+
+    def pair_mean(x: Array) -> Array:
+        return jnp.sum(is_pair * x) / jnp.maximum(num_pairs, 1.0)
+
+    metrics = {
+        "loss": loss,
+        "kl_mean": jnp.mean(jax.lax.stop_gradient(log_ratio)),
+        "reward_mean": jnp.mean(reward),
+        "pair_fraction": jnp.mean(is_pair),
+        "reward_margin": pair_mean(reward_margin),
+        "preference_accuracy": pair_mean((log_ratio_margin > 0).astype(log_ratio.dtype)),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
 # --------------------------------------------------------------------------- β schedules
 
 

@@ -44,7 +44,7 @@ def setup():
     return model, params, batch
 
 
-def _train_step(model, params, optimizer, num_microbatches, beta=0.3):
+def _train_step(model, params, optimizer, num_microbatches, beta=0.3, method="tb"):
     """(initial state, jitted step) on a one-device learner mesh."""
     mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -53,7 +53,7 @@ def _train_step(model, params, optimizer, num_microbatches, beta=0.3):
     state = learner.init_train_state(params, optimizer, state_sharding)
     step = learner.make_train_step(
         model,
-        losses.get_loss("tb"),
+        losses.get_loss(method),
         optimizer,
         losses.make_beta_schedule("constant", beta, beta, 1),
         samples_per_prompt=K,
@@ -109,6 +109,17 @@ def test_train_step_lowers_the_tb_loss_on_a_fixed_batch(setup):
     for _ in range(15):
         state, metrics = step(state, batch)
     assert metrics["loss"] < 0.5 * first["loss"]
+
+
+def test_online_dpo_steps_learn_the_preferred_responses_of_a_fixed_batch(setup):
+    model, params, batch = setup
+    state, step = _train_step(model, params, optax.adam(1e-2), 1, beta=0.1, method="online_dpo")
+    state, first = step(state, batch)
+    assert first["pair_fraction"] > 0 and first["reward_margin"] == 1.0
+    for _ in range(15):
+        state, metrics = step(state, batch)
+    assert metrics["loss"] < 0.5 * first["loss"]
+    assert metrics["preference_accuracy"] == 1.0
 
 
 @pytest.mark.parametrize(

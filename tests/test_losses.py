@@ -307,6 +307,57 @@ def test_rloo_needs_two_samples_per_prompt():
         jax.jit(losses.rloo_loss)(jnp.zeros((3, 1)), batch, 0.1)
 
 
+# --------------------------------------------------------------------------- online DPO
+
+
+def numpy_online_dpo(logp, logp_ref, reward, beta):
+    """Loss and ∂L/∂logp by a loop over prompts: best vs worst response by reward."""
+    pairs, grad = [], np.zeros_like(logp)
+    for b in range(len(reward)):
+        win, lose = int(np.argmax(reward[b])), int(np.argmin(reward[b]))
+        if reward[b, win] > reward[b, lose]:
+            margin = beta * (
+                (logp[b, win] - logp_ref[b, win]) - (logp[b, lose] - logp_ref[b, lose])
+            )
+            pairs.append((b, win, lose, margin))
+    for b, win, lose, margin in pairs:
+        sigmoid_of_minus = 1.0 / (1.0 + np.exp(margin))  # −d log σ(m)/dm
+        grad[b, win] -= beta * sigmoid_of_minus / len(pairs)
+        grad[b, lose] += beta * sigmoid_of_minus / len(pairs)
+    losses_ = [np.log1p(np.exp(-margin)) for *_, margin in pairs]
+    return (np.mean(losses_) if pairs else 0.0), grad, len(pairs)
+
+
+@pytest.mark.parametrize("num_prompts,num_samples,beta", SHAPES_AND_BETAS)
+def test_online_dpo_loss_and_gradient_match_numpy(num_prompts, num_samples, beta, x64):
+    inputs = random_inputs(np.random.default_rng(num_samples + 7), num_prompts, num_samples)
+    inputs["logp"] = inputs["logp"] * 0.05  # margins β·Δh of order 1: both σ tails matter
+    reward = np.round(inputs["reward"] * 2) / 2  # ties, and prompts with no pair
+    reward[0] = 0.5
+    inputs["reward"] = reward
+    expected_loss, expected_grad, num_pairs = numpy_online_dpo(
+        inputs["logp"], inputs["logp_ref"], reward, beta
+    )
+    logp, batch = jnp.asarray(inputs["logp"]), to_jax_batch(inputs)
+    (loss, metrics), grad = jax.jit(jax.value_and_grad(losses.online_dpo_loss, has_aux=True))(
+        logp, batch, beta
+    )
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+    assert grad[0].tolist() == [0.0] * num_samples  # all rewards equal: no pair, no gradient
+    assert metrics["pair_fraction"] == pytest.approx(num_pairs / num_prompts)
+
+
+def test_online_dpo_prefers_the_rewarded_response():
+    batch = {"logp_ref": jnp.zeros((1, 3)), "reward": jnp.asarray([[0.0, 1.0, 0.5]])}
+    grad = jax.grad(lambda logp: losses.online_dpo_loss(logp, batch, 0.1)[0])(jnp.zeros((1, 3)))
+    assert grad[0, 1] < 0 < grad[0, 0] and grad[0, 2] == 0  # descent raises the best's logp
+    with pytest.raises(ValueError, match="K=1"):
+        losses.online_dpo_loss(
+            jnp.zeros((3, 1)), {"logp_ref": jnp.zeros((3, 1)), "reward": jnp.zeros((3, 1))}, 0.1
+        )
+
+
 def test_rloo_is_jittable_with_traced_beta():
     inputs = random_inputs(np.random.default_rng(5), 2, 3)
     logp, batch = jnp.asarray(inputs["logp"]), to_jax_batch(inputs)
