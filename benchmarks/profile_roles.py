@@ -64,7 +64,6 @@ from tba_jax.data.pipeline import PromptStream
 from tba_jax.metrics import write_json_atomically
 from tba_jax.replay import ReplayBuffer
 from tba_jax.run_totals import Meters
-from tba_jax.trajectories import SampledBatch
 
 PROFILE_FORMAT_VERSION = 1
 DEFAULT_REPEATS = 10
@@ -179,11 +178,6 @@ def time_search_calls(roles: Roles, repeats: int) -> dict[str, float]:
     }
 
 
-def learner_batch(batch: SampledBatch, sharding) -> dict[str, jax.Array]:
-    """The fields the train step reads, on the learner mesh (one process: the whole batch)."""
-    return jax.device_put({name: getattr(batch, name) for name in learner.BATCH_FIELDS}, sharding)
-
-
 def time_learner_steps(roles: Roles, repeats: int) -> dict[str, float]:
     """Medians over `repeats` learner steps after a compiling one: the host's batch draw
     from the replay buffer, and the step (batch onto the learner mesh, the jitted train
@@ -198,7 +192,9 @@ def time_learner_steps(roles: Roles, repeats: int) -> dict[str, float]:
             config.batch.prompts_per_batch, config.batch.samples_per_prompt, rng
         )
         drawn = time.perf_counter()
-        roles.state, metrics = run.train_step(roles.state, learner_batch(batch, batch_sharding))
+        roles.state, metrics = run.train_step(
+            roles.state, train.device_batch(run, batch, batch_sharding)
+        )
         jax.device_get(metrics)
         done = time.perf_counter()
         if step:  # step 0 compiles

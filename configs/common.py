@@ -87,7 +87,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.name = name
     config.seed = 0
     config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
-    config.method = "tb"  # a registered loss: tb | rloo | online_dpo
+    config.method = "tb"  # a registered loss: tb | rloo | online_dpo | grpo
     config.learner_steps = None
     config.sync_period = None  # k: publish params to the searchers every k learner steps
     config.max_prompt_len = None  # policy tokens (characters with a char tokenizer)
@@ -128,6 +128,13 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.loss.beta_start = None
     config.loss.beta_end = None
     config.loss.beta_anneal_steps = None
+    # GRPO's options (method=grpo): the ratio's clip range ε, whether advantages are
+    # divided by the group's reward std, and the mean over all tokens of the batch
+    # ("token") or over each response's tokens, then responses ("sequence").
+    config.loss.grpo = ml_collections.ConfigDict()
+    config.loss.grpo.clip_epsilon = 0.2
+    config.loss.grpo.scale_rewards = True
+    config.loss.grpo.aggregation = "token"  # token | sequence
 
     config.batch = ml_collections.ConfigDict()
     config.batch.prompts_per_batch = None  # B

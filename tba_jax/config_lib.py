@@ -24,7 +24,7 @@ import ml_collections
 
 from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
-from tba_jax.losses import BETA_SCHEDULE_KINDS, get_loss, registered_losses
+from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
 from tba_jax.models.config import DTYPES
 from tba_jax.replay import PRIORITIES
 from tba_jax.sampling.engine import ENGINES
@@ -189,6 +189,9 @@ RANGES: dict[str, Allowed] = {
     "loss.beta_start": number_above(0),
     "loss.beta_end": number_above(0),
     "loss.beta_anneal_steps": integer_at_least(0),
+    "loss.grpo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
+    "loss.grpo.scale_rewards": BOOLEAN,
+    "loss.grpo.aggregation": one_of(GRPO_AGGREGATIONS),
     "batch.prompts_per_batch": integer_at_least(1),
     "batch.samples_per_prompt": integer_at_least(2),
     "batch.samples_generated_per_prompt": integer_at_least(2),

@@ -10,6 +10,7 @@ gradients are averaged with a `lax.scan`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -33,6 +34,13 @@ BATCH_FIELDS = (
     "logp_ref",
     "logp_behaviour",
 )
+# What a token-level loss (GRPO) reads besides: [N, T] each.
+TOKEN_FIELDS = ("token_logp_ref", "token_logp_behaviour")
+
+
+def batch_fields(loss: LossSpec) -> tuple[str, ...]:
+    """The fields of a sampled batch the train step of `loss` reads."""
+    return BATCH_FIELDS + TOKEN_FIELDS if loss.token_level else BATCH_FIELDS
 
 
 class TrainState(NamedTuple):
@@ -226,26 +234,32 @@ def make_train_step(
     temperature: float,
     state_sharding: Any,
     mesh: jax.sharding.Mesh,
+    loss_options: Mapping[str, Any] | None = None,
 ):
     """Builds the jitted `(state, batch) -> (state, metrics)` for the learner mesh.
 
-    batch: dict of BATCH_FIELDS arrays with leading dim N = B*K, sharded over the
-    mesh's batch axes. The state is donated.
+    batch: dict of `batch_fields(loss)` arrays with leading dim N = B*K, sharded over the
+    mesh's batch axes. The state is donated. `loss_options` are the loss's keyword
+    options (`config.loss.<method>`).
     """
     k = samples_per_prompt
+    fields = batch_fields(loss)
+    loss_fn = functools.partial(loss.fn, **(loss_options or {}))
+    grouped_fields = ("reward", "logp_ref", "logp_behaviour")
+    if loss.token_level:
+        grouped_fields += ("response_mask", *TOKEN_FIELDS)
 
     def microbatch_loss(params, micro, beta):
-        logp = _group(sequence_logp(model, params, micro, temperature), k)
-        grouped = {
-            name: _group(micro[name], k) for name in ("reward", "logp_ref", "logp_behaviour")
-        }
-        return loss.fn(logp, grouped, beta)
+        token_logp = batch_token_logprobs(model, params, micro, temperature=temperature)
+        logp = token_logp if loss.token_level else token_logp.sum(axis=-1)
+        grouped = {name: _group(micro[name], k) for name in grouped_fields}
+        return loss_fn(_group(logp, k), grouped, beta)
 
     grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         beta = beta_schedule(state.step)
-        micro_batches = split_microbatches(batch, BATCH_FIELDS, num_microbatches, mesh)
+        micro_batches = split_microbatches(batch, fields, num_microbatches, mesh)
         state, metrics = accumulated_update(
             state,
             micro_batches,

@@ -12,6 +12,12 @@ Every loss has the signature
 - ``beta`` — the KL coefficient β > 0; a Python float or a traced scalar.
 - ``loss`` is a scalar; ``metrics`` maps names to scalars.
 
+Token-level losses (``token_level=True``, e.g. GRPO's clipped per-token ratio) take
+``token_logp: [B, K, T]`` instead (0 on padding), and their batch adds
+``token_logp_ref``, ``token_logp_behaviour`` and ``response_mask``, each [B, K, T].
+A loss's options (e.g. GRPO's clip range) are keyword arguments, set from
+``config.loss.<method>``.
+
 All losses are pure ``jnp`` and jit-compatible. See DESIGN.md, "The algorithm".
 """
 
@@ -48,17 +54,22 @@ class LossSpec:
       fn: ``fn(logp [B, K], batch, beta) -> (loss scalar, metrics dict of scalars)``.
       on_policy: True if the loss assumes samples from the current policy (e.g. RLOO),
         so an asynchronous / off-policy runtime must not feed it stale samples.
+      token_level: True if ``fn`` takes per-token log-probs [B, K, T] (see the module
+        docstring) rather than sums [B, K].
     """
 
     name: str
     fn: LossFn
     on_policy: bool
+    token_level: bool = False
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, on_policy: bool) -> Callable[[LossFn], LossFn]:
+def register_loss(
+    name: str, *, on_policy: bool, token_level: bool = False
+) -> Callable[[LossFn], LossFn]:
     """Decorator registering a loss function under ``name``; returns the function unchanged."""
 
     def decorator(fn: LossFn) -> LossFn:
@@ -67,7 +78,7 @@ def register_loss(name: str, *, on_policy: bool) -> Callable[[LossFn], LossFn]:
                 f"A loss named {name!r} is already registered; pick another name "
                 f"(registered: {registered_losses()})."
             )
-        _REGISTRY[name] = LossSpec(name=name, fn=fn, on_policy=on_policy)
+        _REGISTRY[name] = LossSpec(name=name, fn=fn, on_policy=on_policy, token_level=token_level)
         return fn
 
     return decorator
@@ -279,6 +290,97 @@ def online_dpo_loss(logp: Array, batch: Mapping[str, Array], beta: Any) -> tuple
         "pair_fraction": jnp.mean(is_pair),
         "reward_margin": pair_mean(reward_margin),
         "preference_accuracy": pair_mean((log_ratio_margin > 0).astype(log_ratio.dtype)),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+GRPO_AGGREGATIONS = ("token", "sequence")
+
+
+def group_normalised_advantages(reward: Array, scale: bool, std_eps: float) -> Array:
+    """GRPO's advantages: (r_j − mean_K r) / (std_K r + std_eps), or without the division
+    when `scale` is False. reward: [B, K] → [B, K], detached."""
+    centred = reward - _per_prompt_mean(reward)
+    if scale:
+        centred = centred / (jnp.std(reward, axis=_RESPONSE_AXIS, keepdims=True) + std_eps)
+    return jax.lax.stop_gradient(centred)
+
+
+@register_loss("grpo", on_policy=False, token_level=True)
+def grpo_loss(
+    token_logp: Array,
+    batch: Mapping[str, Array],
+    beta: Any,
+    *,
+    clip_epsilon: float = 0.2,
+    scale_rewards: bool = True,
+    aggregation: str = "token",
+    std_eps: float = 1e-4,
+) -> tuple[Array, Metrics]:
+    """GRPO (Shao et al. 2024): group-normalised advantages, a clipped ratio to the
+    behaviour policy and the k3 KL estimator to π_ref, per token.
+
+    A_j   = (r_j − mean_K r) / (std_K r + std_eps)          (no division: scale_rewards=False)
+    ρ_t   = exp(log π_θ(y_t) − log π_behaviour(y_t))
+    KL_t  = exp(log π_ref(y_t) − log π_θ(y_t)) − (log π_ref(y_t) − log π_θ(y_t)) − 1
+    ℓ_t   = −min(ρ_t A_j, clip(ρ_t, 1 − ε, 1 + ε) A_j) + β KL_t
+    L     = Σ_t ℓ_t / (number of response tokens in the batch)    (aggregation="token")
+          = mean_j [ Σ_t ℓ_t / |y_j| ]                            (aggregation="sequence")
+
+    π_behaviour is the policy that sampled the batch: the old policy of PPO's ratio (sync:
+    the params of this step, so ρ = 1 with its gradient; async: older params, and the clip
+    bounds their update).
+
+    Args:
+      token_logp: [B, K, T] current-policy per-token log-probs, 0 on padding.
+      batch: ``reward`` [B, K]; ``token_logp_ref``, ``token_logp_behaviour``,
+        ``response_mask`` [B, K, T].
+      beta: the KL coefficient β > 0.
+
+    Returns:
+      (loss, metrics) with ``loss``, ``kl_mean`` (the per-token k3 KL's mean),
+      ``reward_mean``, ``clip_fraction`` (the share of tokens whose ratio was clipped),
+      ``ratio_mean``, ``advantage_std``.
+    """
+    _check_beta(beta)
+    if aggregation not in GRPO_AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {GRPO_AGGREGATIONS}.")
+    if clip_epsilon <= 0:
+        raise ValueError(f"clip_epsilon={clip_epsilon} must be > 0.")
+    required = ("reward", "token_logp_ref", "token_logp_behaviour", "response_mask")
+    missing = [key for key in required if key not in batch]
+    if missing:
+        raise ValueError(f"Batch is missing {missing}; GRPO needs {list(required)}.")
+    if jnp.ndim(token_logp) != 3 or jnp.shape(batch["reward"]) != jnp.shape(token_logp)[:2]:
+        raise ValueError(
+            f"token_logp must be [B, K, T] and reward [B, K]; got {jnp.shape(token_logp)} "
+            f"and {jnp.shape(batch['reward'])}."
+        )
+    mask = batch["response_mask"].astype(token_logp.dtype)
+    advantage = group_normalised_advantages(batch["reward"], scale_rewards, std_eps)[..., None]
+    ratio = jnp.exp(token_logp - batch["token_logp_behaviour"])
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
+    surrogate = jnp.minimum(ratio * advantage, clipped_ratio * advantage)
+    ref_minus_policy = batch["token_logp_ref"] - token_logp
+    kl = jnp.exp(ref_minus_policy) - ref_minus_policy - 1.0
+    per_token = (beta * kl - surrogate) * mask
+    tokens = jnp.maximum(jnp.sum(mask), 1.0)
+    if aggregation == "token":
+        loss = jnp.sum(per_token) / tokens
+    else:
+        lengths = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+        loss = jnp.mean(jnp.sum(per_token, axis=-1) / lengths)
+
+    def token_mean(x: Array) -> Array:
+        return jnp.sum(x * mask) / tokens
+
+    metrics = {
+        "loss": loss,
+        "kl_mean": token_mean(kl),
+        "reward_mean": jnp.mean(batch["reward"]),
+        "clip_fraction": token_mean((jnp.abs(ratio - 1.0) > clip_epsilon).astype(mask.dtype)),
+        "ratio_mean": token_mean(ratio),
+        "advantage_std": jnp.std(advantage),
     }
     return loss, jax.lax.stop_gradient(metrics)
 

@@ -94,6 +94,12 @@ def optim_config(config: ml_collections.ConfigDict) -> learner.OptimConfig:
     return learner.OptimConfig(total_steps=config.learner_steps, **config.optim.to_dict())
 
 
+def loss_options(config: ml_collections.ConfigDict) -> dict:
+    """The keyword options of `config.method`'s loss: `config.loss.<method>` (none: {})."""
+    options = config.loss.get(config.method)
+    return options.to_dict() if isinstance(options, ml_collections.ConfigDict) else {}
+
+
 def experiment_identity(
     config: ml_collections.ConfigDict, model_cfg: ModelConfig | None, layout: dict | None = None
 ) -> dict:

@@ -213,9 +213,10 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     state_sharding = learner.train_state_shardings(
         optimizer, abstract_params, learner_shardings, meshes.learner
     )
+    loss = losses.get_loss(config.method)
     train_step = learner.make_train_step(
         model,
-        losses.get_loss(config.method),
+        loss,
         optimizer,
         losses.make_beta_schedule(
             config.loss.beta_schedule,
@@ -228,6 +229,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         temperature=config.sampling.temperature,
         state_sharding=state_sharding,
         mesh=meshes.learner,
+        loss_options=runs.loss_options(config),
     )
     return Setup(
         config=config,
@@ -484,7 +486,8 @@ def save_checkpoint(
 def device_batch(run: Setup, batch: SampledBatch, sharding) -> dict[str, jax.Array]:
     """The fields the train step reads, on the learner mesh split over its batch axes (over
     several processes, `batch` is this process's rows of the global batch)."""
-    fields = {name: getattr(batch, name) for name in learner.BATCH_FIELDS}
+    names = learner.batch_fields(losses.get_loss(run.config.method))
+    fields = {name: getattr(batch, name) for name in names}
     return run.group.global_batch(fields, sharding)
 
 

@@ -40,6 +40,8 @@ def setup():
         "reward": rng.integers(0, 2, size=B * K).astype(np.float32),
         "logp_ref": np.asarray(token_logp_ref.sum(-1)),
         "logp_behaviour": np.asarray(gen.token_logp.sum(-1)),
+        "token_logp_ref": np.asarray(token_logp_ref),
+        "token_logp_behaviour": np.asarray(gen.token_logp),
     }
     return model, params, batch
 
@@ -120,6 +122,24 @@ def test_online_dpo_steps_learn_the_preferred_responses_of_a_fixed_batch(setup):
         state, metrics = step(state, batch)
     assert metrics["loss"] < 0.5 * first["loss"]
     assert metrics["preference_accuracy"] == 1.0
+
+
+def test_grpo_steps_raise_the_rewarded_responses_over_the_others(setup):
+    model, params, batch = setup
+    state, step = _train_step(model, params, optax.adam(3e-3), 1, beta=0.01, method="grpo")
+    rewarded = batch["reward"] > 0
+
+    def preference(p):  # mean logp of rewarded responses minus that of the others
+        logp = np.asarray(learner.sequence_logp(model, p, batch, TEMPERATURE))
+        return logp[rewarded].mean() - logp[~rewarded].mean()
+
+    before = preference(params)
+    state, first = step(state, batch)
+    np.testing.assert_allclose(first["ratio_mean"], 1.0, atol=1e-4)  # π_behaviour = π_θ
+    for _ in range(5):
+        state, metrics = step(state, batch)
+    assert preference(state.params) > before + 1.0
+    assert metrics["clip_fraction"] > 0  # later steps are off-policy: the clip bites
 
 
 @pytest.mark.parametrize(

@@ -147,9 +147,10 @@ def test_async_run_on_the_slot_engine_with_in_flight_updates_logs_both_lags(tmp_
     assert all(0 <= last[step] <= first[step] for step in first)
 
 
-def test_sync_rloo_run(tmp_path):
-    summary = train_and_evaluate(get_config("smoke,mode=sync,method=rloo"), str(tmp_path))
-    assert summary["mode"] == "sync" and summary["method"] == "rloo"
+@pytest.mark.parametrize("method", ["rloo", "grpo"])  # a summed and a token-level loss
+def test_sync_run_of_another_method(tmp_path, method):
+    summary = train_and_evaluate(get_config(f"smoke,mode=sync,method={method}"), str(tmp_path))
+    assert summary["mode"] == "sync" and summary["method"] == method
     assert summary["learner_steps"] == 4
     assert summary["max_policy_lag"] == 0.0  # on-policy: trained right after generation
     assert summary["samples_generated"] == 4 * 4 * 4  # steps × prompts × K
