@@ -150,6 +150,11 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.replay.priority_inverse_temperature = 1.0
     config.replay.min_prompts = None  # buffer fill before the learner starts
 
+    # Async staleness bound: before each draw, samples more than this many policy versions
+    # behind the learner are dropped from the buffer (the learner then waits for
+    # replay.min_prompts prompts); 0: no bound.
+    config.replay.max_policy_lag = 0
+
     config.search = ml_collections.ConfigDict()
     config.search.num_searchers = 1
     config.search.prompts_per_call = None

@@ -202,6 +202,7 @@ RANGES: dict[str, Allowed] = {
     "replay.priority": one_of(PRIORITIES),
     "replay.priority_inverse_temperature": number_at_least(0),
     "replay.min_prompts": integer_at_least(1),
+    "replay.max_policy_lag": integer_at_least(0),
     "search.num_searchers": integer_at_least(1),
     "distributed.topology": one_of(("roles_within_host", "roles_by_process")),
     "distributed.learner_processes": integer_at_least(1),
@@ -261,6 +262,11 @@ def validate(
             f"K (batch.samples_per_prompt={batch.samples_per_prompt}) is larger than the "
             f"samples generated per prompt (batch.samples_generated_per_prompt="
             f"{batch.samples_generated_per_prompt}); raise the latter or lower K."
+        )
+    if config.replay.max_policy_lag and config.distributed.topology == "roles_by_process":
+        raise ConfigError(
+            "replay.max_policy_lag is not built for distributed.topology=roles_by_process "
+            "(its learners draw in lockstep rounds); use roles_within_host or leave it 0."
         )
     if config.mode == "async" and get_loss(config.method).on_policy:
         raise ConfigError(

@@ -6,6 +6,9 @@ slot is a *recency* draw (a prompt refreshed at the latest publish and its newes
 samples), otherwise a *priority* draw (a prompt uniformly from all prompts and K of its
 samples drawn without replacement by a priority over reward).
 
+`drop_older_than(version)` removes the samples of older policy versions (a staleness
+bound; the async source calls it with `replay.max_policy_lag`).
+
 All public methods take one lock, so several searcher threads and the learner may call
 them at once. `state_dict` / `load_state_dict` save and restore the whole buffer
 (contents and insertion order) as a flat dict of NumPy arrays for the checkpoint.
@@ -258,7 +261,8 @@ class ReplayBuffer:
         self._groups: dict[int, collections.OrderedDict[bytes, Trajectory]] = {}
         # Prompts by refresh order, least recently refreshed first.
         self._prompt_order: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._version_counts: collections.Counter[int] = collections.Counter()
+        # Stored keys per policy version (insertion order within a version).
+        self._keys_by_version: dict[int, dict[_TrajectoryKey, None]] = {}
 
     def _insert(self, trajectory: Trajectory) -> bool:
         """Store or refresh one normalised trajectory, then evict; True if it was new."""
@@ -272,7 +276,7 @@ class ReplayBuffer:
         )
         self._prompt_order[trajectory.prompt_id] = None
         self._prompt_order.move_to_end(trajectory.prompt_id)
-        self._version_counts[trajectory.policy_version] += 1
+        self._keys_by_version.setdefault(trajectory.policy_version, {})[key] = None
         self._evict(trajectory.prompt_id)
         return is_new
 
@@ -284,9 +288,10 @@ class ReplayBuffer:
         if not group:
             del self._groups[prompt_id]
             del self._prompt_order[prompt_id]
-        self._version_counts[trajectory.policy_version] -= 1
-        if self._version_counts[trajectory.policy_version] == 0:
-            del self._version_counts[trajectory.policy_version]
+        same_version = self._keys_by_version[trajectory.policy_version]
+        del same_version[key]
+        if not same_version:
+            del self._keys_by_version[trajectory.policy_version]
 
     def _evict(self, prompt_id: int) -> None:
         """Drop the oldest trajectories of `prompt_id`, then globally, until within capacity."""
@@ -324,6 +329,16 @@ class ReplayBuffer:
         ]
         with self._lock:
             return sum(self._insert(t) for t in normalised)
+
+    def drop_older_than(self, version: int) -> int:
+        """Removes every trajectory whose policy version is below `version`; returns how
+        many. Costs the number removed (plus the number of stored versions)."""
+        with self._lock:
+            stale = [v for v in self._keys_by_version if v < version]
+            keys = [key for v in stale for key in self._keys_by_version[v]]
+            for key in keys:
+                self._remove(key)
+            return len(keys)
 
     def sample(self, num_prompts: int, k: int, rng: np.random.Generator) -> SampledBatch:
         """Draw B = num_prompts prompt slots × K responses each; see the module docstring.
@@ -451,7 +466,7 @@ class ReplayBuffer:
 
         If fewer than `num_needed`, extended with the next most recently refreshed prompts.
         """
-        latest_version = max(self._version_counts)
+        latest_version = max(self._keys_by_version)
         by_recent_refresh = list(reversed(self._prompt_order))
         is_latest = [
             self._newest_in_group(prompt_id).policy_version == latest_version

@@ -258,10 +258,11 @@ class SearcherPool:
     def wait_for_buffer(
         self, buffer: ReplayBuffer, min_prompts: int, poll_s: float, stop_signal
     ) -> None:
-        """Blocks until the buffer holds `min_prompts` prompts; raises a searcher's error."""
+        """Blocks until the buffer holds `min_prompts` prompts (or `stop_signal`, when
+        given, is requested); raises a searcher's error."""
         while buffer.num_prompts < min_prompts:
             self.raise_if_failed()
-            if stop_signal.requested:
+            if stop_signal is not None and stop_signal.requested:
                 return
             time.sleep(poll_s)
         self.raise_if_failed()

@@ -45,6 +45,7 @@ from tba_jax.trajectories import SampledBatch, collate
 
 SEARCHER_JOIN_TIMEOUT_S = 60.0
 BUFFER_POLL_S = 0.05
+SAMPLES_DROPPED_STALE = "samples_dropped_stale"  # by replay.max_policy_lag, this segment
 
 
 class SourceState(NamedTuple):
@@ -276,8 +277,11 @@ class AsyncSource:
         self.pool = make_searcher_pool(
             config, worker, store, stream, buffer, share.topology.process_index, start_step
         )
+        self.dropped_stale = 0  # samples past replay.max_policy_lag, this segment
+        self.stop_signal: StopSignal | None = None
 
     def start(self, stop_signal: StopSignal) -> None:
+        self.stop_signal = stop_signal
         self.pool.start()
         with self.meters.time_split.measure("waiting"):
             self.pool.wait_for_buffer(
@@ -293,12 +297,25 @@ class AsyncSource:
 
     def next_batch(self, step: int) -> SampledBatch:
         self.pool.raise_if_failed()
+        if self.config.replay.max_policy_lag:
+            self._drop_stale(step)
         batch_cfg = self.config.batch
         return self.buffer.sample(
             self.share.prompts(batch_cfg.prompts_per_batch),
             batch_cfg.samples_per_prompt,
             np.random.default_rng(self.share.rng_seed(self.config.seed, step)),
         )
+
+    def _drop_stale(self, step: int) -> None:
+        """Drops samples more than `replay.max_policy_lag` versions behind `step`, then
+        waits for the searchers to refill the buffer to `replay.min_prompts` prompts."""
+        self.dropped_stale += self.buffer.drop_older_than(step - self.config.replay.max_policy_lag)
+        with self.meters.time_split.measure("waiting"):
+            self.pool.wait_for_buffer(
+                self.buffer, self.config.replay.min_prompts, BUFFER_POLL_S, self.stop_signal
+            )
+            # a stop asked for meanwhile still trains this step: on at least one prompt
+            self.pool.wait_for_buffer(self.buffer, 1, BUFFER_POLL_S, None)
 
     def publish(self, params: Params, version: int) -> None:
         self.store.publish(params, version=version)
@@ -307,6 +324,8 @@ class AsyncSource:
         metrics = {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
         dropped = self.meters.rates.totals().get(runtime.DROPPED_NONFINITE, 0)
         metrics[runtime.DROPPED_NONFINITE] = float(dropped)
+        if self.config.replay.max_policy_lag:
+            metrics[SAMPLES_DROPPED_STALE] = float(self.dropped_stale)
         return metrics
 
     def state(self) -> SourceState:

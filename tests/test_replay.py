@@ -357,6 +357,21 @@ def test_priority_prompts_are_uniform_and_distinct():
 # ---------------------------------------------------------------------------------------
 
 
+def test_drop_older_than_removes_exactly_the_older_versions():
+    buffer = make_buffer()
+    # versions out of insertion order, and a refresh that moves a sample to a newer version
+    buffer.add([make_trajectory(p, (p, v), policy_version=v) for p, v in [(0, 2), (1, 0), (2, 1)]])
+    buffer.add([make_trajectory(1, (1, 0), policy_version=3)])  # refreshed at version 3
+    buffer.add([make_trajectory(3, (3,), policy_version=0)])
+    assert buffer.drop_older_than(0) == 0
+    assert buffer.drop_older_than(2) == 2  # (2, v1) and (3, v0); (1, ...) is now version 3
+    assert stored_responses(buffer) == [(0, (0, 2)), (1, (1, 0))]
+    assert buffer.num_prompts == 2 and buffer.stats()["max_policy_version"] == 3
+    assert buffer.drop_older_than(10) == 2 and len(buffer) == 0
+    buffer.add([make_trajectory(5, (1,), policy_version=4)])  # usable again after emptying
+    assert buffer.sample(1, 1, np.random.default_rng(0)).prompt_ids.tolist() == [5]
+
+
 def test_stats():
     buffer = make_buffer()
     assert buffer.stats()["num_trajectories"] == 0

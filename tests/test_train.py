@@ -136,15 +136,19 @@ def test_workdir_of_another_experiment_is_refused_and_left_intact(async_run, var
     assert _files_and_bytes(workdir) == before  # config.json and data/ included
 
 
-def test_async_run_on_the_slot_engine_with_in_flight_updates_logs_both_lags(tmp_path):
-    config = get_config("smoke,search.engine=slots,search.in_flight_updates=True")
+def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path):
+    config = get_config(
+        "smoke,search.engine=slots,search.in_flight_updates=True,replay.max_policy_lag=1"
+    )
     summary = train_and_evaluate(config, str(tmp_path))
     assert summary["learner_steps"] == 4 and summary["samples_generated"] >= 4 * 4
+    assert summary["max_policy_lag"] <= 1  # the smoke run's lags reach 3 without the bound
     scalars = read_scalars(os.path.join(str(tmp_path), "tensorboard"))
     first, last = dict(scalars["policy_lag_max"]), dict(scalars["policy_lag_last_max"])
     assert sorted(first) == sorted(last) == [1, 2, 3, 4]
     # a sample's last params are never older than its first
     assert all(0 <= last[step] <= first[step] for step in first)
+    assert "samples_dropped_stale" in scalars
 
 
 @pytest.mark.parametrize("method", ["rloo", "grpo"])  # a summed and a token-level loss
