@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tba_jax.models import ModelConfig
+
 # The GSM8K files of the shared folder beside the repository (as in CI's checkout).
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
@@ -74,3 +76,17 @@ def save_tiny_llama_folder(
     )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return str(folder)
+
+
+# A small decoder for the sampling tests: 2 layers, grouped-query attention (4 query heads
+# over 2 key/value heads), a 24-token vocabulary.
+SMALL_DECODER = ModelConfig(
+    vocab_size=24,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=64,
+    max_seq_len=32,
+    init_std=0.3,
+)

@@ -12,24 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import SMALL_DECODER as CFG
 
-from tba_jax.models import ModelConfig, abstract_model
+from tba_jax.models import abstract_model
 from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
 EOS, PAD = 2, 1
 P, T = 6, 12
-CFG = ModelConfig(
-    vocab_size=24,
-    d_model=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    d_ff=64,
-    max_seq_len=32,
-    init_std=0.3,
-)
 GREEDY = SamplingConfig(max_new_tokens=T, greedy=True)
 SAMPLED = SamplingConfig(max_new_tokens=T, temperature=0.8, top_k=10)
 TOL = 1e-4

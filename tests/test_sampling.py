@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import SMALL_DECODER as CFG
 
-from tba_jax.models import ModelConfig, abstract_model, positions_from_mask
+from tba_jax.models import abstract_model, positions_from_mask
 from tba_jax.sampling.generate import (
     SamplingConfig,
     make_generate_fn,
@@ -20,16 +21,6 @@ EOS, PAD, PROMPT_PAD = 2, 1, 0
 B, P, T = 12, 6, 6
 PROMPT_LENGTHS = [6, 5, 4, 3, 2, 1, 6, 5, 4, 3, 2, 1]
 
-CFG = ModelConfig(
-    vocab_size=24,
-    d_model=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    d_ff=64,
-    max_seq_len=32,
-    init_std=0.3,
-)
 
 SAMPLED_07 = SamplingConfig(max_new_tokens=T, temperature=0.7, top_k=8, top_p=0.9)
 SAMPLED_10 = SamplingConfig(max_new_tokens=T, temperature=1.0)
