@@ -6,8 +6,9 @@ slot is a *recency* draw (a prompt refreshed at the latest publish and its newes
 samples), otherwise a *priority* draw (a prompt uniformly from all prompts and K of its
 samples drawn without replacement by a priority over reward).
 
-`drop_older_than(version)` removes the samples of older policy versions (a staleness
-bound; the async source calls it with `replay.max_policy_lag`).
+`drop_older_than(version)` removes the samples of older policy versions and refuses
+any added later (a staleness bound; the async source calls it with
+`replay.max_policy_lag`).
 
 All public methods take one lock, so several searcher threads and the learner may call
 them at once. `state_dict` / `load_state_dict` save and restore the whole buffer
@@ -251,6 +252,9 @@ class ReplayBuffer:
         self.priority_inverse_temperature = float(priority_inverse_temperature)
         self._lock = threading.Lock()
         self._clear()
+        # Set by drop_older_than: samples of older versions are refused by `add` (counted).
+        self.min_policy_version: int | None = None
+        self.refused_stale = 0
 
     # -- storage primitives (caller holds the lock) -------------------------------------
 
@@ -328,12 +332,19 @@ class ReplayBuffer:
             for t in trajectories
         ]
         with self._lock:
+            if self.min_policy_version is not None:
+                fresh = [t for t in normalised if t.policy_version >= self.min_policy_version]
+                self.refused_stale += len(normalised) - len(fresh)
+                normalised = fresh
             return sum(self._insert(t) for t in normalised)
 
     def drop_older_than(self, version: int) -> int:
-        """Removes every trajectory whose policy version is below `version`; returns how
-        many. Costs the number removed (plus the number of stored versions)."""
+        """Removes every trajectory whose policy version is below `version`, and from now
+        on refuses to add such trajectories (`refused_stale` counts them); returns how many
+        were removed. Costs the number removed (plus the number of stored versions)."""
         with self._lock:
+            if self.min_policy_version is None or version > self.min_policy_version:
+                self.min_policy_version = version
             stale = [v for v in self._keys_by_version if v < version]
             keys = [key for v in stale for key in self._keys_by_version[v]]
             for key in keys:

@@ -325,7 +325,7 @@ class AsyncSource:
         dropped = self.meters.rates.totals().get(runtime.DROPPED_NONFINITE, 0)
         metrics[runtime.DROPPED_NONFINITE] = float(dropped)
         if self.config.replay.max_policy_lag:
-            metrics[SAMPLES_DROPPED_STALE] = float(self.dropped_stale)
+            metrics[SAMPLES_DROPPED_STALE] = float(self.dropped_stale + self.buffer.refused_stale)
         return metrics
 
     def state(self) -> SourceState:

@@ -367,8 +367,11 @@ def test_drop_older_than_removes_exactly_the_older_versions():
     assert buffer.drop_older_than(2) == 2  # (2, v1) and (3, v0); (1, ...) is now version 3
     assert stored_responses(buffer) == [(0, (0, 2)), (1, (1, 0))]
     assert buffer.num_prompts == 2 and buffer.stats()["max_policy_version"] == 3
+    # a sample started on an older version and finished later is refused, and counted
+    assert buffer.add([make_trajectory(4, (4,), policy_version=1, policy_version_last=3)]) == 0
+    assert buffer.refused_stale == 1 and len(buffer) == 2
     assert buffer.drop_older_than(10) == 2 and len(buffer) == 0
-    buffer.add([make_trajectory(5, (1,), policy_version=4)])  # usable again after emptying
+    buffer.add([make_trajectory(5, (1,), policy_version=10)])  # usable again after emptying
     assert buffer.sample(1, 1, np.random.default_rng(0)).prompt_ids.tolist() == [5]
 
 
