@@ -128,6 +128,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.loss.beta_start = None
     config.loss.beta_end = None
     config.loss.beta_anneal_steps = None
+    # > 0: β jumps to beta_end at the N-th learner update wherever the anneal has got to
+    # (the TBA authors' "stop" iteration); 0: no cut.
+    config.loss.beta_cut_steps = 0
     # GRPO's options (method=grpo): the ratio's clip range ε, whether advantages are
     # divided by the group's reward std, and the mean over all tokens of the batch
     # ("token") or over each response's tokens, then responses ("sequence").

@@ -8,15 +8,21 @@ r"""TBA on GSM8K from the Rho-1B SFT checkpoint: the paper's GSM8K experiment.
     python experiments/train.py --config=configs/gsm8k_rho1b.py:tiny,manual_dir=/path/to/gsm8k \
         --workdir=/tmp/gsm8k_tiny
 
-Hyper-parameters are the paper's (arXiv 2503.18929), as the authors' GSM8K code sets
-them (bbartoldson/TBA: configs/tba_rho1b_gsm8k.yml, src/tba_trainer_gsm8k.py):
+Hyper-parameters are what the authors ran (bbartoldson/TBA: launch_training_gsm8k.sh
+over configs/tba_rho1b_gsm8k.yml and src/tba_trainer_gsm8k.py; ../shared/reference):
 K=20 samples per prompt in a batch out of S=24 generated (rloo_k × buffer multiplier
 1.2), m=0.95, sync period k=2, batches of 7 prompts × 20 (7 accumulated micro-batches of
-20), lr 1e-5 warmup-stable-decay (50 warmup, 450 stable, 500 decay steps), temperature
-0.7, β linear 0.012 → 0.004 over 500 steps, 1000 learner steps (140,000 episodes / 140
-per step), prompts up to 256 tokens and responses up to 512, uniform replay over a
-prompt's samples (inverse temperature 0), at most 100 samples per prompt, and about 500
-samples in the buffer before training starts. π_ref is the SFT checkpoint itself (no
+20), temperature 0.7, prompts up to 256 tokens and responses up to 512, uniform replay
+over a prompt's samples (inverse temperature 0), at most 100 samples per prompt, and
+about 500 samples in the buffer before training starts. From the launch script: 700
+learner steps (98,000 episodes at 140 per step; "accuracy barely changes from 700 to
+1000"), β from 0.014 linearly towards 0.004 at update 500 (their target and stop
+iteration), and lr 1e-5 warmup-stable-decay with 50 warmup and 350 stable steps and a
+600-step decay that the run cuts at step 700, halfway: here a linear decay to half the
+peak over the last 300 steps, the same line (the reference does not say whether their
+decay was linear or cosine). Where the paper's text and the authors' yml differ (β₀
+0.012, 1000 steps, 450 stable and 500 decay steps), this config follows the launch
+script. π_ref is the SFT checkpoint itself (no
 warm start: it *is* the supervised model).
 
 The policy needs `model.hf_path`: a local Hugging Face folder of the Rho-1B SFT model
@@ -70,7 +76,7 @@ NAMED_VARIANTS = {
 
 def get_config(arg: str | None = None):
     config = common.base_config("gsm8k_rho1b")
-    config.learner_steps = 1000  # 140,000 episodes / (7 prompts × 20) per step
+    config.learner_steps = 700  # 98,000 episodes / (7 prompts × 20) per step
     config.sync_period = 2  # k
 
     # Tokens (or characters, for the tiny variant's char tokenizer).
@@ -100,9 +106,10 @@ def get_config(arg: str | None = None):
 
     config.sampling.temperature = 0.7
 
-    config.loss.beta_start = 0.012
+    config.loss.beta_start = 0.014  # the launch script's (the yml's default: 0.012)
     config.loss.beta_end = 0.004
-    config.loss.beta_anneal_steps = 500
+    config.loss.beta_anneal_steps = 500  # their target iteration
+    config.loss.beta_cut_steps = 500  # and stop iteration
 
     config.batch.prompts_per_batch = 7  # B
     config.batch.samples_per_prompt = 20  # K
@@ -121,8 +128,11 @@ def get_config(arg: str | None = None):
 
     config.optim.learning_rate = 1e-5
     config.optim.schedule = "wsd"
-    config.optim.warmup_steps = 50  # 5% of 1000
-    config.optim.decay_fraction = 0.5  # 500 decay steps after 450 stable ones
+    config.optim.warmup_steps = 50  # their warmup ratio 0.0714 of 700
+    # 350 stable steps, then the first half of their 600-step linear decay to 0: 300
+    # steps from the peak to half of it.
+    config.optim.decay_fraction = 300 / 700
+    config.optim.end_lr_fraction = 0.5
     # AdamW as Hugging Face's Trainer defaults: no weight decay, the base's betas and eps.
     config.optim.weight_decay = 0.0
 
@@ -136,6 +146,6 @@ def get_config(arg: str | None = None):
     config.eval.num_samples = 16
     config.eval.ks = (1, 4, 16)
 
-    config.checkpoint_every = 250  # the paper saves every quarter of the run
+    config.checkpoint_every = 175  # every quarter of the run
 
     return common.finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)

@@ -23,7 +23,10 @@ Hyper-parameters are the paper's (arXiv 2503.18929), following Noukhovitch et al
 PPO"): K=20 samples per prompt in a batch out of S=20 generated, m=0.5, sync period
 k=10, batches of 8 prompts × 20 (8 accumulated micro-batches of one prompt), lr 3e-6
 constant after a 20-step linear warmup (the warmup length is our choice), AdamW,
-temperature 0.7, β linear 1 → 0.05 over the run, prompts up to 512 tokens (the post cut
+temperature 0.7, β by the authors' rule (bbartoldson/TBA, ../shared/reference): from 1
+linearly towards 0.05 as if over 128 updates, cut at update 32 (β ≈ 0.78 at update 31,
+0.05 from then on), reward-prioritised replay draws with inverse temperature 1 over the
+reward model's score (softmax), prompts up to 512 tokens (the post cut
 at whitespace to fit) and responses up to 53, a reward of −1.0 for a response that does
 not end with EOS. Episodes: the paper's 256 updates × 512 = 131,072 episodes at
 8 × 20 = 160 episodes per learner step are 819.2 steps; 820 steps cover them
@@ -169,7 +172,8 @@ def get_config(arg: str | None = None):
 
     config.loss.beta_start = 1.0
     config.loss.beta_end = 0.05
-    config.loss.beta_anneal_steps = config.get_ref("learner_steps") + 0  # the whole run
+    config.loss.beta_anneal_steps = 128  # the authors' target iteration
+    config.loss.beta_cut_steps = 32  # and stop iteration
 
     config.batch.prompts_per_batch = 8  # B
     config.batch.samples_per_prompt = 20  # K
@@ -179,7 +183,8 @@ def get_config(arg: str | None = None):
     config.replay.capacity = 200_000  # host memory bound
     config.replay.capacity_per_prompt = 100
     config.replay.recency_prob = 0.5  # m
-    config.replay.priority_inverse_temperature = 0.0  # uniform over a prompt's samples
+    # softmax (the base's priority) of the reward-model score, as the authors ran it
+    config.replay.priority_inverse_temperature = 1.0
     config.replay.min_prompts = 8  # one batch of prompts before training starts
 
     config.search.prompts_per_call = 4  # 80 rollouts per call = 4 prompts × S

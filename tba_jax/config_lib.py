@@ -189,6 +189,7 @@ RANGES: dict[str, Allowed] = {
     "loss.beta_start": number_above(0),
     "loss.beta_end": number_above(0),
     "loss.beta_anneal_steps": integer_at_least(0),
+    "loss.beta_cut_steps": integer_at_least(0),
     "loss.grpo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
     "loss.grpo.scale_rewards": BOOLEAN,
     "loss.grpo.aggregation": one_of(GRPO_AGGREGATIONS),

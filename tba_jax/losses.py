@@ -389,7 +389,7 @@ def grpo_loss(
 
 
 def make_beta_schedule(
-    kind: str, beta_start: float, beta_end: float, anneal_steps: int
+    kind: str, beta_start: float, beta_end: float, anneal_steps: int, cut_steps: int = 0
 ) -> Callable[[Any], Array]:
     """A β schedule: a pure, jnp-traceable function of the (possibly traced) step.
 
@@ -400,6 +400,10 @@ def make_beta_schedule(
       beta_start: β at step 0, > 0.
       beta_end: β from step ``anneal_steps`` on, > 0 (used by ``"linear"`` only).
       anneal_steps: steps to anneal over, > 0 (used by ``"linear"`` only).
+      cut_steps: ``"linear"`` only; > 0: β jumps to β_end at step ``cut_steps − 1`` (the
+        ``cut_steps``-th update), wherever the anneal has got to: the TBA authors' rule
+        (their "stop" iteration; TL;DR anneals as if over 128 updates but cuts at 32).
+        0: no cut.
 
     Returns:
       schedule: step (int scalar or array) -> β (float array of the step's shape).
@@ -424,8 +428,15 @@ def make_beta_schedule(
             f"use kind='constant' for a fixed beta."
         )
 
+    if cut_steps < 0:
+        raise ValueError(f"cut_steps must be >= 0 (0: no cut), got {cut_steps}.")
+
     def linear_schedule(step: Any) -> Array:
-        fraction = jnp.clip(jnp.asarray(step) / anneal_steps, 0.0, 1.0)
-        return beta_start + (beta_end - beta_start) * fraction
+        step = jnp.asarray(step)
+        fraction = jnp.clip(step / anneal_steps, 0.0, 1.0)
+        beta = beta_start + (beta_end - beta_start) * fraction
+        if cut_steps:
+            beta = jnp.where(step >= cut_steps - 1, beta_end, beta)
+        return beta
 
     return linear_schedule

@@ -223,6 +223,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
             config.loss.beta_start,
             config.loss.beta_end,
             config.loss.beta_anneal_steps,
+            config.loss.beta_cut_steps,
         ),
         samples_per_prompt=config.batch.samples_per_prompt,
         num_microbatches=config.batch.num_microbatches,

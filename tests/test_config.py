@@ -199,7 +199,6 @@ NEVER_OVERRIDDEN = [
     "loss.beta_schedule",
     "replay.priority",
     "search.num_searchers",
-    "optim.end_lr_fraction",
     "optim.b1",
     "optim.eps",
     "optim.grad_clip_norm",

@@ -388,6 +388,28 @@ def test_linear_beta_schedule_can_increase():
     np.testing.assert_allclose(schedule(20), 1.0, rtol=1e-6)
 
 
+def authors_beta(update: int, beta0: float, beta1: float, target: int, stop: int) -> float:
+    """The TBA authors' rule for update u = 1, 2, ... (../shared/reference)."""
+    if update < stop:
+        return beta1 * (update - 1) / target + beta0 * (1 - (update - 1) / target)
+    return beta1
+
+
+@pytest.mark.parametrize(
+    "beta0, beta1, target, stop", [(1.0, 0.05, 128, 32), (0.014, 0.004, 500, 500)]
+)
+def test_a_cut_linear_beta_schedule_is_the_tba_authors_rule(beta0, beta1, target, stop):
+    schedule = losses.make_beta_schedule("linear", beta0, beta1, target, cut_steps=stop)
+    for update in range(1, 2 * target):
+        # the learner's step counts updates from 0
+        np.testing.assert_allclose(
+            schedule(update - 1), authors_beta(update, beta0, beta1, target, stop), rtol=1e-6
+        )
+    if stop == 32:  # TL;DR: ≈ 0.778 at update 31, 0.05 from update 32 on
+        np.testing.assert_allclose(schedule(30), 0.7773, atol=1e-3)
+        np.testing.assert_allclose(schedule(31), 0.05, rtol=1e-6)
+
+
 def test_constant_beta_schedule_values():
     schedule = losses.make_beta_schedule("constant", 0.3, 0.01, 100)
     for step in (0, 50, 100, 10_000):
@@ -412,6 +434,7 @@ def test_beta_schedules_are_jittable(kind):
         (("constant", -1.0, 0.1, 10), r"beta_start must be > 0, got -1\.0"),
         (("linear", 1.0, -0.1, 10), r"beta_end must be > 0.*got -0\.1"),
         (("linear", 1.0, 0.1, 0), r"anneal_steps must be > 0.*got 0"),
+        (("linear", 1.0, 0.1, 10, -1), r"cut_steps must be >= 0"),
     ],
 )
 def test_beta_schedule_errors(args, message):

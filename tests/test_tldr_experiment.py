@@ -58,7 +58,9 @@ def test_paper_config_has_the_papers_hyper_parameters():
         1.0,
         0.05,
     )
-    assert config.loss.beta_anneal_steps == config.learner_steps
+    # the authors' rule: towards 0.05 as if over 128 updates, cut at update 32
+    assert (config.loss.beta_anneal_steps, config.loss.beta_cut_steps) == (128, 32)
+    assert (config.replay.priority, config.replay.priority_inverse_temperature) == ("softmax", 1.0)
     assert config.max_prompt_len == 512 and config.max_response_len == 53
     assert config.eval.max_new_tokens == 53 and config.task.non_eos_penalty == -1.0
     assert config.model.preset == "pythia-1b" and config.warm_start.steps == 0
@@ -93,7 +95,6 @@ def test_size_variants_pick_the_preset_and_links_follow():
     linked = get_config("hf_path=/ckpt/sft,max_prompt_len=300,steps=100")
     assert linked.reference.hf_path == linked.task.reference_hf_path == "/ckpt/sft"
     assert linked.task.max_prompt_len == 300 and linked.task.gold_reward_model.max_len == 354
-    assert linked.loss.beta_anneal_steps == 100
     one_way = get_config("eval.max_new_tokens=20,task.reward_model.max_len=99")
     assert one_way.max_response_len == 53 and one_way.task.gold_reward_model.max_len == 566
 
