@@ -94,10 +94,10 @@ def test_the_reference_responses_end_at_many_lengths(greedy_reference):
 @pytest.mark.parametrize(
     "config",
     [
-        dict(slots=4, chunk_steps=3, compact_below=0.0),  # refills mid-chunk, no compaction
-        dict(slots=4, chunk_steps=3, prefill_buckets=1),  # every prompt at max_prompt_len
-        dict(slots=4, chunk_steps=3, prefill_buckets=6),  # a length per prompt length
-        dict(slots=8, chunk_steps=5, prefill_prompts=3),  # several prompts per prefill
+        # refills mid-chunk, no compaction, every prompt prefilled at max_prompt_len
+        dict(slots=4, chunk_steps=3, compact_below=0.0, prefill_buckets=1),
+        # several prompts per prefill, at a length per prompt length
+        dict(slots=8, chunk_steps=5, prefill_prompts=3, prefill_buckets=6),
         dict(slots=16, chunk_steps=2, compact_below=0.5, min_width=2),  # tail compaction
     ],
 )

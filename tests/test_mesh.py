@@ -323,8 +323,8 @@ def test_async_run_on_two_devices_end_to_end(train_result):
         assert isinstance(s[key], float) and 0.0 <= s[key] <= 1.0, (key, s[key])
 
 
-def test_slot_engine_on_a_tensor_parallel_sampler_mesh_equals_one_device_greedy():
-    r = _run_check("engine", 2, timeout=180)
+def test_slot_engine_on_a_tensor_parallel_sampler_mesh_equals_one_device_greedy(publish_result):
+    r = publish_result["engine"]
     assert r["params_split"] == 2
     assert len(set(r["lengths"])) >= 3, r["lengths"]  # refills happen at many lengths
     assert r["same_tokens"]
