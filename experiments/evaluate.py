@@ -48,7 +48,6 @@ from tba_jax import cli, distributed, evaluation, runs, sources, tasks
 from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
-from tba_jax.sampling.engine import EngineConfig
 
 OUT_FILENAME = "eval.json"  # the default evaluation of the run's latest step
 EVALS_SUBDIR = "evals"  # every evaluation: one file per step and settings
@@ -173,17 +172,9 @@ def eval_settings(config, overrides: dict | None = None) -> tasks.EvalSettings:
         top_k=config.sampling.top_k,
         top_p=config.sampling.top_p,
         seed=config.seed,
-        engine=evaluation_engine(config),
+        engine=sources.evaluation_engine_config(config),
         **{**from_config, **(overrides or {})},
     )
-
-
-def evaluation_engine(config) -> EngineConfig | None:
-    """The slot engine with eval.batch_size slots when the run searched with it
-    (search.engine=slots), else None (batches of eval.batch_size)."""
-    if config.search.get("engine", "batch") != "slots":
-        return None
-    return sources.engine_config(config.search, config.eval.batch_size)
 
 
 def check_settings(settings: tasks.EvalSettings) -> None:

@@ -364,9 +364,7 @@ def samples_per_search_prompt(config: ml_collections.ConfigDict) -> int:
 def samples_per_search_call(config: ml_collections.ConfigDict) -> int:
     """Rows of one search call: prompts_per_call × S (async) or prompts_per_batch × K (sync)."""
     prompts = (
-        config.search.prompts_per_call
-        if config.mode == "async"
-        else (config.batch.prompts_per_batch)
+        config.search.prompts_per_call if config.mode == "async" else config.batch.prompts_per_batch
     )
     return prompts * samples_per_search_prompt(config)
 

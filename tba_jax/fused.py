@@ -29,17 +29,11 @@ from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
 from tba_jax.runtime import DROPPED_NONFINITE, is_finite
-from tba_jax.sampling.engine import Finished, Request, SlotEngine
+from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length
 from tba_jax.trajectories import Trajectory
 
 # π_ref scoring compiles for this many response lengths: max_new_tokens × i / N, i = 1..N.
 SCORE_LENGTH_BUCKETS = 4
-
-
-def score_length(longest: int, max_new: int) -> int:
-    """The scoring length of a group whose longest response has `longest` tokens."""
-    bucket = -(-max_new // SCORE_LENGTH_BUCKETS)
-    return min(max_new, -(-longest // bucket) * bucket)
 
 
 class Scored(NamedTuple):
@@ -160,7 +154,8 @@ class FusedSearchWorker:
         Responses are padded to the smallest of SCORE_LENGTH_BUCKETS lengths that holds the
         group's longest, so a group of short samples is not scored at full length."""
         rows = self.score_rows
-        max_new = score_length(max(len(sample.tokens) for sample in samples), self.engine.max_new)
+        longest = max(len(sample.tokens) for sample in samples)  # >= 1: EOS at least
+        max_new = bucket_length(longest, self.engine.max_new, SCORE_LENGTH_BUCKETS)
         prompt_tokens = np.full((rows, self.max_prompt_len), self.tokenizer.pad_id, np.int32)
         prompt_mask = np.zeros((rows, self.max_prompt_len), bool)
         tokens = np.full((rows, max_new), self.tokenizer.pad_id, np.int32)

@@ -158,6 +158,15 @@ def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig
     )
 
 
+def evaluation_engine_config(config: ml_collections.ConfigDict) -> EngineConfig | None:
+    """The slot engine with eval.batch_size slots when the run searches with it
+    (search.engine=slots), else None: batches of eval.batch_size. A config saved before the
+    engine existed has no search.engine: batches."""
+    if config.search.get("engine", "batch") != "slots":
+        return None
+    return engine_config(config.search, config.eval.batch_size)
+
+
 def make_replay_buffer(config: ml_collections.ConfigDict, pad_id: int) -> ReplayBuffer:
     return ReplayBuffer(
         max_prompt_len=config.max_prompt_len,

@@ -263,11 +263,7 @@ def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], flo
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         max_prompt_len=config.max_prompt_len,
-        engine=(
-            sources.engine_config(config.search, batch_size)
-            if config.search.engine == "slots"
-            else None
-        ),
+        engine=sources.evaluation_engine_config(config),
     )
     topology = run.topology
     examples = task.test[: config.eval.num_examples or None]

@@ -49,6 +49,13 @@ from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_
 ENGINES = ("batch", "slots")
 
 
+def bucket_length(length: int, limit: int, buckets: int) -> int:
+    """The smallest of `buckets` static lengths (multiples of ceil(limit / buckets), capped
+    at `limit`) that holds `length`; the first bucket at least, so nothing is 0 long."""
+    bucket = -(-limit // buckets)
+    return min(limit, max(1, -(-length // bucket)) * bucket)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """The slot engine's shape and schedule (config.search.*; see the module docstring)."""
@@ -87,8 +94,7 @@ class EngineConfig:
 
     def prefill_length(self, longest_prompt: int, max_prompt_len: int) -> int:
         """The prefill length of a refill whose longest prompt has `longest_prompt` tokens."""
-        bucket = -(-max_prompt_len // self.prefill_buckets)
-        return min(max_prompt_len, max(1, -(-longest_prompt // bucket)) * bucket)
+        return bucket_length(longest_prompt, max_prompt_len, self.prefill_buckets)
 
     def widths(self) -> list[int]:
         """The compiled decode widths: `slots`, then its halvings down to `min_width`."""

@@ -212,10 +212,10 @@ def evaluation_generate_fns(model: Model, tokenizer: Tokenizer, settings: EvalSe
     sampling = SamplingConfig(
         temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, **common
     )
-    common = dict(
+    generator = dict(
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         max_prompt_len=settings.max_prompt_len,
         engine=settings.engine,
     )
-    return make_generator(model, greedy, **common), make_generator(model, sampling, **common)
+    return make_generator(model, greedy, **generator), make_generator(model, sampling, **generator)
