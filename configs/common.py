@@ -87,7 +87,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.name = name
     config.seed = 0
     config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
-    config.method = "tb"  # a registered loss: tb | rloo | online_dpo | grpo
+    config.method = "tb"  # a registered loss: tb | rloo | online_dpo | grpo | ppo
     config.learner_steps = None
     config.sync_period = None  # k: publish params to the searchers every k learner steps
     config.max_prompt_len = None  # policy tokens (characters with a char tokenizer)
@@ -138,6 +138,25 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.loss.grpo.clip_epsilon = 0.2
     config.loss.grpo.scale_rewards = True
     config.loss.grpo.aggregation = "token"  # token | sequence
+    # PPO's options (method=ppo; tba_jax.ppo, Huang et al. 2024's TL;DR defaults): the
+    # critic's layout (its own model initialised from the policy, or a value head on the
+    # policy's trunk), GAE's γ and λ, the policy and value clip ranges, the value loss's
+    # weight (shared trunk only), epochs × mini-batches of optimiser updates per learner
+    # step (the optimiser's schedule counts updates), advantage whitening, one compiled
+    # program for actor and critic (RLHFuse's fusion), and the critic's learning rate
+    # (0: optim.learning_rate).
+    config.loss.ppo = ml_collections.ConfigDict()
+    config.loss.ppo.critic = "separate"  # separate | shared
+    config.loss.ppo.gamma = 1.0
+    config.loss.ppo.lam = 0.95
+    config.loss.ppo.clip_epsilon = 0.2
+    config.loss.ppo.value_clip = 0.2
+    config.loss.ppo.vf_coef = 0.1
+    config.loss.ppo.epochs = 4
+    config.loss.ppo.minibatches = 1
+    config.loss.ppo.whiten_advantages = True
+    config.loss.ppo.fused_step = True
+    config.loss.ppo.critic_learning_rate = 0.0
 
     config.batch = ml_collections.ConfigDict()
     config.batch.prompts_per_batch = None  # B

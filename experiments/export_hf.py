@@ -3,6 +3,7 @@ r"""Exports a training run's policy as a Hugging Face folder transformers loads.
     python experiments/export_hf.py --workdir=/tmp/from_hf --out=/tmp/exported
     python experiments/export_hf.py --workdir=W --out=DIR --dtype=bfloat16 --step=100 \
         --hf_config_overrides='{"eos_token_id": 2}'
+    python experiments/export_hf.py --workdir=W --out=DIR --critic   # a PPO run's critic
 
 Writes config.json and the weights (sharded with an index past 5 GB) of the latest (or
 `--step`'s) checkpoint in `--workdir`, and the run's tokenizer with its token ids in
@@ -60,12 +61,18 @@ def export_run(
     dtype: str | None = None,
     step: int | None = None,
     hf_config_overrides: dict[str, Any] | None = None,
+    critic: bool = False,
 ) -> dict[str, Any]:
     """Writes the latest (or `step`'s) policy of the training run in `workdir` to `out`, with
     the run's tokenizer and its token ids in config.json, so the export is usable as is.
-    Returns the summary the command line prints."""
+    `critic`: write a PPO run's value model instead, as a one-label score-head model
+    (`*ForSequenceClassification`; its per-token scores are the values). Returns the
+    summary the command line prints."""
     config = runs.load_config(workdir)
-    model_cfg, params = runs.load_trained_policy(workdir, step)
+    if critic:
+        model_cfg, params = trained_critic(config, workdir, step)
+    else:
+        model_cfg, params = runs.load_trained_policy(workdir, step)
     tokenizer = ExportedTokenizer.of_run(config, workdir)
     overrides = {**tokenizer.token_ids, **(hf_config_overrides or {})}
     files = hf.save_hf(out, model_cfg, params, dtype=dtype, hf_config_overrides=overrides)
@@ -77,6 +84,19 @@ def export_run(
         num_params=model_cfg.num_params(),
         files=[os.path.basename(path) for path in files],
     )
+
+
+def trained_critic(config, workdir: str, step: int | None):
+    """The score-head model (config, params) of a PPO run's critic; ConfigError for a run
+    of a method without one."""
+    if not runs.uses_critic(config):
+        raise ConfigError(
+            f"{workdir} is a method={config.method} run, which trains no critic; --critic "
+            "exports the value model of a method=ppo run."
+        )
+    restored = runs.restore_run(config, workdir, step)
+    critic, critic_params = restored.critic
+    return critic.score_model(restored.params, critic_params)
 
 
 def parse_overrides(text: str | None) -> dict[str, Any] | None:
@@ -106,6 +126,9 @@ def define_flags() -> None:
         None,
         "JSON object of extra config.json keys, e.g. '{\"eos_token_id\": 2}'.",
     )
+    flags.DEFINE_bool(
+        "critic", False, "Export a PPO run's value model (a one-label score-head model)."
+    )
     flags.adopt_module_key_flags(cli)
     flags.mark_flags_as_required(["workdir", "out"])
 
@@ -121,6 +144,7 @@ def main(argv):
         dtype=values.dtype,
         step=values.step,
         hf_config_overrides=overrides,
+        critic=values.critic,
     )
     print(json.dumps(result, sort_keys=True))
 

@@ -24,6 +24,7 @@ import ml_collections
 
 from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
+from tba_jax.critic import CRITIC_KINDS
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
 from tba_jax.models.config import DTYPES
 from tba_jax.replay import PRIORITIES
@@ -193,6 +194,17 @@ RANGES: dict[str, Allowed] = {
     "loss.grpo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
     "loss.grpo.scale_rewards": BOOLEAN,
     "loss.grpo.aggregation": one_of(GRPO_AGGREGATIONS),
+    "loss.ppo.critic": one_of(CRITIC_KINDS),
+    "loss.ppo.gamma": number_in(0, 1),
+    "loss.ppo.lam": number_in(0, 1),
+    "loss.ppo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
+    "loss.ppo.value_clip": number_above(0),
+    "loss.ppo.vf_coef": number_above(0),
+    "loss.ppo.epochs": integer_at_least(1),
+    "loss.ppo.minibatches": integer_at_least(1),
+    "loss.ppo.whiten_advantages": BOOLEAN,
+    "loss.ppo.fused_step": BOOLEAN,
+    "loss.ppo.critic_learning_rate": number_in(0, MAX_LEARNING_RATE),
     "batch.prompts_per_batch": integer_at_least(1),
     "batch.samples_per_prompt": integer_at_least(2),
     "batch.samples_generated_per_prompt": integer_at_least(2),
@@ -248,6 +260,17 @@ def check_ranges(config: ml_collections.ConfigDict, ranges: Mapping[str, Allowed
             raise ConfigError(f"{path}={value!r} must be {allowed.description}.")
 
 
+def _check_ppo_batches(ppo: ml_collections.ConfigDict, rows: int, num_microbatches: int) -> None:
+    """PPO splits each batch of `rows` into `ppo.minibatches` updates of `num_microbatches`
+    micro-batches each: both must divide evenly."""
+    if rows % (ppo.minibatches * num_microbatches):
+        raise ConfigError(
+            f"A batch of {rows} rows (prompts_per_batch × samples_per_prompt) does not split "
+            f"into loss.ppo.minibatches={ppo.minibatches} × batch.num_microbatches="
+            f"{num_microbatches} equal parts; change one of them."
+        )
+
+
 def validate(
     config: ml_collections.ConfigDict, num_devices: int, learner_devices: int | None = None
 ) -> None:
@@ -275,6 +298,8 @@ def validate(
             "(async replays off-policy samples)."
         )
     rows = batch.prompts_per_batch * batch.samples_per_prompt
+    if get_loss(config.method).needs_critic:
+        _check_ppo_batches(config.loss.ppo, rows, batch.num_microbatches)
     if batch.prompts_per_batch % batch.num_microbatches:
         raise ConfigError(
             f"batch.prompts_per_batch={batch.prompts_per_batch} does not divide into "
@@ -284,10 +309,13 @@ def validate(
         learner_devices = _learner_device_count(config, num_devices)
     batch_shards = learner_devices // (config.mesh.learner_axes.get("tensor", 1) or 1)
     rows_per_micro = rows // batch.num_microbatches
+    if get_loss(config.method).needs_critic:  # PPO's micro-batches split its mini-batches
+        rows_per_micro //= config.loss.ppo.minibatches
     if rows_per_micro % max(batch_shards, 1):
         raise ConfigError(
             f"A micro-batch of {rows_per_micro} rows (prompts_per_batch × samples_per_prompt / "
-            f"num_microbatches) does not divide over the learner's {batch_shards} batch shards; "
+            f"num_microbatches, / loss.ppo.minibatches for PPO) does not divide over the "
+            f"learner's {batch_shards} batch shards; "
             "change batch.prompts_per_batch, batch.num_microbatches or mesh.learner_axes."
         )
     for key, path in (

@@ -44,9 +44,19 @@ def batch_fields(loss: LossSpec) -> tuple[str, ...]:
 
 
 class TrainState(NamedTuple):
+    """The learner's state: the policy's params, its optimiser state, the learner step,
+    and (PPO, `tba_jax.ppo`) the critic's own TrainState; None for critic-free methods."""
+
     params: Params
     opt_state: Any
     step: jax.Array
+    critic: TrainState | None = None
+
+
+def state_items(state: TrainState) -> dict[str, Any]:
+    """The policy's part of `state` as the checkpoint's "train" item (the critic is an
+    item of its own, so critic-free runs keep the layout they always had)."""
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,19 +56,22 @@ class LossSpec:
         so an asynchronous / off-policy runtime must not feed it stale samples.
       token_level: True if ``fn`` takes per-token log-probs [B, K, T] (see the module
         docstring) rather than sums [B, K].
+      needs_critic: True if the loss reads advantages from a value model (PPO): the
+        learner step is `tba_jax.ppo.make_train_step`, which trains the critic too.
     """
 
     name: str
     fn: LossFn
     on_policy: bool
     token_level: bool = False
+    needs_critic: bool = False
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
 def register_loss(
-    name: str, *, on_policy: bool, token_level: bool = False
+    name: str, *, on_policy: bool, token_level: bool = False, needs_critic: bool = False
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering a loss function under ``name``; returns the function unchanged."""
 
@@ -78,7 +81,7 @@ def register_loss(
                 f"A loss named {name!r} is already registered; pick another name "
                 f"(registered: {registered_losses()})."
             )
-        _REGISTRY[name] = LossSpec(name=name, fn=fn, on_policy=on_policy, token_level=token_level)
+        _REGISTRY[name] = LossSpec(name, fn, on_policy, token_level, needs_critic)
         return fn
 
     return decorator
@@ -371,18 +374,60 @@ def grpo_loss(
         lengths = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
         loss = jnp.mean(jnp.sum(per_token, axis=-1) / lengths)
 
-    def token_mean(x: Array) -> Array:
-        return jnp.sum(x * mask) / tokens
-
     metrics = {
         "loss": loss,
-        "kl_mean": token_mean(kl),
+        "kl_mean": masked_mean(kl, mask),
         "reward_mean": jnp.mean(batch["reward"]),
-        "clip_fraction": token_mean((jnp.abs(ratio - 1.0) > clip_epsilon).astype(mask.dtype)),
-        "ratio_mean": token_mean(ratio),
+        "clip_fraction": masked_mean(
+            (jnp.abs(ratio - 1.0) > clip_epsilon).astype(mask.dtype), mask
+        ),
+        "ratio_mean": masked_mean(ratio, mask),
         "advantage_std": jnp.std(advantage),
     }
     return loss, jax.lax.stop_gradient(metrics)
+
+
+def masked_mean(x: Array, mask: Array) -> Array:
+    """Mean of `x` over the tokens where `mask` is 1 (0 if there are none)."""
+    mask = mask.astype(x.dtype)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def clipped_policy_loss(
+    token_logp: Array, token_logp_old: Array, advantages: Array, mask: Array, clip_epsilon: float
+) -> tuple[Array, dict[str, Array]]:
+    """PPO's clipped surrogate, mean over tokens: max(−A ρ, −A clip(ρ, 1 ± ε)) with
+    ρ = exp(log π_θ − log π_old). All [N, T]. Returns (loss, metrics)."""
+    log_ratio = token_logp - token_logp_old
+    ratio = jnp.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
+    loss = masked_mean(jnp.maximum(unclipped, clipped), mask)
+    metrics = {
+        "pg_loss": loss,
+        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "approx_kl": masked_mean(0.5 * log_ratio**2, mask),
+        "ratio_mean": masked_mean(ratio, mask),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+@register_loss("ppo", on_policy=False, token_level=True, needs_critic=True)
+def ppo_actor_loss(
+    token_logp: Array, batch: Mapping[str, Array], beta: Any, *, clip_epsilon: float = 0.2, **_
+) -> tuple[Array, dict[str, Array]]:
+    """The actor's loss in the registry's token-level form: `clipped_policy_loss` of
+    `token_logp` [..., T] against batch ``token_logp_behaviour`` with batch ``advantages``
+    (from the critic: `make_train_step` prepares them) and ``response_mask``. β enters
+    PPO through the rewards, not here."""
+    del beta
+    return clipped_policy_loss(
+        token_logp,
+        batch["token_logp_behaviour"],
+        batch["advantages"],
+        batch["response_mask"],
+        clip_epsilon,
+    )
 
 
 # --------------------------------------------------------------------------- β schedules

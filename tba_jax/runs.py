@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -91,7 +91,57 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
 
 
 def optim_config(config: ml_collections.ConfigDict) -> learner.OptimConfig:
-    return learner.OptimConfig(total_steps=config.learner_steps, **config.optim.to_dict())
+    """The policy's optimiser. Its schedule counts optimiser updates: PPO makes
+    `ppo_config(config).updates_per_step` of them per learner step, the others one."""
+    updates = ppo_config(config).updates_per_step if uses_critic(config) else 1
+    optim = config.optim.to_dict()
+    optim["warmup_steps"] = optim["warmup_steps"] * updates
+    return learner.OptimConfig(total_steps=config.learner_steps * updates, **optim)
+
+
+def uses_critic(config: ml_collections.ConfigDict) -> bool:
+    """Whether `config.method` trains a value model beside the policy (PPO)."""
+    from tba_jax import losses
+
+    return losses.get_loss(config.method).needs_critic
+
+
+def ppo_config(config: ml_collections.ConfigDict):
+    """`config.loss.ppo` as a `tba_jax.ppo.PPOConfig`."""
+    from tba_jax import ppo
+
+    return ppo.PPOConfig(**config.loss.ppo.to_dict())
+
+
+class CriticParts(NamedTuple):
+    """What a run with a critic builds it from: the layout, its optimiser, the shardings of
+    its TrainState on the learner mesh, and that state's abstract shape (a restore target)."""
+
+    critic: Any  # tba_jax.critic.Critic
+    optimizer: Any
+    state_sharding: learner.TrainState
+    abstract_state: learner.TrainState
+
+
+def critic_parts(
+    config: ml_collections.ConfigDict, policy: Model, mesh: jax.sharding.Mesh, rules
+) -> CriticParts | None:
+    """PPO's critic for `config` on the learner `mesh` with the sharding `rules`; None for
+    a method without one."""
+    if not uses_critic(config):
+        return None
+    from tba_jax.critic import Critic
+
+    critic = Critic.build(config.loss.ppo.critic, policy)
+    abstract_params = critic.abstract_params()
+    shardings = mesh_lib.param_shardings(critic.logical_axes, abstract_params, mesh, rules)
+    optim = optim_config(config)
+    if config.loss.ppo.critic_learning_rate:
+        optim = dataclasses.replace(optim, learning_rate=config.loss.ppo.critic_learning_rate)
+    optimizer = learner.make_optimizer(optim)
+    state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
+    abstract_state = learner.abstract_train_state(optimizer, abstract_params, state_sharding)
+    return CriticParts(critic, optimizer, state_sharding, abstract_state)
 
 
 def loss_options(config: ml_collections.ConfigDict) -> dict:
@@ -122,12 +172,36 @@ def experiment_identity(
     return identity
 
 
-def checkpoint_template(optimizer, abstract_params, state_sharding, sampler_shardings) -> dict:
+def checkpoint_template(
+    optimizer, abstract_params, state_sharding, sampler_shardings, critic: CriticParts | None
+) -> dict:
     """The abstract pytree a run's checkpoint restores into (allocates nothing)."""
-    return {
-        "train": learner.abstract_train_state(optimizer, abstract_params, state_sharding)._asdict(),
+    train = learner.abstract_train_state(optimizer, abstract_params, state_sharding)
+    template = {
+        "train": learner.state_items(train),
         "reference": mesh_lib.abstract_on(abstract_params, sampler_shardings),
     }
+    if critic is not None:
+        template["critic"] = learner.state_items(critic.abstract_state)
+    return template
+
+
+def checkpoint_items(state: learner.TrainState, reference: Params) -> dict:
+    """What a checkpoint holds of the learner: the policy's TrainState, π_ref and (PPO)
+    the critic's TrainState; the layout of `checkpoint_template`."""
+    items = {"train": learner.state_items(state), "reference": reference}
+    if state.critic is not None:
+        items["critic"] = learner.state_items(state.critic)
+    return items
+
+
+def restored_state(restored: dict) -> learner.TrainState:
+    """The TrainState (the critic's included) of a checkpoint restored from
+    `checkpoint_template`."""
+    state = learner.TrainState(**restored["train"])
+    if "critic" in restored:
+        state = state._replace(critic=learner.TrainState(**restored["critic"]))
+    return state
 
 
 def stored_experiment(workdir: str) -> dict:
@@ -154,6 +228,7 @@ class RestoredRun(NamedTuple):
     params: Params
     reference_params: Params
     metadata: dict
+    critic: tuple | None = None  # PPO: (tba_jax.critic.Critic, the critic's params)
 
 
 def restore_run(
@@ -170,10 +245,17 @@ def restore_run(
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])
     optimizer = learner.make_optimizer(optim_config(config))
     state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
-    template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings)
+    critic = critic_parts(config, model, mesh, [])
+    template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings, critic)
     restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
     checkpointer.close()
-    return RestoredRun(model, restored["train"]["params"], restored["reference"], metadata)
+    return RestoredRun(
+        model,
+        restored["train"]["params"],
+        restored["reference"],
+        metadata,
+        critic=None if critic is None else (critic.critic, restored["critic"]["params"]),
+    )
 
 
 def restore_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):

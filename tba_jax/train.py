@@ -42,6 +42,7 @@ from tba_jax import (
     exchange,
     learner,
     losses,
+    ppo,
     run_totals,
     runs,
     runtime,
@@ -98,7 +99,8 @@ class Setup:
     learner_shardings: Any
     sampler_shardings: Any
     optimizer: Any
-    state_sharding: Any
+    state_sharding: Any  # of the TrainState (its critic's included)
+    critic: runs.CriticParts | None  # PPO's value model; None for critic-free methods
     train_step: Callable  # (TrainState, batch) -> (TrainState, metrics)
     checkpointer: Checkpointer | None  # None on a searcher-only process
     topology: topology_lib.Topology
@@ -214,24 +216,40 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         optimizer, abstract_params, learner_shardings, meshes.learner
     )
     loss = losses.get_loss(config.method)
-    train_step = learner.make_train_step(
-        model,
-        loss,
-        optimizer,
-        losses.make_beta_schedule(
-            config.loss.beta_schedule,
-            config.loss.beta_start,
-            config.loss.beta_end,
-            config.loss.beta_anneal_steps,
-            config.loss.beta_cut_steps,
-        ),
-        samples_per_prompt=config.batch.samples_per_prompt,
-        num_microbatches=config.batch.num_microbatches,
-        temperature=config.sampling.temperature,
-        state_sharding=state_sharding,
-        mesh=meshes.learner,
-        loss_options=runs.loss_options(config),
+    beta_schedule = losses.make_beta_schedule(
+        config.loss.beta_schedule,
+        config.loss.beta_start,
+        config.loss.beta_end,
+        config.loss.beta_anneal_steps,
+        config.loss.beta_cut_steps,
     )
+    critic = runs.critic_parts(config, model, meshes.learner, config.mesh.learner_rules)
+    if critic is None:
+        train_step = learner.make_train_step(
+            model,
+            loss,
+            optimizer,
+            beta_schedule,
+            samples_per_prompt=config.batch.samples_per_prompt,
+            num_microbatches=config.batch.num_microbatches,
+            temperature=config.sampling.temperature,
+            state_sharding=state_sharding,
+            mesh=meshes.learner,
+            loss_options=runs.loss_options(config),
+        )
+    else:
+        state_sharding = state_sharding._replace(critic=critic.state_sharding)
+        train_step = ppo.make_train_step(
+            critic.critic,
+            optimizer,
+            critic.optimizer,
+            beta_schedule,
+            options=runs.ppo_config(config),
+            num_microbatches=config.batch.num_microbatches,
+            temperature=config.sampling.temperature,
+            state_sharding=state_sharding,
+            mesh=meshes.learner,
+        )
     return Setup(
         config=config,
         workdir=workdir,
@@ -243,6 +261,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         sampler_shardings=sampler_shardings,
         optimizer=optimizer,
         state_sharding=state_sharding,
+        critic=critic,
         train_step=train_step,
         checkpointer=checkpointer,
         topology=topology,
@@ -394,7 +413,12 @@ def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
     begin = time.time()
     params = warm_started_params(run, stop_signal)
     reference = reference_params(run.config, run.model, params, run.reference_shardings)
-    state = learner.init_train_state(params, run.optimizer, run.state_sharding)
+    if run.critic is None:
+        state = learner.init_train_state(params, run.optimizer, run.state_sharding)
+    else:
+        state = ppo.init_train_state(
+            params, run.critic.critic, run.optimizer, run.critic.optimizer, run.state_sharding
+        )
     history = {"warm_start_seconds": time.time() - begin, **run_totals.empty_totals()}
     return Start(state, reference, history, source_state=None)
 
@@ -404,7 +428,11 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     with finite params. A checkpoint that fails is moved to `checkpoints_set_aside/` (not
     deleted) with a warning, and the one before it is tried."""
     template = runs.checkpoint_template(
-        run.optimizer, run.abstract_params, run.state_sharding, run.reference_shardings
+        run.optimizer,
+        run.abstract_params,
+        run.state_sharding._replace(critic=None),
+        run.reference_shardings,
+        run.critic,
     )
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
@@ -436,7 +464,7 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
 def resume(run: Setup) -> Start:
     """The newest good checkpoint's train state, π_ref, history and batch-source state."""
     restored, buffer_state, metadata = restore_newest_good(run)
-    state = learner.TrainState(**restored["train"])
+    state = runs.restored_state(restored)
     logging.info("Resuming from step %d in %s.", int(jax.device_get(state.step)), run.workdir)
     source_state = sources.SourceState(
         buffer_state, metadata["data_position"], metadata["policy_version"]
@@ -466,7 +494,7 @@ def save_checkpoint(
     source_state = source.state()
     saved = run.checkpointer.save(
         step,
-        train_state={"train": state._asdict(), "reference": reference},
+        train_state=runs.checkpoint_items(state, reference),
         buffer_state=source_state.buffer,
         metadata={
             "policy_version": source_state.policy_version,

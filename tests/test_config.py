@@ -76,7 +76,7 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("m=1.5", 1, r"replay\.recency_prob=1\.5 must be a number in \[0, 1\]"),
         ("m=-0.1", 1, r"must be a number in \[0, 1\]"),
         ("mode=ahead", 1, "mode='ahead'"),
-        ("method=ppo", 1, "method='ppo' is not one of"),
+        ("method=sac", 1, "method='sac' is not one of"),
         ("method=rloo", 1, "on-policy loss; run it with mode=sync"),
         ("K=3,S=3,batch.prompts_per_batch=3", 4, "does not divide over the learner"),
         ("batch.num_microbatches=3", 1, "does not divide into"),
@@ -99,6 +99,9 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("model.dtype=float8", 1, r"model\.dtype='float8' must be one of"),
         ("loss.beta_anneal_steps=0", 1, r"beta_anneal_steps=0 must be >= 1 for a linear"),
         ("max_nonfinite_steps=0", 1, r"max_nonfinite_steps=0 must be an integer >= 1"),
+        ("method=ppo,loss.ppo.critic=twin", 1, r"loss\.ppo\.critic='twin' must be one of"),
+        ("method=ppo,loss.ppo.minibatches=3", 1, r"into loss\.ppo\.minibatches=3 × batch"),
+        ("method=ppo,loss.ppo.minibatches=128", 4, r"does not divide over the learner"),
     ],
 )
 def test_invalid_configs_are_rejected_before_any_work(variant, num_devices, message):

@@ -454,8 +454,8 @@ def test_registry_flags_and_names():
 
 
 def test_unknown_loss_lists_registered_names():
-    with pytest.raises(ValueError, match="'ppo'") as error:
-        losses.get_loss("ppo")
+    with pytest.raises(ValueError, match="'sac'") as error:
+        losses.get_loss("sac")
     assert "'tb'" in str(error.value)
     assert "'rloo'" in str(error.value)
 

@@ -302,14 +302,27 @@ class Decoder(nnx.Module):
         Returns logits [B, S, V] (or scores [B, S, num_labels]) float32 and the
         updated cache (None without one).
         """
+        x, new_cache = self._trunk(tokens, positions, key_valid, cache, cache_offset)
+        return self._output(x).astype(jnp.float32), new_cache
+
+    def _trunk(self, tokens, positions, key_valid, cache, cache_offset):
+        """Embedding, blocks and final norm: hidden states [B, S, d_model] and the cache."""
         x = self._embed(tokens, positions)
         new_cache = []
         for index, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache[index]
             x, layer_cache = block(x, positions, key_valid, layer_cache, cache_offset)
             new_cache.append(layer_cache)
-        out = self._output(self.final_norm(x))
-        return out.astype(jnp.float32), (None if cache is None else tuple(new_cache))
+        return self.final_norm(x), (None if cache is None else tuple(new_cache))
+
+    def outputs_and_features(
+        self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """One cache-free pass returning the head's float32 outputs [B, S, V or num_labels]
+        and the final-normed hidden states [B, S, d_model] (compute dtype) they are made
+        from: what a value head on the shared trunk reads (PPO, `tba_jax.critic`)."""
+        features, _ = self._trunk(tokens, positions, key_valid, None, 0)
+        return self._output(features).astype(jnp.float32), features
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:

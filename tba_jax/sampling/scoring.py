@@ -31,13 +31,43 @@ def token_logprobs(
     response_mask: [N, T] (right-padded; mask 1 up to and including EOS).
     Returns [N, T] float32.
     """
-    prompt_len = prompt_tokens.shape[1]
-    response_len = response_tokens.shape[1]
+    tokens, positions, valid = joined_inputs(
+        prompt_tokens, prompt_mask, response_tokens, response_mask
+    )
+    logits, _ = model.apply(params, tokens, positions, valid)
+    return response_logprobs(
+        response_slots(logits, prompt_tokens.shape[1], response_tokens.shape[1]),
+        response_tokens,
+        response_mask,
+        temperature,
+    )
+
+
+def joined_inputs(
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    response_tokens: jax.Array,
+    response_mask: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt and response side by side as one model input: tokens, positions and
+    validity, each [N, P + T]."""
     tokens = jnp.concatenate([prompt_tokens, response_tokens], axis=1)
     valid = jnp.concatenate([prompt_mask.astype(bool), response_mask > 0], axis=1)
-    logits, _ = model.apply(params, tokens, positions_from_mask(valid), valid)
-    # The logits at slot s predict the token in slot s + 1.
-    predicting = logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    return tokens, positions_from_mask(valid), valid
+
+
+def response_slots(outputs: jax.Array, prompt_len: int, response_len: int) -> jax.Array:
+    """The outputs [N, P + T, ...] of the slots that predict response tokens 0..T−1: the
+    output at slot s predicts the token in slot s + 1 (for a value head: V of the state
+    before each response token). Returns [N, T, ...]."""
+    return outputs[:, prompt_len - 1 : prompt_len - 1 + response_len]
+
+
+def response_logprobs(
+    predicting: jax.Array, response_tokens: jax.Array, response_mask: jax.Array, temperature
+) -> jax.Array:
+    """log π(y_t) at `temperature` from the logits [N, T, V] predicting each response
+    token; 0 where `response_mask` is 0. Returns [N, T] float32."""
     logp_all = jax.nn.log_softmax(predicting / temperature, axis=-1)
     logp = jnp.take_along_axis(logp_all, response_tokens[..., None], axis=-1)[..., 0]
     return logp * response_mask

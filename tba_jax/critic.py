@@ -1,0 +1,153 @@
+"""PPO's value model (the critic): its architecture, starting params and per-token values.
+
+Two layouts, chosen by `loss.ppo.critic`:
+
+- ``"separate"``: a model of its own with the policy's architecture and a one-label
+  score head (`ModelConfig.head="score"`), initialised from the policy's weights with a
+  zero head, as the TL;DR PPO recipes start their value model from a trained network
+  (Huang et al. 2024). Its params and Adam state are the critic's own.
+- ``"shared"``: a value head [d_model, 1] on the policy's trunk. The critic's params are
+  that head alone; the value loss also trains the trunk, through the policy's params.
+
+Either way the values are V(x, y_<t) for each response token t: the critic's output at
+the slot that predicts y_t (`scoring.response_slots`), [N, T] float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from tba_jax.models import Model, ModelConfig, Params, abstract_model
+from tba_jax.models.transformer import dense
+from tba_jax.sampling.scoring import joined_inputs, response_logprobs, response_slots
+
+CRITIC_KINDS = ("separate", "shared")
+VALUE_HEAD = "value_head"  # the shared layout's only critic param
+_VALUE_LABEL = 0  # the value is label 0 of a one-label head
+_HEAD_AXES = ("embed", "labels")  # logical axes of a score or value head [d_model, 1]
+
+
+def value_model_config(policy_cfg: ModelConfig) -> ModelConfig:
+    """The separate critic's architecture: the policy's, with a one-label score head."""
+    return dataclasses.replace(policy_cfg, head="score", num_labels=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Critic:
+    """A critic layout bound to the policy model.
+
+    Attributes:
+      kind: "separate" | "shared".
+      policy: the policy's model.
+      model: the separate critic's score-head model; for "shared", the policy's model.
+      logical_axes: the critic params' logical axes (for the learner's sharding rules).
+    """
+
+    kind: str
+    policy: Model
+    model: Model
+    logical_axes: Params
+
+    @classmethod
+    def build(cls, kind: str, policy: Model) -> Critic:
+        if kind not in CRITIC_KINDS:
+            raise ValueError(f"loss.ppo.critic={kind!r} is not one of {CRITIC_KINDS}.")
+        if kind == "shared":
+            return cls(kind, policy, policy, {VALUE_HEAD: _HEAD_AXES})
+        model, _ = abstract_model(value_model_config(policy.config))
+        return cls(kind, policy, model, model.logical_axes)
+
+    def abstract_params(self) -> Params:
+        """ShapeDtypeStructs of the critic's params (allocates nothing)."""
+        if self.kind == "shared":
+            cfg = self.policy.config
+            return {VALUE_HEAD: jax.ShapeDtypeStruct((cfg.d_model, 1), cfg.param_dtype)}
+        return abstract_model(self.model.config)[1]
+
+    def initial_params(self, policy_params: Params) -> Params:
+        """The critic at the start of a run: a zero value head (on the policy's trunk, or on
+        a copy of the policy's weights), so every value starts at 0."""
+        abstract = self.abstract_params()
+        if self.kind == "shared":
+            return {VALUE_HEAD: jnp.zeros(abstract[VALUE_HEAD].shape, abstract[VALUE_HEAD].dtype)}
+        trunk = {name: value for name, value in policy_params.items() if name != "lm_head"}
+        head = abstract["score"]
+        params = {**jax.tree.map(jnp.copy, trunk), "score": jnp.zeros(head.shape, head.dtype)}
+        if jax.tree.structure(params) != jax.tree.structure(abstract):
+            raise ValueError(
+                "the policy's params do not have the value model's layout; build the critic "
+                "from the same ModelConfig as the policy"
+            )
+        return params
+
+    def policy_logp_and_values(
+        self,
+        policy_params: Params,
+        critic_params: Params,
+        batch: Mapping[str, jax.Array],
+        temperature: float,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Per-token log π(y_t) [N, T] and values [N, T] (both 0 on padding) of a batch
+        with prompt/response tokens and masks; one trunk pass for the shared layout."""
+        inputs = joined_inputs(
+            batch["prompt_tokens"],
+            batch["prompt_mask"],
+            batch["response_tokens"],
+            batch["response_mask"],
+        )
+        if self.kind == "separate":
+            logits, _ = self.policy.apply(policy_params, *inputs)
+            values = self.values(critic_params, batch)
+        else:
+            logits, features = self.policy.apply_with_features(policy_params, *inputs)
+            values = self._slots(self._head_values(critic_params, features), batch)
+        logp = response_logprobs(
+            self._slots(logits, batch),
+            batch["response_tokens"],
+            batch["response_mask"],
+            temperature,
+        )
+        return logp, values
+
+    def values(self, critic_params: Params, batch: Mapping[str, jax.Array]) -> jax.Array:
+        """The separate critic's values [N, T] (0 on padding)."""
+        if self.kind != "separate":
+            raise ValueError("a shared critic's values come with the policy's pass")
+        inputs = joined_inputs(
+            batch["prompt_tokens"],
+            batch["prompt_mask"],
+            batch["response_tokens"],
+            batch["response_mask"],
+        )
+        scores, _ = self.model.apply(critic_params, *inputs)
+        return self._slots(scores[..., _VALUE_LABEL], batch)
+
+    def _head_values(self, critic_params: Params, features: jax.Array) -> jax.Array:
+        head = critic_params[VALUE_HEAD].astype(features.dtype)
+        return dense(features, head)[..., _VALUE_LABEL].astype(jnp.float32)
+
+    @staticmethod
+    def _slots(outputs: jax.Array, batch: Mapping[str, jax.Array]) -> jax.Array:
+        prompt_len, response_len = (
+            batch["prompt_tokens"].shape[1],
+            batch["response_tokens"].shape[1],
+        )
+        sliced = response_slots(outputs, prompt_len, response_len)
+        if sliced.ndim == 2:  # values: masked here; logits are masked by response_logprobs
+            return sliced * batch["response_mask"]
+        return sliced
+
+    def score_model(
+        self, policy_params: Params, critic_params: Params
+    ) -> tuple[ModelConfig, Params]:
+        """The critic as a one-label score-head model (config, params): what a Hugging Face
+        `*ForSequenceClassification` export holds. Shared: the policy's trunk with the value
+        head as its score head."""
+        if self.kind == "separate":
+            return self.model.config, critic_params
+        trunk = {name: value for name, value in policy_params.items() if name != "lm_head"}
+        return value_model_config(self.policy.config), {**trunk, "score": critic_params[VALUE_HEAD]}
