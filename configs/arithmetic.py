@@ -74,6 +74,9 @@ def get_config(arg: str | None = None):
     config.loss.beta_end = 0.05
     config.loss.beta_anneal_steps = 100
 
+    # VinePPO's steps: the running totals ("68,61>61" is 68, | 61> | 61)
+    config.loss.vineppo.step_delimiters = ",>"
+
     config.batch.prompts_per_batch = 16  # B
     config.batch.samples_per_prompt = 8  # K
     config.batch.samples_generated_per_prompt = 8  # S

@@ -87,7 +87,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.name = name
     config.seed = 0
     config.mode = "async"  # async (TBA) | sync (on-policy lockstep baseline)
-    config.method = "tb"  # a registered loss: tb | rloo | online_dpo | grpo | ppo
+    config.method = "tb"  # a registered loss: tb | rloo | online_dpo | grpo | ppo | vineppo
     config.learner_steps = None
     config.sync_period = None  # k: publish params to the searchers every k learner steps
     config.max_prompt_len = None  # policy tokens (characters with a char tokenizer)
@@ -157,6 +157,16 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.loss.ppo.whiten_advantages = True
     config.loss.ppo.fused_step = True
     config.loss.ppo.critic_learning_rate = 0.0
+    # VinePPO's options (method=vineppo; tba_jax.vineppo): GRPO's clip range and
+    # aggregation, the continuations per step start, the characters that end a step, the
+    # step starts per response, and rollout rows per generate call (0: batch × rollouts).
+    config.loss.vineppo = ml_collections.ConfigDict()
+    config.loss.vineppo.clip_epsilon = 0.2
+    config.loss.vineppo.aggregation = "token"  # token | sequence
+    config.loss.vineppo.rollouts = 4
+    config.loss.vineppo.step_delimiters = "\n"
+    config.loss.vineppo.max_steps = 8
+    config.loss.vineppo.rows_per_call = 0
 
     config.batch = ml_collections.ConfigDict()
     config.batch.prompts_per_batch = None  # B

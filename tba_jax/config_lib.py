@@ -194,6 +194,14 @@ RANGES: dict[str, Allowed] = {
     "loss.grpo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
     "loss.grpo.scale_rewards": BOOLEAN,
     "loss.grpo.aggregation": one_of(GRPO_AGGREGATIONS),
+    "loss.vineppo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
+    "loss.vineppo.aggregation": one_of(GRPO_AGGREGATIONS),
+    "loss.vineppo.rollouts": integer_at_least(1),
+    "loss.vineppo.step_delimiters": Allowed(
+        lambda v: isinstance(v, str) and len(v) > 0, "a non-empty string of characters"
+    ),
+    "loss.vineppo.max_steps": integer_at_least(1),
+    "loss.vineppo.rows_per_call": integer_at_least(0),
     "loss.ppo.critic": one_of(CRITIC_KINDS),
     "loss.ppo.gamma": number_in(0, 1),
     "loss.ppo.lam": number_in(0, 1),
@@ -291,6 +299,11 @@ def validate(
         raise ConfigError(
             "replay.max_policy_lag is not built for distributed.topology=roles_by_process "
             "(its learners draw in lockstep rounds); use roles_within_host or leave it 0."
+        )
+    if config.method == "vineppo" and config.distributed.topology == "roles_by_process":
+        raise ConfigError(
+            "method=vineppo is not built for distributed.topology=roles_by_process (its "
+            "rollouts run on the learner process's sampler); use roles_within_host."
         )
     if config.mode == "async" and get_loss(config.method).on_policy:
         raise ConfigError(

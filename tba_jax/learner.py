@@ -40,7 +40,9 @@ TOKEN_FIELDS = ("token_logp_ref", "token_logp_behaviour")
 
 def batch_fields(loss: LossSpec) -> tuple[str, ...]:
     """The fields of a sampled batch the train step of `loss` reads."""
-    return BATCH_FIELDS + TOKEN_FIELDS if loss.token_level else BATCH_FIELDS
+    if not loss.token_level:
+        return BATCH_FIELDS + loss.extra_fields
+    return BATCH_FIELDS + TOKEN_FIELDS + loss.extra_fields
 
 
 class TrainState(NamedTuple):
@@ -258,6 +260,7 @@ def make_train_step(
     grouped_fields = ("reward", "logp_ref", "logp_behaviour")
     if loss.token_level:
         grouped_fields += ("response_mask", *TOKEN_FIELDS)
+    grouped_fields += loss.extra_fields
 
     def microbatch_loss(params, micro, beta):
         token_logp = batch_token_logprobs(model, params, micro, temperature=temperature)

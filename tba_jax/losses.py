@@ -58,6 +58,8 @@ class LossSpec:
         docstring) rather than sums [B, K].
       needs_critic: True if the loss reads advantages from a value model (PPO): the
         learner step is `tba_jax.ppo.make_train_step`, which trains the critic too.
+      extra_fields: per-token batch fields [B, K, T] the loss reads beyond the usual ones
+        (VinePPO's ``token_advantage``, attached to the batch before the learner step).
     """
 
     name: str
@@ -65,13 +67,19 @@ class LossSpec:
     on_policy: bool
     token_level: bool = False
     needs_critic: bool = False
+    extra_fields: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
 def register_loss(
-    name: str, *, on_policy: bool, token_level: bool = False, needs_critic: bool = False
+    name: str,
+    *,
+    on_policy: bool,
+    token_level: bool = False,
+    needs_critic: bool = False,
+    extra_fields: tuple[str, ...] = (),
 ) -> Callable[[LossFn], LossFn]:
     """Decorator registering a loss function under ``name``; returns the function unchanged."""
 
@@ -81,7 +89,7 @@ def register_loss(
                 f"A loss named {name!r} is already registered; pick another name "
                 f"(registered: {registered_losses()})."
             )
-        _REGISTRY[name] = LossSpec(name, fn, on_policy, token_level, needs_critic)
+        _REGISTRY[name] = LossSpec(name, fn, on_policy, token_level, needs_critic, extra_fields)
         return fn
 
     return decorator
@@ -134,6 +142,12 @@ def _check_beta(beta: Any) -> None:
 def _per_prompt_mean(x: Array) -> Array:
     """Mean over the K responses of each prompt. x: [B, K] -> [B, 1]."""
     return jnp.mean(x, axis=_RESPONSE_AXIS, keepdims=True)
+
+
+def masked_mean(x: Array, mask: Array) -> Array:
+    """Mean of `x` over the tokens where `mask` is 1 (0 if there are none)."""
+    mask = mask.astype(x.dtype)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def log_partition_estimate(logp: Array, logp_ref: Array, reward: Array, beta: Any) -> Array:
@@ -359,21 +373,33 @@ def grpo_loss(
             f"token_logp must be [B, K, T] and reward [B, K]; got {jnp.shape(token_logp)} "
             f"and {jnp.shape(batch['reward'])}."
         )
-    mask = batch["response_mask"].astype(token_logp.dtype)
     advantage = group_normalised_advantages(batch["reward"], scale_rewards, std_eps)[..., None]
+    return clipped_token_loss(token_logp, batch, beta, advantage, clip_epsilon, aggregation)
+
+
+def clipped_token_loss(
+    token_logp: Array,
+    batch: Mapping[str, Array],
+    beta: Any,
+    advantage: Array,
+    clip_epsilon: float,
+    aggregation: str,
+) -> tuple[Array, Metrics]:
+    """The per-token clipped surrogate plus β times the k3 KL to π_ref, aggregated over
+    tokens (GRPO's and VinePPO's loss; see `grpo_loss`). advantage: [B, K, 1] (one per
+    response) or [B, K, T] (one per token)."""
+    mask = batch["response_mask"].astype(token_logp.dtype)
     ratio = jnp.exp(token_logp - batch["token_logp_behaviour"])
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
     surrogate = jnp.minimum(ratio * advantage, clipped_ratio * advantage)
     ref_minus_policy = batch["token_logp_ref"] - token_logp
     kl = jnp.exp(ref_minus_policy) - ref_minus_policy - 1.0
     per_token = (beta * kl - surrogate) * mask
-    tokens = jnp.maximum(jnp.sum(mask), 1.0)
     if aggregation == "token":
-        loss = jnp.sum(per_token) / tokens
+        loss = masked_mean(per_token, mask)
     else:
         lengths = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
         loss = jnp.mean(jnp.sum(per_token, axis=-1) / lengths)
-
     metrics = {
         "loss": loss,
         "kl_mean": masked_mean(kl, mask),
@@ -382,15 +408,35 @@ def grpo_loss(
             (jnp.abs(ratio - 1.0) > clip_epsilon).astype(mask.dtype), mask
         ),
         "ratio_mean": masked_mean(ratio, mask),
-        "advantage_std": jnp.std(advantage),
+        "advantage_std": (
+            jnp.std(advantage)  # one per response
+            if advantage.shape[-1] == 1
+            else jnp.sqrt(masked_mean((advantage - masked_mean(advantage, mask)) ** 2, mask))
+        ),
     }
     return loss, jax.lax.stop_gradient(metrics)
 
 
-def masked_mean(x: Array, mask: Array) -> Array:
-    """Mean of `x` over the tokens where `mask` is 1 (0 if there are none)."""
-    mask = mask.astype(x.dtype)
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+@register_loss("vineppo", on_policy=False, token_level=True, extra_fields=("token_advantage",))
+def vineppo_loss(
+    token_logp: Array,
+    batch: Mapping[str, Array],
+    beta: Any,
+    *,
+    clip_epsilon: float = 0.2,
+    aggregation: str = "token",
+    **rollout_options,
+) -> tuple[Array, Metrics]:
+    """VinePPO's loss (`tba_jax.vineppo`): `clipped_token_loss` with the per-token
+    advantages ``token_advantage`` [B, K, T] from Monte Carlo values at step boundaries;
+    the batch is otherwise GRPO's. `rollout_options` (config.loss.vineppo's rollout knobs)
+    are read by the value stage, not here."""
+    del rollout_options
+    _check_beta(beta)
+    if aggregation not in GRPO_AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {GRPO_AGGREGATIONS}.")
+    advantage = jax.lax.stop_gradient(batch["token_advantage"])
+    return clipped_token_loss(token_logp, batch, beta, advantage, clip_epsilon, aggregation)
 
 
 def clipped_policy_loss(

@@ -48,6 +48,7 @@ from tba_jax import (
     runtime,
     sources,
     tasks,
+    vineppo,
 )
 from tba_jax import mesh as mesh_lib
 from tba_jax import topology as topology_lib
@@ -77,6 +78,7 @@ WARM_START_NOTICES = 5  # console lines over a warm start
 # In-training evaluation with the slot engine: eval.batch_size × this many prompts per
 # engine call (a stop is honoured between calls).
 SLOT_EVAL_BATCHES_PER_CALL = 4
+VALUE_STAGE_STREAM = 0x7649  # folded into the run's seed: VinePPO's rollout randomness
 # logged per step: seconds since this segment's RL phase began, and an evaluation's seconds
 # (benchmarks/async_speedup.py takes time-to-accuracy from them, evaluations left out)
 RL_SECONDS, EVAL_SECONDS = "rl_seconds", "evaluation_seconds"
@@ -516,6 +518,53 @@ def device_batch(run: Setup, batch: SampledBatch, sharding) -> dict[str, jax.Arr
     return run.group.global_batch(fields, sharding)
 
 
+def make_value_stage(run: Setup, meters) -> vineppo.MonteCarloValues | None:
+    """VinePPO's rollout stage on the sampler mesh (None for the other methods)."""
+    config, task = run.config, run.task
+    if config.method != "vineppo":
+        return None
+    vine = config.loss.vineppo
+    generate_fn = make_generator(
+        run.model,
+        sources.sampling_config(config, task.tokenizer.vocab_size),
+        eos_id=task.tokenizer.eos_id,
+        pad_id=task.tokenizer.pad_id,
+        max_prompt_len=config.max_prompt_len + config.max_response_len,
+        engine=None,
+    )
+    return vineppo.MonteCarloValues(
+        generate_fn=generate_fn,
+        tokenizer=task.tokenizer,
+        rewards_fn=task.rewards,
+        examples_by_id={example["id"]: example for example in task.train},
+        max_prompt_len=config.max_prompt_len,
+        max_response_len=config.max_response_len,
+        is_boundary=vineppo.boundary_tokens(task.tokenizer, vine.step_delimiters),
+        config=vineppo.VineConfig(
+            rollouts=vine.rollouts,
+            step_delimiters=vine.step_delimiters,
+            max_steps=vine.max_steps,
+            rows_per_call=vine.rows_per_call,
+        ),
+        time_split=meters.time_split,
+        rates=meters.rates,
+        non_eos_penalty=task.non_eos_penalty,
+    )
+
+
+def with_rollout_advantages(
+    run: Setup, value_stage: vineppo.MonteCarloValues, params: Params, batch, step: int
+) -> SampledBatch:
+    """`batch` with VinePPO's per-token advantages from rollouts of `params` (the learner's
+    newest, published to the sampler for them)."""
+    sampler_params = run.group.publish(params, run.sampler_shardings)
+    rng = jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(run.config.seed), VALUE_STAGE_STREAM), step
+    )
+    advantages = value_stage.advantages(sampler_params, batch, rng)
+    return dataclasses.replace(batch, token_advantage=advantages)
+
+
 def batch_policy_versions(run: Setup, batch: SampledBatch) -> tuple[np.ndarray, np.ndarray]:
     """The first and the last policy version of every row of the global batch: int [N] each."""
     versions = np.stack([batch.policy_version, batch.policy_version_last])
@@ -678,12 +727,15 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             show_progress=config.progress_bar,
         )
     batch_sharding = mesh_lib.batch_sharding(run.meshes.learner)
+    value_stage = make_value_stage(run, segment.meters)
     nonfinite_in_a_row = 0
     try:
         segment.rl_started_at = time.time()
         source.start(stop_signal)
         while step < config.learner_steps and not source.agreed_stop(stop_signal.requested):
             batch = source.next_batch(step)
+            if value_stage is not None:  # VinePPO: advantages from the current policy's rollouts
+                batch = with_rollout_advantages(run, value_stage, state.params, batch, step)
             with segment.meters.time_split.measure("training"):
                 state, metrics = run.train_step(state, device_batch(run, batch, batch_sharding))
                 metrics = jax.device_get(metrics)

@@ -82,6 +82,8 @@ class SampledBatch:
       from_recency: bool [B], True where the slot was a recency draw.
       policy_version_last: int32 [N], version of the params that generated each
         row's last token (equal to `policy_version` without in-flight updates).
+      token_advantage: float32 [N, max_response_len] or None: per-token advantages a
+        value stage attaches before the learner step (VinePPO, `tba_jax.vineppo`).
     """
 
     prompt_tokens: np.ndarray
@@ -98,6 +100,7 @@ class SampledBatch:
     prompt_ids: np.ndarray
     from_recency: np.ndarray
     policy_version_last: np.ndarray
+    token_advantage: np.ndarray | None = None
 
     @property
     def num_prompts(self) -> int:
