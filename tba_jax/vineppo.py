@@ -158,7 +158,8 @@ class MonteCarloValues:
             )
             for row, start in zip(rows, starts, strict=True)
         ]
-        tokens, lengths = self._generate(params, prefixes, rng)
+        per_call = self.config.rows_per_call or len(batch.reward) * repeats
+        tokens, lengths = self._generate(params, prefixes, per_call, rng)
         budgets = self.max_response_len - starts
         kept = np.minimum(lengths, budgets)
         texts = [
@@ -183,12 +184,12 @@ class MonteCarloValues:
         return apply_non_eos_penalty(rewards, ended, self.non_eos_penalty)
 
     def _generate(
-        self, params, prefixes: Sequence[np.ndarray], rng: jax.Array
+        self, params, prefixes: Sequence[np.ndarray], per_call: int, rng: jax.Array
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Continuations of `prefixes` in calls of a fixed number of rows (the last call
-        padded with copies of its first row): tokens [R, T] and lengths [R]."""
+        """Continuations of `prefixes` in calls of `per_call` rows, a shape that does not
+        change from batch to batch (the last call is padded with copies of its first
+        row): tokens [R, T] and lengths [R]."""
         width = self.max_prompt_len + self.max_response_len
-        per_call = self.config.rows_per_call or len(prefixes)
         tokens, lengths = [], []
         for call, begin in enumerate(range(0, len(prefixes), per_call)):
             chunk = list(prefixes[begin : begin + per_call])

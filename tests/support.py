@@ -90,3 +90,40 @@ SMALL_DECODER = ModelConfig(
     max_seq_len=32,
     init_std=0.3,
 )
+
+
+def sampled_micro_batch(prompt_tokens, *, max_new_tokens: int, temperature: float, seed: int = 0):
+    """A random micro policy (vocabulary 12) and a batch of its own samples for
+    `prompt_tokens` (0: left padding), scored by a second random model as π_ref: the
+    learner's batch fields, summed and per token. Returns (model, params, batch)."""
+    import jax
+    import numpy as np
+
+    from tba_jax.models import init_model, preset
+    from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+    from tba_jax.sampling.scoring import make_score_fn
+
+    cfg = preset("micro", vocab_size=12, init_std=0.3)
+    model, params = init_model(cfg, seed=seed)
+    prompt_mask = prompt_tokens != 0
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    gen = make_generate_fn(model, sampling, eos_id=2, pad_id=0)(
+        params, prompt_tokens, prompt_mask, jax.random.key(seed + 1)
+    )
+    _, ref_params = init_model(cfg, seed=seed + 1)
+    token_logp_ref = make_score_fn(model, temperature=temperature)(
+        ref_params, prompt_tokens, prompt_mask, gen.tokens, gen.mask
+    )
+    rewards = np.random.default_rng(seed).integers(0, 2, size=len(prompt_tokens))
+    batch = {
+        "prompt_tokens": prompt_tokens,
+        "prompt_mask": prompt_mask,
+        "response_tokens": np.asarray(gen.tokens),
+        "response_mask": np.asarray(gen.mask),
+        "reward": rewards.astype(np.float32),
+        "logp_ref": np.asarray(token_logp_ref.sum(-1)),
+        "logp_behaviour": np.asarray(gen.token_logp.sum(-1)),
+        "token_logp_ref": np.asarray(token_logp_ref),
+        "token_logp_behaviour": np.asarray(gen.token_logp),
+    }
+    return model, params, batch

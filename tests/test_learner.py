@@ -5,12 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from support import sampled_micro_batch
 
 from tba_jax import learner, losses
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import init_model, preset
-from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
-from tba_jax.sampling.scoring import make_score_fn
 
 B, K, P, T = 3, 4, 5, 6
 TEMPERATURE = 0.8
@@ -18,32 +16,11 @@ TEMPERATURE = 0.8
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = preset("micro", vocab_size=12, init_std=0.3)
-    model, params = init_model(cfg, seed=0)
+    """A micro policy and a batch of its own K samples for each of B prompts."""
     rng = np.random.default_rng(0)
     prompt_tokens = np.repeat(rng.integers(3, 12, size=(B, P)).astype(np.int32), K, axis=0)
     prompt_tokens[::2, :2] = 0  # some left padding
-    prompt_mask = prompt_tokens != 0
-    sampling = SamplingConfig(max_new_tokens=T, temperature=TEMPERATURE)
-    gen = make_generate_fn(model, sampling, eos_id=2, pad_id=0)(
-        params, prompt_tokens, prompt_mask, jax.random.key(1)
-    )
-    _, ref_params = init_model(cfg, seed=1)
-    token_logp_ref = make_score_fn(model, temperature=TEMPERATURE)(
-        ref_params, prompt_tokens, prompt_mask, gen.tokens, gen.mask
-    )
-    batch = {
-        "prompt_tokens": prompt_tokens,
-        "prompt_mask": prompt_mask,
-        "response_tokens": np.asarray(gen.tokens),
-        "response_mask": np.asarray(gen.mask),
-        "reward": rng.integers(0, 2, size=B * K).astype(np.float32),
-        "logp_ref": np.asarray(token_logp_ref.sum(-1)),
-        "logp_behaviour": np.asarray(gen.token_logp.sum(-1)),
-        "token_logp_ref": np.asarray(token_logp_ref),
-        "token_logp_behaviour": np.asarray(gen.token_logp),
-    }
-    return model, params, batch
+    return sampled_micro_batch(prompt_tokens, max_new_tokens=T, temperature=TEMPERATURE)
 
 
 def _train_step(model, params, optimizer, num_microbatches, beta=0.3, method="tb"):
