@@ -175,3 +175,16 @@ def test_vineppo_loss_with_group_advantages_is_grpo():
         grad_grpo = jax.grad(lambda x: losses.grpo_loss(x, batch, 0.05)[0])(logp)
         np.testing.assert_allclose(grad_vine, grad_grpo, rtol=1e-5, atol=1e-8)
     assert losses.get_loss("vineppo").extra_fields == ("token_advantage",)
+
+
+def test_an_async_vineppo_run_trains_on_rollout_advantages(tmp_path):
+    from configs.arithmetic import get_config
+    from tba_jax.metrics import read_scalars
+    from tba_jax.train import train_and_evaluate
+
+    summary = train_and_evaluate(get_config("smoke,method=vineppo"), str(tmp_path))
+    assert summary["mode"] == "async" and summary["learner_steps"] == 4
+    assert "max_policy_lag" in summary
+    scalars = read_scalars(str(tmp_path / "tensorboard"))
+    assert {"advantage_std", "clip_fraction", "kl_mean"} <= set(scalars)
+    assert any(value > 0 for _, value in scalars["advantage_std"])  # the stage ran
