@@ -198,6 +198,8 @@ class RemoteSource:
         if self._publish_next:
             self._publish_next = False
             self._broadcast({"params": params}, {"version": np.asarray(version, np.int64)})
+            if self.buffer is not None:
+                self.buffer.mark_sync(version)  # the searchers generate with it from now on
 
     def metrics(self, step: int) -> dict[str, float]:
         if self.buffer is None:

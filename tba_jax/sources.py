@@ -11,7 +11,8 @@ The training loop (`tba_jax.train`) sees only `BatchSource`:
 
 - `AsyncSource` (TBA): searcher threads generate S responses per prompt with the
   latest published params into a replay buffer, never waiting for the learner;
-  `next_batch` samples the buffer; params are published every `sync_period` steps.
+  `next_batch` samples the buffer; params are published every `sync_period` steps (and
+  the buffer told so: `ReplayBuffer.mark_sync`, which starts its next sync window).
 - `SyncSource` (the on-policy baseline): `next_batch` generates K fresh responses per
   prompt with the current params, scores and collates them; it publishes every step.
 
@@ -168,6 +169,8 @@ def evaluation_engine_config(config: ml_collections.ConfigDict) -> EngineConfig 
 
 
 def make_replay_buffer(config: ml_collections.ConfigDict, pad_id: int) -> ReplayBuffer:
+    """The replay buffer of `config.replay`. A config saved before `replay.draw_rule`
+    existed ran the "newest" rule."""
     return ReplayBuffer(
         max_prompt_len=config.max_prompt_len,
         max_response_len=config.max_response_len,
@@ -177,6 +180,7 @@ def make_replay_buffer(config: ml_collections.ConfigDict, pad_id: int) -> Replay
         recency_prob=config.replay.recency_prob,
         priority=config.replay.priority,
         priority_inverse_temperature=config.replay.priority_inverse_temperature,
+        draw_rule=config.replay.get("draw_rule", "newest"),
     )
 
 
@@ -328,6 +332,7 @@ class AsyncSource:
 
     def publish(self, params: Params, version: int) -> None:
         self.store.publish(params, version=version)
+        self.buffer.mark_sync(version)  # the authors' online samples start anew
 
     def metrics(self, step: int) -> dict[str, float]:
         metrics = {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}

@@ -260,10 +260,83 @@ def pack_trajectories(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
     }
 
 
+def packed_for_storage(
+    trajectories: Sequence[Trajectory], max_prompt_len: int, max_response_len: int
+) -> dict[str, np.ndarray]:
+    """`pack_trajectories` of `trajectories`, checked as `normalised_trajectory` checks each
+    one but on all of them at once (the replay buffer's fast path).
+
+    Raises `normalised_trajectory`'s ValueError for the first trajectory that fails a check.
+    """
+    try:
+        packed = pack_trajectories(list(trajectories))
+        logp_lengths = [(len(t.token_logp_behaviour), len(t.token_logp_ref)) for t in trajectories]
+        fits = _packed_fit(packed, logp_lengths, max_prompt_len, max_response_len)
+    except (ValueError, TypeError):  # ragged dimensions that do not concatenate
+        fits = False
+    if not fits:
+        for trajectory in trajectories:  # raises for the first that does not fit
+            normalised_trajectory(trajectory, max_prompt_len, max_response_len)
+        raise AssertionError("packed_for_storage's checks disagree with normalised_trajectory")
+    return packed
+
+
+def _packed_fit(
+    packed: dict[str, np.ndarray],
+    logp_lengths: list[tuple[int, int]],
+    max_prompt_len: int,
+    max_response_len: int,
+) -> bool:
+    """Whether every packed trajectory passes `normalised_trajectory`'s checks."""
+    token_keys = ("prompt_tokens", "response_tokens", "token_logp_behaviour", "token_logp_ref")
+    if any(packed[f"traj_{key}"].ndim != 1 for key in token_keys):
+        return False
+    prompt_lengths = np.diff(packed["traj_prompt_offsets"])
+    response_lengths = np.diff(packed["traj_response_offsets"])
+    logp_lengths_array = np.asarray(logp_lengths, dtype=np.int64).reshape(-1, 2)
+    return bool(
+        np.all(prompt_lengths <= max_prompt_len)
+        and np.all(response_lengths <= max_response_len)
+        and np.all(logp_lengths_array == response_lengths[:, None])
+        and np.all(packed["traj_policy_version_last"] >= packed["traj_policy_version"])
+        and np.all(np.isfinite(packed["traj_reward"]))
+        and not np.any(np.isnan(packed["traj_logp_behaviour"]))
+        and not np.any(np.isnan(packed["traj_logp_ref"]))
+    )
+
+
+def check_packed_layout(state: dict[str, np.ndarray]) -> None:
+    """ValueError unless the packed arrays of `state` fit each other (as `pack_trajectories`
+    makes them). A state without `traj_policy_version_last` (written before in-flight
+    updates) is fine."""
+    num = len(state["traj_prompt_id"])
+    prompt_offsets = np.asarray(state["traj_prompt_offsets"])
+    response_offsets = np.asarray(state["traj_response_offsets"])
+    num_response_tokens = len(state["traj_response_tokens"])
+    scalar_columns = ("reward", "logp_behaviour", "logp_ref", "policy_version", "created_at")
+    versions_last = state.get("traj_policy_version_last", state["traj_policy_version"])
+    consistent = (
+        all(len(state[f"traj_{name}"]) == num for name in scalar_columns)
+        and len(versions_last) == num
+        and len(prompt_offsets) == num + 1
+        and len(response_offsets) == num + 1
+        and prompt_offsets[-1] == len(state["traj_prompt_tokens"])
+        and response_offsets[-1] == num_response_tokens == len(state["traj_token_logp_behaviour"])
+        and len(state["traj_token_logp_ref"]) == num_response_tokens
+        and bool(np.all(np.diff(prompt_offsets) >= 0))
+        and bool(np.all(np.diff(response_offsets) >= 0))
+    )
+    if not consistent:
+        raise ValueError(
+            "replay state is corrupt: token offsets do not match the packed token arrays; "
+            "re-save it with ReplayBuffer.state_dict()"
+        )
+
+
 def unpack_trajectories(state: dict[str, np.ndarray]) -> list[Trajectory]:
     """Inverse of `pack_trajectories`; ValueError if the offsets do not fit the data."""
+    check_packed_layout(state)
     prompt_ids = np.asarray(state["traj_prompt_id"])
-    num = len(prompt_ids)
     prompt_offsets = np.asarray(state["traj_prompt_offsets"])
     response_offsets = np.asarray(state["traj_response_offsets"])
     prompt_tokens = np.asarray(state["traj_prompt_tokens"])
@@ -272,23 +345,8 @@ def unpack_trajectories(state: dict[str, np.ndarray]) -> list[Trajectory]:
     token_logp_ref = np.asarray(state["traj_token_logp_ref"])
     # Checkpoints written before in-flight updates have no last versions: the first ones.
     versions_last = np.asarray(state.get("traj_policy_version_last", state["traj_policy_version"]))
-    scalar_columns = ("reward", "logp_behaviour", "logp_ref", "policy_version", "created_at")
-    consistent = (
-        all(len(state[f"traj_{name}"]) == num for name in scalar_columns)
-        and len(versions_last) == num
-        and len(prompt_offsets) == num + 1
-        and len(response_offsets) == num + 1
-        and prompt_offsets[-1] == len(prompt_tokens)
-        and response_offsets[-1] == len(response_tokens) == len(token_logp_behaviour)
-        and len(token_logp_ref) == len(response_tokens)
-    )
-    if not consistent:
-        raise ValueError(
-            "replay state is corrupt: token offsets do not match the packed token arrays; "
-            "re-save it with ReplayBuffer.state_dict()"
-        )
     trajectories = []
-    for i in range(num):
+    for i in range(len(prompt_ids)):
         prompt_slice = slice(prompt_offsets[i], prompt_offsets[i + 1])
         response_slice = slice(response_offsets[i], response_offsets[i + 1])
         trajectories.append(

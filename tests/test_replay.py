@@ -535,3 +535,226 @@ def test_concurrent_add_and_sample_keep_counts_consistent():
     assert buffer.stats()["num_trajectories"] == expected
     assert len(stored_responses(buffer)) == expected
     assert buffer.num_prompts == 7
+
+
+# ---------------------------------------------------------------------------------------
+# The TBA authors' draw rules (draw_rule="authors")
+# ---------------------------------------------------------------------------------------
+
+
+def make_authors_buffer(**overrides) -> ReplayBuffer:
+    return make_buffer(draw_rule="authors", **overrides)
+
+
+def online_prompts(buffer: ReplayBuffer, num_batches: int, rng, num_prompts: int = 2):
+    """Prompt ids of `num_batches` all-online batches (K = 1), in draw order."""
+    batches = [buffer.sample(num_prompts, 1, rng) for _ in range(num_batches)]
+    assert all(batch.from_recency.all() for batch in batches)
+    return np.concatenate([batch.prompt_ids for batch in batches]).tolist()
+
+
+def test_unknown_draw_rule_raises():
+    with pytest.raises(ValueError, match="draw_rule"):
+        make_buffer(draw_rule="oldest")
+
+
+def test_online_prompts_are_drawn_without_replacement_across_batches_then_refilled():
+    buffer = make_authors_buffer(recency_prob=1.0)
+    buffer.add([make_trajectory(p, (1,)) for p in range(6)])
+    rng = np.random.default_rng(0)
+    first_pass = online_prompts(buffer, 3, rng)
+    assert sorted(first_pass) == list(range(6))  # no repeat until the pool is used up
+    second_pass = online_prompts(buffer, 3, rng)  # refilled with the drawn ones
+    assert sorted(second_pass) == list(range(6))
+    assert first_pass != second_pass  # drawn at random, not replayed in order
+
+
+def test_the_online_pool_is_this_windows_refreshed_prompts_and_refills_with_the_drawn():
+    buffer = make_authors_buffer(recency_prob=1.0)
+    buffer.add([make_trajectory(p, (1,)) for p in range(6)])
+    buffer.mark_sync(1)
+    buffer.add([make_trajectory(p, (2,), policy_version=1) for p in (0, 1, 2)])  # new window
+    rng = np.random.default_rng(0)
+    [drawn] = online_prompts(buffer, 1, rng, num_prompts=1)
+    buffer.add([make_trajectory(drawn, (3,), policy_version=1)])  # refreshed after its draw
+    rest = online_prompts(buffer, 2, rng, num_prompts=1)
+    assert sorted([drawn, *rest]) == [0, 1, 2]  # drawn once: it does not rejoin the pool
+    refilled = online_prompts(buffer, 3, rng, num_prompts=1)
+    assert sorted(refilled) == [0, 1, 2]  # the refill: this window's drawn prompts only
+
+
+def test_online_samples_are_those_added_since_the_latest_sync():
+    buffer = make_authors_buffer(recency_prob=1.0)
+    buffer.add([make_trajectory(0, (1,)), make_trajectory(0, (2,))])
+    buffer.mark_sync(1)
+    rng = np.random.default_rng(0)
+    # Until the first add after the sync, the previous window's samples stay online.
+    assert sorted(set(buffer.sample(1, 8, rng).response_tokens[:, 0])) == [1, 2]
+    buffer.add([make_trajectory(0, (3,), policy_version=1)])
+    batch = buffer.sample(1, 4, rng)  # one online sample: drawn with replacement
+    assert batch.from_recency.all() and (batch.response_tokens[:, 0] == 3).all()
+    buffer.add([make_trajectory(0, (1,), policy_version=1)])  # a duplicate, added again
+    assert sorted(set(buffer.sample(1, 8, rng).response_tokens[:, 0])) == [1, 3]
+    buffer.mark_sync(1)  # not newer than the latest sync: ignored
+    buffer.add([make_trajectory(0, (4,), policy_version=1)])
+    assert sorted(set(buffer.sample(1, 8, rng).response_tokens[:, 0])) == [1, 3, 4]
+    buffer.mark_sync(2)
+    buffer.add([make_trajectory(1, (5,), policy_version=2)])  # prompt 0 has none online now
+    for _ in range(5):
+        batch = buffer.sample(1, 2, rng)
+        assert batch.prompt_ids.tolist() == [1] and (batch.response_tokens[:, 0] == 5).all()
+
+
+def test_online_rows_are_uniform_without_replacement_unless_fewer_than_k():
+    buffer = make_authors_buffer(recency_prob=1.0)
+    rewards = [5.0, 0.0, -5.0, 1.0, 2.0]  # rewards play no part in online draws
+    buffer.add([make_trajectory(0, (i,), reward=r) for i, r in enumerate(rewards)])
+    rng = np.random.default_rng(0)
+    pairs = [buffer.sample(1, 2, rng).response_tokens[:, 0] for _ in range(2000)]
+    assert all(a != b for a, b in pairs)  # K ≤ online samples: distinct
+    assert_frequencies_match(np.bincount(np.concatenate(pairs), minlength=5), np.full(5, 0.2))
+    rows = np.concatenate([buffer.sample(1, 8, rng).response_tokens[:, 0] for _ in range(500)])
+    assert_frequencies_match(np.bincount(rows, minlength=5), np.full(5, 0.2))  # K > 5: repeats
+
+
+def test_an_online_slot_without_online_samples_falls_back_to_an_offline_draw():
+    buffer = make_authors_buffer(recency_prob=1.0)
+    buffer.add([make_trajectory(0, (1,), policy_version=0)])
+    buffer.mark_sync(1)
+    buffer.add([make_trajectory(1, (1,), policy_version=1)])  # window 1: prompt 1 online
+    buffer.drop_older_than(1)  # prompt 0 goes; prompt 1 stays online
+    batch = buffer.sample(1, 1, np.random.default_rng(0))
+    assert batch.prompt_ids.tolist() == [1] and batch.from_recency.tolist() == [True]
+    buffer.min_policy_version = None
+    buffer.add([make_trajectory(2, (1,), policy_version=0)])  # window 1 too: online
+    buffer.drop_older_than(1)  # prompt 2's only sample goes: prompt 1 is online again
+    buffer.min_policy_version = None
+    buffer.mark_sync(2)
+    buffer.add([make_trajectory(3, (1,), policy_version=0)])  # window 2: prompt 3 online
+    buffer.drop_older_than(1)  # window 2 has no stored sample left
+    batch = buffer.sample(2, 1, np.random.default_rng(0))
+    assert batch.prompt_ids.tolist() == [1, 1] and not batch.from_recency.any()
+
+
+def test_eviction_keeps_each_prompts_newest_versions():
+    buffer = make_authors_buffer(capacity_per_prompt=2)
+    buffer.add([make_trajectory(0, (1,), policy_version=5)])
+    buffer.add([make_trajectory(0, (2,), policy_version=3)])
+    buffer.add([make_trajectory(0, (3,), policy_version=4)])  # evicts version 3, not (1,)
+    assert sorted(stored_responses(buffer)) == [(0, (1,)), (0, (3,))]
+    buffer.add([make_trajectory(0, (4,), policy_version=4)])  # ties: the later added stays
+    assert sorted(stored_responses(buffer)) == [(0, (1,)), (0, (4,))]
+    buffer.add([make_trajectory(0, (1,), policy_version=2)])  # the duplicate is replaced ...
+    assert sorted(stored_responses(buffer)) == [(0, (1,)), (0, (4,))]  # ... by the newest add
+    newest = make_buffer(capacity_per_prompt=2)  # the newest rule evicts by insertion
+    for response, version in (((1,), 5), ((2,), 3), ((3,), 4)):
+        newest.add([make_trajectory(0, response, policy_version=version)])
+    assert sorted(stored_responses(newest)) == [(0, (2,)), (0, (3,))]
+
+
+def test_capacity_evicts_the_oldest_version_across_prompts():
+    buffer = make_authors_buffer(capacity=3, capacity_per_prompt=3)
+    buffer.add(
+        [make_trajectory(0, (1,), policy_version=7), make_trajectory(1, (1,), policy_version=2)]
+    )
+    buffer.add(
+        [make_trajectory(2, (1,), policy_version=5), make_trajectory(3, (1,), policy_version=6)]
+    )
+    assert sorted(stored_responses(buffer)) == [(0, (1,)), (2, (1,)), (3, (1,))]
+    buffer.add([make_trajectory(4, (1,), policy_version=1)])  # older than all: evicted itself
+    assert sorted(stored_responses(buffer)) == [(0, (1,)), (2, (1,)), (3, (1,))]
+    assert buffer.num_prompts == 3
+
+
+def test_offline_prompts_come_in_epochs_of_every_stored_prompt():
+    buffer = make_authors_buffer(recency_prob=0.0)
+    buffer.add([make_trajectory(p, (1,)) for p in range(5)])
+    rng = np.random.default_rng(0)
+    drawn = np.concatenate([buffer.sample(2, 1, rng).prompt_ids for _ in range(5)]).tolist()
+    assert sorted(drawn[:5]) == sorted(drawn[5:]) == list(range(5))  # two whole epochs
+    drawn = [buffer.sample(1, 1, rng).prompt_ids[0] for _ in range(3)]
+    buffer.add([make_trajectory(9, (1,))])  # first seen mid-epoch: joins the next one
+    drawn += [buffer.sample(1, 1, rng).prompt_ids[0] for _ in range(8)]
+    assert sorted(drawn[:5]) == list(range(5)) and sorted(drawn[5:]) == [0, 1, 2, 3, 4, 9]
+
+
+def test_offline_rows_follow_the_priority():
+    buffer = make_authors_buffer(priority="softmax", priority_inverse_temperature=1.5)
+    buffer.add([make_trajectory(0, (i,), reward=r) for i, r in enumerate(REWARDS)])
+    rng = np.random.default_rng(0)
+    drawn = np.concatenate([buffer.sample(500, 1, rng).response_tokens[:, 0] for _ in range(10)])
+    expected = np.exp(1.5 * REWARDS) / np.exp(1.5 * REWARDS).sum()
+    assert_frequencies_match(np.bincount(drawn, minlength=len(REWARDS)), expected)
+
+
+def authors_buffer_with_history() -> ReplayBuffer:
+    """Three sync windows, partly drawn pools, an eviction by version."""
+    buffer = make_authors_buffer(capacity=40, capacity_per_prompt=3, recency_prob=0.5)
+    data_rng, draw_rng = np.random.default_rng(0), np.random.default_rng(1)
+    for version in range(3):
+        buffer.add(
+            [
+                make_trajectory(
+                    int(data_rng.integers(8)),
+                    tuple(data_rng.integers(0, 50, size=int(data_rng.integers(1, 6)))),
+                    reward=float(data_rng.normal()),
+                    policy_version=int(data_rng.integers(version + 1)),
+                )
+                for _ in range(9)
+            ]
+        )
+        buffer.sample(3, 2, draw_rng)
+        buffer.mark_sync(version + 1)
+    return buffer
+
+
+def test_authors_pools_and_windows_survive_the_state(tmp_path):
+    buffer = authors_buffer_with_history()
+    path = tmp_path / "replay.npz"
+    np.savez(path, **buffer.state_dict())
+    restored = make_authors_buffer(capacity=40, capacity_per_prompt=3, recency_prob=0.5)
+    with np.load(path, allow_pickle=False) as loaded:
+        restored.load_state_dict(loaded)
+    assert stored_responses(restored) == stored_responses(buffer)
+
+    def draws(b: ReplayBuffer) -> list[dict[str, np.ndarray]]:
+        rng = np.random.default_rng(7)
+        batches = [b.sample(3, 2, rng) for _ in range(6)]  # past the pools' refills
+        b.add([make_trajectory(p, (60 + p,), policy_version=3) for p in (1, 2)])  # window 4
+        batches += [b.sample(3, 2, rng) for _ in range(4)]
+        return [batch.as_dict() for batch in batches]
+
+    for original, again in zip(draws(buffer), draws(restored), strict=True):
+        for name, array in original.items():
+            np.testing.assert_array_equal(again[name], array, err_msg=name)
+
+
+def test_an_older_state_without_pools_loads_with_every_sample_online():
+    buffer = authors_buffer_with_history()
+    state = buffer.state_dict()
+    newer_keys = set(replay._OPTIONAL_STATE_KEYS) - {"traj_policy_version_last"}
+    old_state = {k: v for k, v in state.items() if k not in newer_keys}
+    restored = make_authors_buffer(capacity=40, capacity_per_prompt=3, recency_prob=1.0)
+    restored.load_state_dict(old_state)
+    assert stored_responses(restored) == stored_responses(buffer)
+    rng = np.random.default_rng(0)
+    drawn = online_prompts(restored, restored.num_prompts, rng, num_prompts=1)
+    assert sorted(drawn) == sorted({p for p, _ in stored_responses(buffer)})
+
+
+def test_the_async_source_marks_a_sync_when_it_publishes():
+    from types import SimpleNamespace
+
+    from tba_jax.sources import AsyncSource
+
+    published = []
+    buffer = make_authors_buffer(recency_prob=1.0)
+    buffer.add([make_trajectory(0, (1,))])
+    source = SimpleNamespace(
+        store=SimpleNamespace(publish=lambda params, version: published.append(version)),
+        buffer=buffer,
+    )
+    AsyncSource.publish(source, params=None, version=4)
+    buffer.add([make_trajectory(1, (1,), policy_version=4)])  # starts the new window
+    assert published == [4]
+    assert buffer.sample(1, 1, np.random.default_rng(0)).prompt_ids.tolist() == [1]
