@@ -180,6 +180,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.replay.recency_prob = None  # m
     config.replay.priority = "softmax"  # uniform | softmax | rank
     config.replay.priority_inverse_temperature = 1.0
+    # Which prompts and samples a draw takes and which samples eviction drops (README
+    # "The replay buffer"): "authors", the TBA authors' rules (online prompts without
+    # replacement per sync window, K uniform of a prompt's online samples, offline prompts
+    # in epochs, eviction by policy version); "newest", the newest prompts' newest samples
+    # and eviction by insertion order.
+    config.replay.draw_rule = "authors"
     config.replay.min_prompts = None  # buffer fill before the learner starts
 
     # Async staleness bound: before each draw, samples more than this many policy versions

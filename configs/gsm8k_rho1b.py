@@ -14,7 +14,10 @@ K=20 samples per prompt in a batch out of S=24 generated (rloo_k × buffer multi
 1.2), m=0.95, sync period k=2, batches of 7 prompts × 20 (7 accumulated micro-batches of
 20), temperature 0.7, prompts up to 256 tokens and responses up to 512, uniform replay
 over a prompt's samples (inverse temperature 0), at most 100 samples per prompt, and
-about 500 samples in the buffer before training starts. From the launch script: 700
+about 500 samples in the buffer before training starts, and their replay rules
+(`replay.draw_rule="authors"`, from their src/buffer_utils.py: online prompts without
+replacement per sync window, K of a prompt's online samples uniformly, offline prompts in
+epochs, eviction by policy version). From the launch script: 700
 learner steps (98,000 episodes at 140 per step; "accuracy barely changes from 700 to
 1000"), β from 0.014 linearly towards 0.004 at update 500 (their target and stop
 iteration), and lr 1e-5 warmup-stable-decay with 50 warmup and 350 stable steps and a
@@ -120,6 +123,7 @@ def get_config(arg: str | None = None):
     config.replay.capacity_per_prompt = 100
     config.replay.recency_prob = 0.95  # m
     config.replay.priority_inverse_temperature = 0.0  # the paper's uniform choice
+    config.replay.draw_rule = "authors"  # their src/buffer_utils.py (../shared/reference)
     config.replay.min_prompts = 21  # ≈ the paper's 500 initial samples at S=24
 
     # The paper searches on 3 GPUs beside 1 training GPU; here those devices form the

@@ -26,11 +26,14 @@ constant after a 20-step linear warmup (the warmup length is our choice), AdamW,
 temperature 0.7, β by the authors' rule (bbartoldson/TBA, ../shared/reference): from 1
 linearly towards 0.05 as if over 128 updates, cut at update 32 (β ≈ 0.78 at update 31,
 0.05 from then on), reward-prioritised replay draws with inverse temperature 1 over the
-reward model's score (softmax), prompts up to 512 tokens (the post cut
-at whitespace to fit) and responses up to 53, a reward of −1.0 for a response that does
-not end with EOS. Episodes: the paper's 256 updates × 512 = 131,072 episodes at
-8 × 20 = 160 episodes per learner step are 819.2 steps; 820 steps cover them
-(820 × 160 = 131,200). π_ref is the SFT checkpoint itself (no warm start).
+reward model's score (softmax) under the authors' replay rules
+(`replay.draw_rule="authors"`, their src/buffer_utils.py: online prompts without
+replacement per sync window, offline prompts in epochs, eviction by policy version),
+prompts up to 512 tokens (the post cut at whitespace to fit) and responses up to 53, a
+reward of −1.0 for a response that does not end with EOS. Episodes: the paper's 256
+updates × 512 = 131,072 episodes at 8 × 20 = 160 episodes per learner step are 819.2
+steps; 820 steps cover them (820 × 160 = 131,200). π_ref is the SFT checkpoint itself
+(no warm start).
 
 Three local Hugging Face folders are needed at paper scale: `model.hf_path` (the SFT
 policy, e.g. Pythia-1B-deduped SFT'd on TL;DR as in Huang et al.; its tokenizer is the
@@ -185,6 +188,7 @@ def get_config(arg: str | None = None):
     config.replay.recency_prob = 0.5  # m
     # softmax (the base's priority) of the reward-model score, as the authors ran it
     config.replay.priority_inverse_temperature = 1.0
+    config.replay.draw_rule = "authors"  # their src/buffer_utils.py (../shared/reference)
     config.replay.min_prompts = 8  # one batch of prompts before training starts
 
     config.search.prompts_per_call = 4  # 80 rollouts per call = 4 prompts × S

@@ -27,7 +27,7 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.critic import CRITIC_KINDS
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
 from tba_jax.models.config import DTYPES
-from tba_jax.replay import PRIORITIES
+from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
 
 LR_SCHEDULES = ("constant", "linear", "wsd")
@@ -222,6 +222,7 @@ RANGES: dict[str, Allowed] = {
     "replay.recency_prob": number_in(0, 1),
     "replay.priority": one_of(PRIORITIES),
     "replay.priority_inverse_temperature": number_at_least(0),
+    "replay.draw_rule": one_of(DRAW_RULES),
     "replay.min_prompts": integer_at_least(1),
     "replay.max_policy_lag": integer_at_least(0),
     "search.num_searchers": integer_at_least(1),

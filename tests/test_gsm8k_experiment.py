@@ -35,6 +35,7 @@ def test_paper_config_has_the_papers_hyper_parameters():
     assert config.batch.samples_per_prompt == 20  # K
     assert config.batch.samples_generated_per_prompt == 24  # S
     assert config.replay.recency_prob == 0.95  # m
+    assert config.replay.draw_rule == "authors"  # their src/buffer_utils.py
     assert config.sync_period == 2  # k
     assert config.batch.prompts_per_batch == 7  # 7 prompts × 20 per step
     assert config.optim.learning_rate == 1e-5 and config.optim.schedule == "wsd"

@@ -49,6 +49,7 @@ def test_paper_config_has_the_papers_hyper_parameters():
     assert config.batch.samples_per_prompt == 20  # K
     assert config.batch.samples_generated_per_prompt == 20  # S
     assert config.replay.recency_prob == 0.5  # m
+    assert config.replay.draw_rule == "authors"  # their src/buffer_utils.py
     assert config.sync_period == 10  # k
     assert config.batch.prompts_per_batch == 8  # 8 prompts × 20 per step
     assert config.optim.learning_rate == 3e-6 and config.optim.schedule == "constant"
