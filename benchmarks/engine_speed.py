@@ -61,8 +61,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import platform
 import statistics
 import time
 
@@ -497,10 +495,7 @@ def main(argv: list[str]) -> None:
         "mixes": rounded(results),  # in --mixes order
         **settings_json,
         "samples_per_measurement": settings.prompts * settings.samples_per_prompt,
-        "device": jax.devices()[0].device_kind,
-        "cpus": os.cpu_count(),
-        "jax_version": jax.__version__,
-        "python_version": platform.python_version(),
+        **cli.machine_fields(),
     }
     print(json.dumps(line), flush=True)
 

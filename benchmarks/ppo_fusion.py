@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import time
 
@@ -197,10 +195,7 @@ def main(argv: list[str]) -> None:
         "warmup_seconds": {k: round(v, 2) for k, v in compile_seconds.items()},
         **dataclasses.asdict(settings),
         "num_params": cfg.num_params(),
-        "device": jax.devices()[0].device_kind,
-        "cpus": os.cpu_count(),
-        "jax_version": jax.__version__,
-        "python_version": platform.python_version(),
+        **cli.machine_fields(),
     }
     print(json.dumps(line), flush=True)
 

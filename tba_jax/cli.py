@@ -297,3 +297,18 @@ def configure_console() -> None:
 # absl's --verbosity, explained for our console and shown in every launcher's --help.
 flags.FLAGS[VERBOSITY_FLAG].help = VERBOSITY_HELP
 flags.declare_key_flag(VERBOSITY_FLAG)
+
+
+def machine_fields() -> dict[str, Any]:
+    """What a benchmark's JSON line records of the machine it ran on: the first device's
+    kind, the CPU count, and the JAX and Python versions."""
+    import platform
+
+    import jax
+
+    return {
+        "device": jax.devices()[0].device_kind,
+        "cpus": os.cpu_count(),
+        "jax_version": jax.__version__,
+        "python_version": platform.python_version(),
+    }

@@ -113,8 +113,10 @@ class SampledBatch:
         return len(self.reward) // max(len(self.prompt_ids), 1)
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        """All fields as a {name: array} dict (shallow; arrays are not copied)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        """The fields as a {name: array} dict (shallow; arrays are not copied), without
+        the optional ones still unset (None)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 def normalised_trajectory(

@@ -127,3 +127,15 @@ def sampled_micro_batch(prompt_tokens, *, max_new_tokens: int, temperature: floa
         "token_logp_behaviour": np.asarray(gen.token_logp),
     }
     return model, params, batch
+
+
+def rewarded_preference(model, params, batch, temperature: float) -> float:
+    """Mean summed log-prob of a batch's rewarded responses minus that of the others: how
+    much `params` prefer what was rewarded."""
+    import numpy as np
+
+    from tba_jax import learner
+
+    logp = np.asarray(learner.sequence_logp(model, params, batch, temperature))
+    rewarded = batch["reward"] > 0
+    return float(logp[rewarded].mean() - logp[~rewarded].mean())

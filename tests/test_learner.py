@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from support import sampled_micro_batch
+from support import rewarded_preference, sampled_micro_batch
 
 from tba_jax import learner, losses
 from tba_jax import mesh as mesh_lib
@@ -104,18 +104,12 @@ def test_online_dpo_steps_learn_the_preferred_responses_of_a_fixed_batch(setup):
 def test_grpo_steps_raise_the_rewarded_responses_over_the_others(setup):
     model, params, batch = setup
     state, step = _train_step(model, params, optax.adam(3e-3), 1, beta=0.01, method="grpo")
-    rewarded = batch["reward"] > 0
-
-    def preference(p):  # mean logp of rewarded responses minus that of the others
-        logp = np.asarray(learner.sequence_logp(model, p, batch, TEMPERATURE))
-        return logp[rewarded].mean() - logp[~rewarded].mean()
-
-    before = preference(params)
+    before = rewarded_preference(model, params, batch, TEMPERATURE)
     state, first = step(state, batch)
     np.testing.assert_allclose(first["ratio_mean"], 1.0, atol=1e-4)  # π_behaviour = π_θ
     for _ in range(5):
         state, metrics = step(state, batch)
-    assert preference(state.params) > before + 1.0
+    assert rewarded_preference(model, state.params, batch, TEMPERATURE) > before + 1.0
     assert metrics["clip_fraction"] > 0  # later steps are off-policy: the clip bites
 
 
