@@ -74,9 +74,9 @@ class Critic:
         abstract = self.abstract_params()
         if self.kind == "shared":
             return {VALUE_HEAD: jnp.zeros(abstract[VALUE_HEAD].shape, abstract[VALUE_HEAD].dtype)}
-        trunk = {name: value for name, value in policy_params.items() if name != "lm_head"}
         head = abstract["score"]
-        params = {**jax.tree.map(jnp.copy, trunk), "score": jnp.zeros(head.shape, head.dtype)}
+        trunk = jax.tree.map(jnp.copy, _trunk(policy_params))
+        params = {**trunk, "score": jnp.zeros(head.shape, head.dtype)}
         if jax.tree.structure(params) != jax.tree.structure(abstract):
             raise ValueError(
                 "the policy's params do not have the value model's layout; build the critic "
@@ -93,12 +93,7 @@ class Critic:
     ) -> tuple[jax.Array, jax.Array]:
         """Per-token log π(y_t) [N, T] and values [N, T] (both 0 on padding) of a batch
         with prompt/response tokens and masks; one trunk pass for the shared layout."""
-        inputs = joined_inputs(
-            batch["prompt_tokens"],
-            batch["prompt_mask"],
-            batch["response_tokens"],
-            batch["response_mask"],
-        )
+        inputs = _joined_batch(batch)
         if self.kind == "separate":
             logits, _ = self.policy.apply(policy_params, *inputs)
             values = self.values(critic_params, batch)
@@ -117,12 +112,7 @@ class Critic:
         """The separate critic's values [N, T] (0 on padding)."""
         if self.kind != "separate":
             raise ValueError("a shared critic's values come with the policy's pass")
-        inputs = joined_inputs(
-            batch["prompt_tokens"],
-            batch["prompt_mask"],
-            batch["response_tokens"],
-            batch["response_mask"],
-        )
+        inputs = _joined_batch(batch)
         scores, _ = self.model.apply(critic_params, *inputs)
         return self._slots(scores[..., _VALUE_LABEL], batch)
 
@@ -149,5 +139,20 @@ class Critic:
         head as its score head."""
         if self.kind == "separate":
             return self.model.config, critic_params
-        trunk = {name: value for name, value in policy_params.items() if name != "lm_head"}
-        return value_model_config(self.policy.config), {**trunk, "score": critic_params[VALUE_HEAD]}
+        params = {**_trunk(policy_params), "score": critic_params[VALUE_HEAD]}
+        return value_model_config(self.policy.config), params
+
+
+def _trunk(policy_params: Params) -> Params:
+    """The policy's params without its language-model head (tied embeddings have none)."""
+    return {name: value for name, value in policy_params.items() if name != "lm_head"}
+
+
+def _joined_batch(batch: Mapping[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`scoring.joined_inputs` of a batch dict's prompt and response tokens and masks."""
+    return joined_inputs(
+        batch["prompt_tokens"],
+        batch["prompt_mask"],
+        batch["response_tokens"],
+        batch["response_mask"],
+    )

@@ -359,11 +359,6 @@ def grpo_loss(
       ``reward_mean``, ``clip_fraction`` (the share of tokens whose ratio was clipped),
       ``ratio_mean``, ``advantage_std``.
     """
-    _check_beta(beta)
-    if aggregation not in GRPO_AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is not one of {GRPO_AGGREGATIONS}.")
-    if clip_epsilon <= 0:
-        raise ValueError(f"clip_epsilon={clip_epsilon} must be > 0.")
     required = ("reward", "token_logp_ref", "token_logp_behaviour", "response_mask")
     missing = [key for key in required if key not in batch]
     if missing:
@@ -388,10 +383,14 @@ def clipped_token_loss(
     """The per-token clipped surrogate plus β times the k3 KL to π_ref, aggregated over
     tokens (GRPO's and VinePPO's loss; see `grpo_loss`). advantage: [B, K, 1] (one per
     response) or [B, K, T] (one per token)."""
+    _check_beta(beta)
+    if aggregation not in GRPO_AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not one of {GRPO_AGGREGATIONS}.")
+    if clip_epsilon <= 0:
+        raise ValueError(f"clip_epsilon={clip_epsilon} must be > 0.")
     mask = batch["response_mask"].astype(token_logp.dtype)
     ratio = jnp.exp(token_logp - batch["token_logp_behaviour"])
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
-    surrogate = jnp.minimum(ratio * advantage, clipped_ratio * advantage)
+    surrogate, _ = clipped_surrogate(ratio, advantage, clip_epsilon)
     ref_minus_policy = batch["token_logp_ref"] - token_logp
     kl = jnp.exp(ref_minus_policy) - ref_minus_policy - 1.0
     per_token = (beta * kl - surrogate) * mask
@@ -432,11 +431,16 @@ def vineppo_loss(
     the batch is otherwise GRPO's. `rollout_options` (config.loss.vineppo's rollout knobs)
     are read by the value stage, not here."""
     del rollout_options
-    _check_beta(beta)
-    if aggregation not in GRPO_AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r} is not one of {GRPO_AGGREGATIONS}.")
     advantage = jax.lax.stop_gradient(batch["token_advantage"])
     return clipped_token_loss(token_logp, batch, beta, advantage, clip_epsilon, aggregation)
+
+
+def clipped_surrogate(ratio: Array, advantage: Array, clip_epsilon: float) -> tuple[Array, Array]:
+    """PPO's per-token objective min(ρ A, clip(ρ, 1 ± ε) A) (to maximise), and where the
+    clipped term is the smaller (its gradient is then 0). Shapes broadcast."""
+    unclipped = ratio * advantage
+    clipped = jnp.clip(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon) * advantage
+    return jnp.minimum(unclipped, clipped), clipped < unclipped
 
 
 def clipped_policy_loss(
@@ -446,12 +450,11 @@ def clipped_policy_loss(
     ρ = exp(log π_θ − log π_old). All [N, T]. Returns (loss, metrics)."""
     log_ratio = token_logp - token_logp_old
     ratio = jnp.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
-    loss = masked_mean(jnp.maximum(unclipped, clipped), mask)
+    surrogate, clipped = clipped_surrogate(ratio, advantages, clip_epsilon)
+    loss = masked_mean(-surrogate, mask)
     metrics = {
         "pg_loss": loss,
-        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "clip_fraction": masked_mean(clipped.astype(jnp.float32), mask),
         "approx_kl": masked_mean(0.5 * log_ratio**2, mask),
         "ratio_mean": masked_mean(ratio, mask),
     }

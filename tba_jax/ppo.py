@@ -224,14 +224,18 @@ def train_state_shardings(
     and, under `critic`, the critic's (its params by their logical axes, Adam's moments
     with them)."""
     shardings = mesh_lib.param_shardings(critic.policy.logical_axes, abstract_params, mesh, rules)
+    state = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
+    return state._replace(critic=critic_state_shardings(critic, critic_optimizer, mesh, rules))
+
+
+def critic_state_shardings(
+    critic: Critic, critic_optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh, rules
+) -> learner.TrainState:
+    """Shardings of the critic's own TrainState: its params by their logical axes under
+    `rules`, Adam's moments with them, scalars replicated."""
     critic_params = critic.abstract_params()
     critic_shardings = mesh_lib.param_shardings(critic.logical_axes, critic_params, mesh, rules)
-    state = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
-    return state._replace(
-        critic=learner.train_state_shardings(
-            critic_optimizer, critic_params, critic_shardings, mesh
-        )
-    )
+    return learner.train_state_shardings(critic_optimizer, critic_params, critic_shardings, mesh)
 
 
 def init_train_state(

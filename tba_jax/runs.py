@@ -130,17 +130,18 @@ def critic_parts(
     a method without one."""
     if not uses_critic(config):
         return None
+    from tba_jax import ppo
     from tba_jax.critic import Critic
 
     critic = Critic.build(config.loss.ppo.critic, policy)
-    abstract_params = critic.abstract_params()
-    shardings = mesh_lib.param_shardings(critic.logical_axes, abstract_params, mesh, rules)
     optim = optim_config(config)
     if config.loss.ppo.critic_learning_rate:
         optim = dataclasses.replace(optim, learning_rate=config.loss.ppo.critic_learning_rate)
     optimizer = learner.make_optimizer(optim)
-    state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
-    abstract_state = learner.abstract_train_state(optimizer, abstract_params, state_sharding)
+    state_sharding = ppo.critic_state_shardings(critic, optimizer, mesh, rules)
+    abstract_state = learner.abstract_train_state(
+        optimizer, critic.abstract_params(), state_sharding
+    )
     return CriticParts(critic, optimizer, state_sharding, abstract_state)
 
 
