@@ -139,14 +139,16 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.loss.grpo.scale_rewards = True
     config.loss.grpo.aggregation = "token"  # token | sequence
     # PPO's options (method=ppo; tba_jax.ppo, Huang et al. 2024's TL;DR defaults): the
-    # critic's layout (its own model initialised from the policy, or a value head on the
-    # policy's trunk), GAE's γ and λ, the policy and value clip ranges, the value loss's
-    # weight (shared trunk only), epochs × mini-batches of optimiser updates per learner
-    # step (the optimiser's schedule counts updates), advantage whitening, one compiled
-    # program for actor and critic (RLHFuse's fusion), and the critic's learning rate
-    # (0: optim.learning_rate).
+    # critic's layout (its own model, or a value head on the policy's trunk) and where its
+    # own model starts (the policy with a zero head, or the task's reward model: tasks with
+    # one, e.g. TL;DR, whose reward model must share the policy's tokenizer), GAE's γ and
+    # λ, the policy and value clip ranges, the value loss's weight (shared trunk only),
+    # epochs × mini-batches of optimiser updates per learner step (the optimiser's
+    # schedule counts updates), advantage whitening, one compiled program for actor and
+    # critic (RLHFuse's fusion), and the critic's learning rate (0: optim.learning_rate).
     config.loss.ppo = ml_collections.ConfigDict()
     config.loss.ppo.critic = "separate"  # separate | shared
+    config.loss.ppo.critic_init = "policy"  # policy | reward_model (separate critic only)
     config.loss.ppo.gamma = 1.0
     config.loss.ppo.lam = 0.95
     config.loss.ppo.clip_epsilon = 0.2

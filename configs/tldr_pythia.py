@@ -172,6 +172,9 @@ def get_config(arg: str | None = None):
     config.task.gold_reward_model.max_len = scored_length(config)
 
     config.sampling.temperature = 0.7
+    # method=ppo: the value model starts as the reward model, as Huang et al. 2024 start
+    # theirs (their reward model shares the policy's tokenizer, as this needs).
+    config.loss.ppo.critic_init = "reward_model"
 
     config.loss.beta_start = 1.0
     config.loss.beta_end = 0.05

@@ -24,7 +24,7 @@ import ml_collections
 
 from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
-from tba_jax.critic import CRITIC_KINDS
+from tba_jax.critic import CRITIC_INITS, CRITIC_KINDS
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
 from tba_jax.models.config import DTYPES
 from tba_jax.replay import DRAW_RULES, PRIORITIES
@@ -203,6 +203,7 @@ RANGES: dict[str, Allowed] = {
     "loss.vineppo.max_steps": integer_at_least(1),
     "loss.vineppo.rows_per_call": integer_at_least(0),
     "loss.ppo.critic": one_of(CRITIC_KINDS),
+    "loss.ppo.critic_init": one_of(CRITIC_INITS),
     "loss.ppo.gamma": number_in(0, 1),
     "loss.ppo.lam": number_in(0, 1),
     "loss.ppo.clip_epsilon": number_in(0, 1, low_open=True, high_open=True),
@@ -280,6 +281,22 @@ def _check_ppo_batches(ppo: ml_collections.ConfigDict, rows: int, num_microbatch
         )
 
 
+def _check_critic_init(config: ml_collections.ConfigDict) -> None:
+    """A critic that starts as the reward model needs its own model and a task with one."""
+    if config.loss.ppo.critic_init != "reward_model":
+        return
+    if config.loss.ppo.critic != "separate":
+        raise ConfigError(
+            "loss.ppo.critic_init=reward_model needs loss.ppo.critic=separate (a shared critic "
+            "is a value head on the policy's trunk, not a model of its own)."
+        )
+    if "reward_model" not in config.task:
+        raise ConfigError(
+            f"loss.ppo.critic_init=reward_model, but task {config.task.name!r} has no "
+            "task.reward_model (its rewards come from elsewhere); use critic_init=policy."
+        )
+
+
 def validate(
     config: ml_collections.ConfigDict, num_devices: int, learner_devices: int | None = None
 ) -> None:
@@ -314,6 +331,7 @@ def validate(
     rows = batch.prompts_per_batch * batch.samples_per_prompt
     if get_loss(config.method).needs_critic:
         _check_ppo_batches(config.loss.ppo, rows, batch.num_microbatches)
+        _check_critic_init(config)
     if batch.prompts_per_batch % batch.num_microbatches:
         raise ConfigError(
             f"batch.prompts_per_batch={batch.prompts_per_batch} does not divide into "

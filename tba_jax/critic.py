@@ -2,10 +2,12 @@
 
 Two layouts, chosen by `loss.ppo.critic`:
 
-- ``"separate"``: a model of its own with the policy's architecture and a one-label
-  score head (`ModelConfig.head="score"`), initialised from the policy's weights with a
-  zero head, as the TL;DR PPO recipes start their value model from a trained network
-  (Huang et al. 2024). Its params and Adam state are the critic's own.
+- ``"separate"``: a model of its own with a one-label score head
+  (`ModelConfig.head="score"`) and Adam state of its own. `loss.ppo.critic_init` picks
+  where it starts: ``"policy"``, the policy's architecture and weights with a zero head;
+  or ``"reward_model"``, the task's scalar reward model (architecture, weights and head),
+  as Huang et al. 2024's TL;DR recipe starts its value model. The reward model must read
+  the policy's token ids (the same tokenizer): the critic scores the policy's tokens.
 - ``"shared"``: a value head [d_model, 1] on the policy's trunk. The critic's params are
   that head alone; the value loss also trains the trunk, through the policy's params.
 
@@ -26,6 +28,7 @@ from tba_jax.models.transformer import dense
 from tba_jax.sampling.scoring import joined_inputs, response_logprobs, response_slots
 
 CRITIC_KINDS = ("separate", "shared")
+CRITIC_INITS = ("policy", "reward_model")  # where a separate critic starts
 VALUE_HEAD = "value_head"  # the shared layout's only critic param
 _VALUE_LABEL = 0  # the value is label 0 of a one-label head
 _HEAD_AXES = ("embed", "labels")  # logical axes of a score or value head [d_model, 1]
@@ -53,12 +56,23 @@ class Critic:
     logical_axes: Params
 
     @classmethod
-    def build(cls, kind: str, policy: Model) -> Critic:
+    def build(cls, kind: str, policy: Model, value_config: ModelConfig | None = None) -> Critic:
+        """The `kind` critic of `policy`. `value_config`: a separate critic's architecture
+        when it is not the policy's (a reward model's: a one-label score head)."""
         if kind not in CRITIC_KINDS:
             raise ValueError(f"loss.ppo.critic={kind!r} is not one of {CRITIC_KINDS}.")
         if kind == "shared":
+            if value_config is not None:
+                raise ValueError("a shared critic is the policy's trunk; it takes no value_config")
             return cls(kind, policy, policy, {VALUE_HEAD: _HEAD_AXES})
-        model, _ = abstract_model(value_model_config(policy.config))
+        if value_config is None:
+            value_config = value_model_config(policy.config)
+        if value_config.head != "score" or value_config.num_labels != 1:
+            raise ValueError(
+                f"a value model needs a one-label score head, not head={value_config.head!r} "
+                f"with num_labels={value_config.num_labels}"
+            )
+        model, _ = abstract_model(value_config)
         return cls(kind, policy, model, model.logical_axes)
 
     def abstract_params(self) -> Params:
@@ -68,10 +82,13 @@ class Critic:
             return {VALUE_HEAD: jax.ShapeDtypeStruct((cfg.d_model, 1), cfg.param_dtype)}
         return abstract_model(self.model.config)[1]
 
-    def initial_params(self, policy_params: Params) -> Params:
-        """The critic at the start of a run: a zero value head (on the policy's trunk, or on
-        a copy of the policy's weights), so every value starts at 0."""
+    def initial_params(self, policy_params: Params, start: Params | None = None) -> Params:
+        """The critic at the start of a run: `start` (a separate critic's own weights, e.g.
+        the reward model's, cast to its dtypes) when given; else a zero value head (on the
+        policy's trunk, or on a copy of the policy's weights), so every value starts at 0."""
         abstract = self.abstract_params()
+        if start is not None:
+            return _cast_like(start, abstract, "the critic's start params")
         if self.kind == "shared":
             return {VALUE_HEAD: jnp.zeros(abstract[VALUE_HEAD].shape, abstract[VALUE_HEAD].dtype)}
         head = abstract["score"]
@@ -141,6 +158,21 @@ class Critic:
             return self.model.config, critic_params
         params = {**_trunk(policy_params), "score": critic_params[VALUE_HEAD]}
         return value_model_config(self.policy.config), params
+
+
+def _cast_like(params: Params, abstract: Params, what: str) -> Params:
+    """`params` as fresh arrays of `abstract`'s dtypes; ValueError naming `what` when their
+    layout or shapes differ."""
+    if jax.tree.structure(params) != jax.tree.structure(abstract):
+        raise ValueError(f"{what} do not have the value model's layout")
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for (path, value), want in zip(leaves, jax.tree.leaves(abstract), strict=True):
+        if value.shape != want.shape:
+            raise ValueError(
+                f"{what} hold {jax.tree_util.keystr(path)} of shape {value.shape}; the value "
+                f"model needs {want.shape}"
+            )
+    return jax.tree.map(lambda value, want: jnp.array(value, want.dtype), params, abstract)
 
 
 def _trunk(policy_params: Params) -> Params:

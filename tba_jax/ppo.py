@@ -59,6 +59,7 @@ class PPOConfig:
     """`config.loss.ppo`. Defaults: Huang et al. 2024's TL;DR settings (TRL's PPOv2)."""
 
     critic: str = "separate"  # separate | shared (see tba_jax.critic)
+    critic_init: str = "policy"  # a separate critic starts as: policy | reward_model
     gamma: float = 1.0  # discount γ
     lam: float = 0.95  # GAE λ
     clip_epsilon: float = 0.2  # policy ratio clip ε
@@ -244,12 +245,14 @@ def init_train_state(
     optimizer: optax.GradientTransformation,
     critic_optimizer: optax.GradientTransformation,
     state_sharding: learner.TrainState,
+    critic_start: Params | None = None,
 ) -> learner.TrainState:
-    """A fresh PPO TrainState: the policy's, and a new critic (`Critic.initial_params`)
-    with its own optimiser state, placed on `state_sharding`."""
+    """A fresh PPO TrainState: the policy's, and a new critic (`Critic.initial_params`;
+    `critic_start`: its own starting weights, e.g. a reward model's) with its own optimiser
+    state, placed on `state_sharding`."""
     state = learner.init_train_state(policy_params, optimizer, state_sharding._replace(critic=None))
     critic_state = learner.init_train_state(
-        critic.initial_params(policy_params), critic_optimizer, state_sharding.critic
+        critic.initial_params(policy_params, critic_start), critic_optimizer, state_sharding.critic
     )
     return state._replace(critic=critic_state)
 

@@ -133,7 +133,8 @@ def critic_parts(
     from tba_jax import ppo
     from tba_jax.critic import Critic
 
-    critic = Critic.build(config.loss.ppo.critic, policy)
+    value_config = critic_start_config(config, policy.config)  # None: the policy's
+    critic = Critic.build(config.loss.ppo.critic, policy, value_config)
     optim = optim_config(config)
     if config.loss.ppo.critic_learning_rate:
         optim = dataclasses.replace(optim, learning_rate=config.loss.ppo.critic_learning_rate)
@@ -143,6 +144,61 @@ def critic_parts(
         optimizer, critic.abstract_params(), state_sharding
     )
     return CriticParts(critic, optimizer, state_sharding, abstract_state)
+
+
+def starts_from_reward_model(config: ml_collections.ConfigDict) -> bool:
+    """Whether PPO's critic starts as the task's reward model (`loss.ppo.critic_init`)."""
+    return uses_critic(config) and config.loss.ppo.critic_init == "reward_model"
+
+
+def critic_role_config(config: ml_collections.ConfigDict, policy_cfg: ModelConfig) -> ModelConfig:
+    """The task's reward model's architecture (config files only), as loaded by
+    `critic_start_params` for a critic of `policy_cfg`'s vocabulary."""
+    from tba_jax.models.frozen import frozen_model_config
+
+    role = config.task.reward_model
+    tokenizer = policy_tokenizer(config)  # a random stand-in covers the policy's token ids
+    return frozen_model_config(
+        role,
+        role_name="task.reward_model",
+        vocab_size=policy_cfg.vocab_size if tokenizer is None else tokenizer.vocab_size,
+        max_seq_len=role.max_len,
+        head="score",
+    )
+
+
+def critic_start_config(
+    config: ml_collections.ConfigDict, policy_cfg: ModelConfig
+) -> ModelConfig | None:
+    """The separate critic's architecture when it starts as the task's reward model, in the
+    policy's dtypes; None when it starts from the policy (`Critic.build`'s default)."""
+    if not starts_from_reward_model(config):
+        return None
+    return dataclasses.replace(
+        critic_role_config(config, policy_cfg),
+        dtype=policy_cfg.dtype,
+        param_dtype=policy_cfg.param_dtype,
+    )
+
+
+def critic_start_params(config: ml_collections.ConfigDict, tokenizer) -> Params | None:
+    """The task's reward model's weights in the critic's param dtype (what it starts as),
+    loaded as the task loads them (a random stand-in shares `tokenizer`); None when the
+    critic starts from the policy."""
+    if not starts_from_reward_model(config):
+        return None
+    from tba_jax.models.frozen import load_frozen_model
+
+    role = config.task.reward_model.copy_and_resolve_references()
+    role.dtype = config.model.param_dtype  # the critic trains in the policy's param dtype
+    frozen = load_frozen_model(
+        role,
+        role_name="task.reward_model",
+        fallback_tokenizer=tokenizer,
+        max_seq_len=role.max_len,
+        head="score",
+    )
+    return frozen.params
 
 
 def loss_options(config: ml_collections.ConfigDict) -> dict:

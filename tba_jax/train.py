@@ -62,6 +62,7 @@ from tba_jax.checkpoint import (
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, Params, abstract_model, init_model
+from tba_jax.models.tokenizers import tokenizer_mismatch
 from tba_jax.sampling.engine import make_generator
 from tba_jax.trajectories import SampledBatch
 from tba_jax.warmstart import (
@@ -159,6 +160,56 @@ def check_hf_folders(config: ml_collections.ConfigDict, policy_tokenizer) -> Non
             )
 
 
+def check_critic_reward_model(config: ml_collections.ConfigDict, policy_tokenizer) -> None:
+    """ConfigError for a `task.reward_model` checkpoint PPO's critic cannot start as
+    (`loss.ppo.critic_init=reward_model`): the critic reads the policy's token ids, so the
+    reward model needs one label, the policy's tokenizer (`policy_tokenizer`, from
+    `model.hf_path`) and positions for a whole prompt + response. Reads config and
+    tokenizer files only; a random stand-in (empty hf_path) shares the policy's tokens."""
+    role = config.task.get("reward_model")
+    if not (runs.starts_from_reward_model(config) and role.hf_path):
+        return
+    from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+    from tba_jax.models.hf_tokenizer import HFTokenizer
+
+    where = f"task.reward_model.hf_path={role.hf_path!r}"
+    if policy_tokenizer is None:
+        raise ConfigError(
+            f"loss.ppo.critic_init=reward_model with {where} needs the policy from "
+            "model.hf_path, with the reward model's tokenizer (the critic reads the policy's "
+            "token ids); set model.hf_path or use critic_init=policy."
+        )
+    try:
+        reward_cfg = hf.config_from_hf(role.hf_path)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    if reward_cfg.head != "score" or reward_cfg.num_labels != 1:
+        raise ConfigError(
+            f"{where} is not a one-label *ForSequenceClassification checkpoint "
+            f"(head={reward_cfg.head!r}, num_labels={reward_cfg.num_labels}); PPO's critic "
+            "starts as a scalar reward model."
+        )
+    mismatch = tokenizer_mismatch(HFTokenizer.from_pretrained(role.hf_path), policy_tokenizer)
+    if mismatch:
+        raise ConfigError(
+            f"The tokenizer in {where} is not the policy's (model.hf_path="
+            f"{config.model.hf_path!r}): {mismatch}. loss.ppo.critic_init=reward_model needs "
+            "a reward model trained on the policy's tokenizer; use critic_init=policy."
+        )
+    if reward_cfg.vocab_size < policy_tokenizer.vocab_size:
+        raise ConfigError(
+            f"{where} has {reward_cfg.vocab_size} embeddings, fewer than the policy "
+            f"tokenizer's {policy_tokenizer.vocab_size} ids; use critic_init=policy."
+        )
+    needed = config.max_prompt_len + config.max_response_len
+    if reward_cfg.position_embedding == "learned" and reward_cfg.max_seq_len < needed:
+        raise ConfigError(
+            f"{where} has {reward_cfg.max_seq_len} learned positions, fewer than a prompt + "
+            f"response ({needed} tokens); lower max_prompt_len/max_response_len or use "
+            "critic_init=policy."
+        )
+
+
 def make_workdir(workdir: str) -> None:
     """Creates `workdir`, or a ConfigError saying why it cannot be (the launchers' check,
     `config_lib.output_dir_problem`, for callers that come from Python)."""
@@ -183,6 +234,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     )
     policy_tokenizer = runs.policy_tokenizer(config)  # None: the task's own
     check_hf_folders(config, policy_tokenizer)
+    check_critic_reward_model(config, policy_tokenizer)
     layout = topology.describe() if topology.multi_process else None
     check_experiment(
         workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
@@ -419,7 +471,12 @@ def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
         state = learner.init_train_state(params, run.optimizer, run.state_sharding)
     else:
         state = ppo.init_train_state(
-            params, run.critic.critic, run.optimizer, run.critic.optimizer, run.state_sharding
+            params,
+            run.critic.critic,
+            run.optimizer,
+            run.critic.optimizer,
+            run.state_sharding,
+            critic_start=runs.critic_start_params(run.config, run.task.tokenizer),
         )
     history = {"warm_start_seconds": time.time() - begin, **run_totals.empty_totals()}
     return Start(state, reference, history, source_state=None)

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import ml_collections
 
-from tba_jax.models import Model, Params, init_model, preset
+from tba_jax.models import Model, ModelConfig, Params, init_model, preset
 from tba_jax.models.tokenizers import Tokenizer
 
 
@@ -29,6 +29,40 @@ class FrozenModel:
     params: Params
     tokenizer: Tokenizer
     source: str  # the hf_path, or "preset:<name>:seed=<seed>" for a random stand-in
+
+
+def frozen_model_config(
+    role: ml_collections.ConfigDict,
+    *,
+    role_name: str,
+    vocab_size: int,
+    max_seq_len: int,
+    head: str = "lm",
+    num_labels: int = 1,
+) -> ModelConfig:
+    """The architecture of the model `role` describes, read without loading weights:
+    `hf_path`'s config.json, else the `preset` over `vocab_size` ids and `max_seq_len`
+    positions. `head`, `num_labels`: see `load_frozen_model`."""
+    if role.hf_path:
+        from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+
+        config = hf.config_from_hf(role.hf_path)
+        if config.head != head:
+            kind = "*ForSequenceClassification" if head == "score" else "*ForCausalLM"
+            raise ValueError(
+                f"{role_name}.hf_path={role.hf_path} holds a model with head={config.head!r} "
+                f"but the {role_name} needs head={head!r}; point it at a {kind} checkpoint."
+            )
+        return dataclasses.replace(config, dtype=role.dtype, param_dtype=role.dtype)
+    return preset(
+        role.preset,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        head=head,
+        num_labels=num_labels,
+        dtype=role.dtype,
+        param_dtype=role.dtype,
+    )
 
 
 def load_frozen_model(
@@ -46,29 +80,21 @@ def load_frozen_model(
     ValueError naming `role_name` (e.g. "reward_model"). For a "score" head from a
     checkpoint, `num_labels` is the checkpoint's own.
     """
-    if role.hf_path:
-        from tba_jax.models import hf  # optional: needs safetensors/tokenizers
-        from tba_jax.models.hf_tokenizer import HFTokenizer
-
-        config = hf.config_from_hf(role.hf_path)
-        if config.head != head:
-            kind = "*ForSequenceClassification" if head == "score" else "*ForCausalLM"
-            raise ValueError(
-                f"{role_name}.hf_path={role.hf_path} holds a model with head={config.head!r} "
-                f"but the {role_name} needs head={head!r}; point it at a {kind} checkpoint."
-            )
-        model, params = hf.load_model(role.hf_path, dtype=role.dtype)
-        tokenizer = HFTokenizer.from_pretrained(role.hf_path)
-        return FrozenModel(model, params, tokenizer, role.hf_path)
-    config = preset(
-        role.preset,
+    config = frozen_model_config(
+        role,
+        role_name=role_name,
         vocab_size=fallback_tokenizer.vocab_size,
         max_seq_len=max_seq_len,
         head=head,
         num_labels=num_labels,
-        dtype=role.dtype,
-        param_dtype=role.dtype,
     )
+    if role.hf_path:
+        from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+        from tba_jax.models.hf_tokenizer import HFTokenizer
+
+        model, params = hf.load_model(role.hf_path, dtype=role.dtype)
+        tokenizer = HFTokenizer.from_pretrained(role.hf_path)
+        return FrozenModel(model, params, tokenizer, role.hf_path)
     model, params = init_model(config, role.seed)
     params = jax.device_put(params)
     return FrozenModel(model, params, fallback_tokenizer, f"preset:{role.preset}:seed={role.seed}")

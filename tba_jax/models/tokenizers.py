@@ -81,6 +81,37 @@ class Tokenizer(Protocol):
     def decode_batch(self, ids: Iterable[Iterable[int]]) -> list[str]: ...
 
 
+# Texts two tokenizers must encode alike to be taken as one: letters, digits, punctuation,
+# whitespace runs and non-ASCII text (byte-level fallbacks differ there first).
+PROBE_TEXTS = (
+    "TL;DR: The quick brown fox jumps over the lazy dog.",
+    "  Q: 12 + 30 = 42?\n\tA: yes, 42 >= 41 (100%)  ",
+    "Naïve café — “quoted” 日本語 ❤",
+)
+
+
+def tokenizer_mismatch(a: Tokenizer, b: Tokenizer, texts: Sequence[str] = PROBE_TEXTS) -> str:
+    """Why `a` and `b` do not map text to the same ids ("" when their vocabulary sizes,
+    special ids and the ids of every text in `texts` agree; a text neither can encode,
+    e.g. outside a character alphabet, is skipped)."""
+    for name in ("vocab_size", "pad_id", "bos_id", "eos_id"):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} {getattr(a, name)} vs {getattr(b, name)}"
+    for text in texts:
+        ids_a, ids_b = _ids_or_error(a, text), _ids_or_error(b, text)
+        if ids_a != ids_b:
+            return f"{text!r} encodes to {ids_a} vs {ids_b}"
+    return ""
+
+
+def _ids_or_error(tokenizer: Tokenizer, text: str) -> list[int] | str:
+    """The ids of `text`, or "cannot encode it" (compares equal only to another refusal)."""
+    try:
+        return tokenizer.encode(text)
+    except ValueError:
+        return "cannot encode it"
+
+
 def pad_sequences_with_mask(
     sequences: Sequence[Sequence[int]],
     max_len: int,
