@@ -24,6 +24,7 @@ setup(
         "numpy>=1.26",
         "tensorboardX>=2.6",
         "tqdm>=4.60",
+        "matplotlib>=3.7",  # experiments/reproduce.py's plots
         # Hugging Face checkpoints and tokenizers (no torch needed to load or save).
         "safetensors>=0.4",
         "tokenizers>=0.19",

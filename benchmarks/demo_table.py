@@ -29,14 +29,18 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
-import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN_SCRIPT = os.path.join(REPO_ROOT, "experiments", "train.py")
-SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its workdir
+from tba_jax.reproduce.cells import (
+    SUMMARY_FILENAME,
+    RunError,
+    run_logged,
+    runnable_config,
+    train_command,
+    with_variant,
+)
+
 DEFAULT_CONFIG = "configs/arithmetic.py"
 # The README's rows: async TB, sync TB, sync RLOO ("" = the config's own defaults).
 DEFAULT_VARIANTS = ("", "mode=sync", "mode=sync,method=rloo")
@@ -46,11 +50,10 @@ TABLE_HEADER = (
     "|---|---|---|---|",
 )
 START_KEY, END_KEY = "eval_accuracy_start", "eval_accuracy_end"
-LOG_TAIL_CHARS = 3000
 
 
-class DemoTableError(Exception):
-    """A mistake in the flags or a run that failed: reported in one `error:` message."""
+# A mistake in the flags or a run that failed: reported in one `error:` message.
+DemoTableError = RunError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,23 +74,6 @@ class DemoRun:
 # ------------------------------------------------------------------------ what to run
 
 
-def with_variant(config: str, variant: str) -> str:
-    """`config` (path[:variant]) with the items of `variant` added."""
-    if not variant:
-        return config
-    return f"{config},{variant}" if ":" in config else f"{config}:{variant}"
-
-
-def runnable_config(config: str) -> str:
-    """`config` with its path made absolute: as given when it exists from here, else from
-    the repository root (so the default works from any folder)."""
-    path, colon, variant = config.partition(":")
-    for candidate in (path, os.path.join(REPO_ROOT, path)):
-        if os.path.isfile(candidate):
-            return os.path.abspath(candidate) + colon + variant
-    raise DemoTableError(f"--config={config}: no config file {path}; pass a configs/*.py file.")
-
-
 def workdir_name(index: int, variant: str) -> str:
     """A folder name per variant: '1_default', '2_mode=sync', ..."""
     return f"{index + 1}_" + (re.sub(r"[^A-Za-z0-9=.+-]+", "_", variant) or "default")
@@ -104,35 +90,6 @@ def check_fresh(workdirs: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------ running
-
-
-def train_command(config: str, workdir: str) -> list[str]:
-    """The README's main command for `config` in `workdir`."""
-    return [
-        sys.executable,
-        TRAIN_SCRIPT,
-        f"--config={runnable_config(config)}",
-        f"--workdir={workdir}",
-    ]
-
-
-def timed_run(command: list[str], log_path: str) -> float:
-    """Runs `command`, its output into `log_path`; returns its wall seconds from start to
-    exit (what /usr/bin/time reports as elapsed). DemoTableError when it fails."""
-    paths = [REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    with open(log_path, "w") as log:
-        start = time.perf_counter()
-        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        wall_seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        with open(log_path) as log:
-            tail = log.read()[-LOG_TAIL_CHARS:]
-        raise DemoTableError(
-            f"{' '.join(command)} failed (exit {result.returncode}); its log is {log_path}, "
-            f"ending:\n{tail}"
-        )
-    return wall_seconds
 
 
 def read_summary(workdir: str) -> dict:
@@ -158,7 +115,7 @@ def measure(config: str, variants: list[str], workdir_root: str) -> list[DemoRun
     runs = []
     for number, (each, workdir) in enumerate(zip(configs, workdirs, strict=True), start=1):
         print(f"[{number}/{len(configs)}] training {each} in {workdir}", file=sys.stderr)
-        wall_seconds = timed_run(train_command(each, workdir), workdir + ".log")
+        wall_seconds = run_logged(train_command(each, workdir), workdir + ".log")
         print(f"[{number}/{len(configs)}] {wall_seconds:.1f} s", file=sys.stderr)
         runs.append(DemoRun(each, wall_seconds, read_summary(workdir)))
     return runs

@@ -1,0 +1,185 @@
+"""One run of an experiment's grid (a `Cell`), run as a user runs it from the README.
+
+A cell trains with the README's main command,
+
+    python experiments/train.py --config=<path[:variant]>,seed=<seed> --workdir=<workdir>
+
+in a subprocess (a fresh JAX per run; its console output goes to `<workdir>.log`), then,
+for tasks scored by their own evaluation (TL;DR, red-teaming), runs
+
+    python experiments/evaluate.py --workdir=<workdir>
+
+A cell whose workdir holds its summary.json (and eval.json, when it is evaluated) is
+finished and is not run again; an interrupted one resumes from its last checkpoint, as
+the training command always does. Wall times are the summary's (every segment of the run
+summed), not the subprocess's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from tba_jax.metrics import TENSORBOARD_SUBDIR, read_scalars
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_SCRIPT = os.path.join(REPO_ROOT, "experiments", "train.py")
+EVALUATE_SCRIPT = os.path.join(REPO_ROOT, "experiments", "evaluate.py")
+SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its workdir
+EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into the run's workdir
+LOG_TAIL_CHARS = 3000
+RL_SECONDS = "rl_seconds"  # the train loop's scalars (tba_jax.train)
+EVAL_SECONDS = "eval_seconds"
+
+
+class RunError(Exception):
+    """A config that cannot be found or a run that failed: reported in one message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One training run of a grid.
+
+    Attributes:
+      label: the series it belongs to in tables and plots ("TB async", "K=8").
+      config: `path[:variant]`, the path relative to the repository root.
+      seed: the run's `seed` (added to the config's items).
+      x: its value on the grid's x axis (off-policyness, searchers, K, ...); None for a
+        grid plotted against time.
+      evaluate: run `experiments/evaluate.py` after training (the task's own metrics).
+    """
+
+    label: str
+    config: str
+    seed: int = 0
+    x: float | None = None
+    evaluate: bool = False
+
+    @property
+    def name(self) -> str:
+        """A folder name: 'tb_async_seed0', 'k_8_x8_seed1', ..."""
+        slug = re.sub(r"[^a-z0-9]+", "_", self.label.lower()).strip("_")
+        x_part = "" if self.x is None else f"_x{self.x:g}"
+        return f"{slug}{x_part}_seed{self.seed}"
+
+    @property
+    def config_with_seed(self) -> str:
+        return with_variant(self.config, f"seed={self.seed}")
+
+    def with_items(self, items: str) -> Cell:
+        """The cell with `items` (key=value,...) added to its config's."""
+        return dataclasses.replace(self, config=with_variant(self.config, items))
+
+
+@dataclasses.dataclass(frozen=True)
+class CellResult:
+    """A finished cell: its summary.json, eval.json (None when not evaluated) and the
+    scalars its train loop wrote ({tag: [(step, value), ...]})."""
+
+    cell: Cell
+    workdir: str
+    summary: dict
+    evaluation: dict | None
+    scalars: dict
+
+    def curve(self, metric: str) -> list[tuple[float, float]]:
+        """(RL seconds without the evaluations themselves, value) at each in-loop
+        evaluation of `metric`: the x axis of accuracy against wall-clock."""
+        rl_seconds = dict(self.scalars.get(RL_SECONDS, []))
+        evaluation_seconds = dict(self.scalars.get(EVAL_SECONDS, []))
+        points, spent = [], 0.0
+        for step, value in self.scalars.get(metric, []):
+            spent += evaluation_seconds.get(step, 0.0)
+            points.append((rl_seconds[step] - spent, value))
+        return points
+
+
+def with_variant(config: str, items: str) -> str:
+    """`config` (path[:variant]) with the key=value `items` added ("" adds nothing)."""
+    if not items:
+        return config
+    return f"{config},{items}" if ":" in config else f"{config}:{items}"
+
+
+def runnable_config(config: str) -> str:
+    """`config` with its path made absolute: as given when it exists from here, else from
+    the repository root (so the defaults work from any folder)."""
+    path, colon, variant = config.partition(":")
+    for candidate in (path, os.path.join(REPO_ROOT, path)):
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate) + colon + variant
+    raise RunError(f"--config={config}: no config file {path}; pass a configs/*.py file.")
+
+
+def train_command(config: str, workdir: str) -> list[str]:
+    """The README's main command for `config` in `workdir`."""
+    return [
+        sys.executable,
+        TRAIN_SCRIPT,
+        f"--config={runnable_config(config)}",
+        f"--workdir={workdir}",
+    ]
+
+
+def evaluate_command(workdir: str) -> list[str]:
+    """The README's evaluation of the run in `workdir` (its task's own metrics)."""
+    return [sys.executable, EVALUATE_SCRIPT, f"--workdir={workdir}"]
+
+
+def run_logged(command: list[str], log_path: str) -> float:
+    """Runs `command` with its output appended to `log_path`; returns its wall seconds
+    from start to exit (what /usr/bin/time reports as elapsed). RunError when it fails."""
+    paths = [REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    with open(log_path, "a") as log:
+        start = time.perf_counter()
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        wall_seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        with open(log_path) as log:
+            tail = log.read()[-LOG_TAIL_CHARS:]
+        raise RunError(
+            f"{' '.join(command)} failed (exit {result.returncode}); its log is {log_path}, "
+            f"ending:\n{tail}"
+        )
+    return wall_seconds
+
+
+def is_finished(cell: Cell, workdir: str) -> bool:
+    """Whether `workdir` holds the cell's summary (and evaluation, when it needs one)."""
+    needed = [SUMMARY_FILENAME, *([EVAL_FILENAME] if cell.evaluate else [])]
+    return all(os.path.isfile(os.path.join(workdir, name)) for name in needed)
+
+
+def read_result(cell: Cell, workdir: str) -> CellResult:
+    """The finished cell's files (see `CellResult`)."""
+
+    def load(name: str) -> dict:
+        with open(os.path.join(workdir, name)) as f:
+            return json.load(f)
+
+    event_dir = os.path.join(workdir, TENSORBOARD_SUBDIR)
+    return CellResult(
+        cell,
+        workdir,
+        load(SUMMARY_FILENAME),
+        load(EVAL_FILENAME) if cell.evaluate else None,
+        read_scalars(event_dir) if os.path.isdir(event_dir) else {},
+    )
+
+
+def run_cell(cell: Cell, workdir: str) -> CellResult:
+    """Trains (and evaluates) `cell` in `workdir` unless it is finished there already."""
+    if not is_finished(cell, workdir):
+        os.makedirs(os.path.dirname(workdir), exist_ok=True)
+        log_path = workdir + ".log"
+        if not os.path.isfile(os.path.join(workdir, SUMMARY_FILENAME)):
+            run_logged(train_command(cell.config_with_seed, workdir), log_path)
+        if cell.evaluate:
+            run_logged(evaluate_command(workdir), log_path)
+    return read_result(cell, workdir)

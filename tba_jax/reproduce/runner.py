@@ -1,0 +1,167 @@
+"""Runs an experiment's grid and writes its report (what `experiments/reproduce.py` does).
+
+Runs go to `<out>/runs/<experiment>/<cell name>` (one folder per label, x and seed); a
+rerun skips the finished ones and resumes an interrupted one, so a grid can be grown
+(more seeds) or finished after a stop by running the same command again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+
+import ml_collections
+
+from tba_jax import config_keys
+from tba_jax.reproduce import report
+from tba_jax.reproduce.cells import (
+    Cell,
+    CellResult,
+    is_finished,
+    run_cell,
+    runnable_config,
+    train_command,
+)
+from tba_jax.reproduce.grids import EXPERIMENTS, SCALES, Experiment
+
+RUNS_SUBDIR = "runs"
+
+
+class MissingSettings(Exception):
+    """A paper-scale grid whose configs lack checkpoint folders; the message holds the
+    exact commands to run once they are given."""
+
+
+def experiment_named(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise ValueError(f"--experiment={name!r} is not one of {sorted(EXPERIMENTS)}.")
+    return EXPERIMENTS[name]
+
+
+def grid(experiment: Experiment, scale: str, seeds: int, items: str = "") -> list[Cell]:
+    """The experiment's cells at `scale`, each for seeds 0 .. seeds-1, with `items`
+    (key=value,... given to every run, e.g. checkpoint folders) added."""
+    if scale not in SCALES:
+        raise ValueError(f"--scale={scale!r} is not one of {SCALES}.")
+    if seeds < 1:
+        raise ValueError(f"--seeds={seeds} must be at least 1.")
+    base = experiment.cells(scale)
+    return [
+        dataclasses.replace(cell, seed=seed).with_items(items)
+        for seed in range(seeds)
+        for cell in base
+    ]
+
+
+def cell_workdir(out: str, experiment: Experiment, cell: Cell) -> str:
+    return os.path.join(os.path.abspath(out), RUNS_SUBDIR, experiment.name, cell.name)
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+    """The config `path[:variant]` describes, as `--config=` loads it."""
+    path, _, variant = runnable_config(spec).partition(":")
+    module_spec = importlib.util.spec_from_file_location("reproduced_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(variant or None)
+
+
+def missing_settings(experiment: Experiment, cells: Sequence[Cell]) -> list[str]:
+    """The `required` keys left empty in the first cell's config (every cell of a grid
+    shares its checkpoints)."""
+    config = load_config(cells[0].config_with_seed)
+    return [key for key in experiment.required if not config_keys.lookup(config, key)[1]]
+
+
+def commands_text(experiment: Experiment, cells: Sequence[Cell], out: str) -> str:
+    """The training (and evaluation) command of every cell, one per line."""
+    lines = []
+    for cell in cells:
+        workdir = cell_workdir(out, experiment, cell)
+        lines.append(shlex.join(train_command(cell.config_with_seed, workdir)))
+        if cell.evaluate:
+            lines.append(shlex.join([sys.executable, "experiments/evaluate.py", workdir]))
+    return "\n".join(lines)
+
+
+def check_settings(experiment: Experiment, scale: str, cells: Sequence[Cell], out: str):
+    """MissingSettings (with the commands) when a paper-scale grid lacks a checkpoint."""
+    if scale != "paper":
+        return
+    missing = missing_settings(experiment, cells)
+    if missing:
+        placeholders = ",".join(f"{key}=/path/to/{key.split('.')[-2]}" for key in missing)
+        shown = grid(experiment, scale, 1, placeholders)
+        raise MissingSettings(
+            f"The paper-scale {experiment.name} grid needs {', '.join(missing)} (local "
+            f"Hugging Face folders). Pass them as --set={placeholders} (your paths), or run "
+            f"each cell yourself:\n{commands_text(experiment, shown, out)}"
+        )
+
+
+def run_grid(
+    experiment: Experiment, cells: Sequence[Cell], out: str, log: Callable[[str], None]
+) -> list[CellResult]:
+    """Runs (or reads back) every cell, saying which it skipped."""
+    results = []
+    for number, cell in enumerate(cells, start=1):
+        workdir = cell_workdir(out, experiment, cell)
+        state = "finished, read back" if is_finished(cell, workdir) else "running"
+        log(f"[{number}/{len(cells)}] {cell.label} x={cell.x} seed {cell.seed}: {state}")
+        results.append(run_cell(cell, workdir))
+    return results
+
+
+def write_report(
+    experiment: Experiment, scale: str, results: Sequence[CellResult], out: str
+) -> list[str]:
+    """The experiment's CSV, markdown and plot in `out`; returns their paths."""
+    base = os.path.join(out, experiment.name)
+    columns = experiment.columns
+    if experiment.plot_column is None:
+        plot = report.plot_curves(
+            base + ".png", results, experiment.curve_metric, experiment.curve_metric
+        )
+    else:
+        plot = report.plot_against_x(
+            base + ".png", results, experiment.plot_column, experiment.x_name, experiment.x_log
+        )
+    seeds = len({result.cell.seed for result in results})
+    page = report.write_markdown(
+        base + ".md",
+        title=experiment.title,
+        intro=[
+            f"Scale `{scale}`, {seeds} seed(s) per run; written by `python "
+            f"experiments/reproduce.py --experiment={experiment.name} --scale={scale}` on "
+            f"{report.machine_line()}. Runs and their logs: `{RUNS_SUBDIR}/{experiment.name}/`.",
+        ],
+        ours=report.results_table(results, columns, experiment.x_name),
+        paper=experiment.paper.markdown(),
+        plots=[plot],
+        notes=experiment.notes(scale),
+    )
+    table = report.write_csv(base + ".csv", results, columns)
+    return [page, table, plot]
+
+
+def reproduce(
+    name: str,
+    scale: str,
+    out: str,
+    *,
+    seeds: int = 1,
+    items: str = "",
+    log: Callable[[str], None] = print,
+) -> list[str]:
+    """Runs experiment `name` at `scale` into `out` and writes its report (see the
+    module docstring); returns the report's paths."""
+    experiment = experiment_named(name)
+    cells = grid(experiment, scale, seeds, items)
+    check_settings(experiment, scale, cells, out)
+    os.makedirs(out, exist_ok=True)
+    results = run_grid(experiment, cells, out, log)
+    return write_report(experiment, scale, results, out)

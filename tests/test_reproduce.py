@@ -1,0 +1,128 @@
+"""experiments/reproduce.py (tba_jax/reproduce): the grids, the paper-scale commands when
+checkpoints are missing, the report's statistics and files, and a real one-run grid that
+a rerun reads back instead of training again."""
+
+import csv
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from tba_jax.reproduce import paper, report, runner
+from tba_jax.reproduce.cells import Cell, CellResult, with_variant
+from tba_jax.reproduce.grids import EXPERIMENTS, Experiment
+from tba_jax.reproduce.report import Column
+
+
+def test_every_experiment_has_a_grid_at_both_scales_and_the_papers_numbers():
+    for experiment in EXPERIMENTS.values():
+        for scale in ("tiny", "paper"):
+            cells = experiment.cells(scale)
+            assert cells, (experiment.name, scale)
+            names = [cell.name for cell in cells]
+            assert len(set(names)) == len(names)  # one workdir per run
+            assert all((cell.x is None) == (experiment.x_name is None) for cell in cells)
+            runner.load_config(cells[0].config_with_seed)  # the configs exist and load
+        assert "Source:" in experiment.paper.markdown()
+
+
+def test_seeds_repeat_the_grid_and_items_reach_every_run():
+    experiment = EXPERIMENTS["ablation_k"]
+    cells = runner.grid(experiment, "tiny", seeds=2, items="steps=7")
+    base = experiment.cells("tiny")
+    assert len(cells) == 2 * len(base)
+    assert [cell.seed for cell in cells] == [0] * len(base) + [1] * len(base)
+    config = runner.load_config(cells[-1].config_with_seed)
+    assert config.learner_steps == 7 and config.seed == 1
+    assert config.batch.samples_per_prompt == base[-1].x
+    with pytest.raises(ValueError, match="--seeds=0"):
+        runner.grid(experiment, "tiny", seeds=0)
+
+
+def test_a_paper_grid_without_checkpoints_prints_the_exact_commands(tmp_path):
+    with pytest.raises(runner.MissingSettings) as error:
+        runner.reproduce("tldr", "paper", str(tmp_path / "out"))
+    message = str(error.value)
+    assert "model.hf_path, task.reward_model.hf_path, task.gold_reward_model.hf_path" in message
+    assert "experiments/train.py" in message and "experiments/evaluate.py" in message
+    assert "task.reward_model.hf_path=/path/to/reward_model" in message
+    assert not os.path.exists(tmp_path / "out")  # nothing written before a valid grid
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def fake_result(label: str, x: float, seed: int, accuracy: float, curve=()) -> CellResult:
+    cell = Cell(label, "configs/arithmetic.py", seed=seed, x=x)
+    scalars = {
+        "eval_accuracy": [(step, value) for step, _, value in curve],
+        "rl_seconds": [(step, seconds) for step, seconds, _ in curve],
+    }
+    summary = {"eval_accuracy_end": accuracy, "wall_seconds": 10.0 + seed}
+    return CellResult(cell, f"/runs/{cell.name}", summary, None, scalars)
+
+
+def test_the_table_shows_mean_and_sample_std_over_seeds():
+    accuracies = [0.5, 0.7, 0.9]
+    results = [fake_result("TBA", 4, seed, a) for seed, a in enumerate(accuracies)]
+    results.append(fake_result("TBA", 8, 0, 0.25))
+    columns = [Column("accuracy", "eval_accuracy_end", fmt="%"), Column("missing", "nope")]
+    table = report.results_table(results, columns, "K").splitlines()
+    std = np.sqrt(sum((a - 0.7) ** 2 for a in accuracies) / 2)  # n − 1 in the denominator
+    assert table[2] == f"| TBA | 4 | 3 | 70.0% ± {100 * std:.1f}% | – |"
+    assert table[3] == "| TBA | 8 | 1 | 25.0% | – |"
+
+
+def test_the_curve_leaves_the_evaluations_time_out():
+    result = fake_result("TBA", 1, 0, 0.5, curve=[(2, 10.0, 0.1), (4, 25.0, 0.4)])
+    result.scalars["eval_seconds"] = [(2, 3.0), (4, 3.0)]
+    assert result.curve("eval_accuracy") == [(7.0, 0.1), (19.0, 0.4)]
+
+
+def test_the_report_files(tmp_path):
+    results = [
+        fake_result("TBA", k, seed, 0.1 * k + 0.01 * seed, curve=[(1, 1.0, 0.1), (2, 2.0, 0.2)])
+        for k in (2, 4)
+        for seed in (0, 1)
+    ]
+    experiment = dataclasses.replace(
+        EXPERIMENTS["ablation_k"], columns=(Column("accuracy", "eval_accuracy_end", fmt="%"),)
+    )
+    experiment = dataclasses.replace(experiment, plot_column=experiment.columns[0])
+    page, table, plot = runner.write_report(experiment, "tiny", results, str(tmp_path))
+    with open(table) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["x"], r["seed"]) for r in rows] == [("2", "0"), ("2", "1"), ("4", "0"), ("4", "1")]
+    accuracies = [float(r["eval_accuracy_end"]) for r in rows]
+    assert accuracies == pytest.approx([0.2, 0.21, 0.4, 0.41])
+    text = read(page)
+    assert "| TBA | 2 | 2 | 20.5% ± 0.7% |" in text and "54.61%" in text  # ours, the paper's
+    with open(plot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    curves = report.plot_curves(str(tmp_path / "curves.png"), results, "eval_accuracy", "acc")
+    assert os.path.getsize(curves) > 0
+
+
+def test_a_one_run_grid_trains_reports_and_is_read_back_on_a_rerun(tmp_path, monkeypatch):
+    cell = Cell(
+        "TB smoke", with_variant("configs/arithmetic.py:smoke", "steps=2,eval.every_steps=1")
+    )
+    experiment = Experiment(
+        "smoke_grid", "A one-run grid", lambda scale: [cell], EXPERIMENTS["gsm8k"].columns
+    )
+    monkeypatch.setitem(runner.EXPERIMENTS, "smoke_grid", experiment)
+    monkeypatch.setitem(paper.NUMBERS, "smoke_grid", paper.GSM8K)
+    out = str(tmp_path / "out")
+    lines = []
+    runner.reproduce("smoke_grid", "tiny", out, log=lines.append)
+    assert lines == ["[1/1] TB smoke x=None seed 0: running"]
+    text = read(os.path.join(out, "smoke_grid.md"))
+    assert "| TB smoke | 1 |" in text
+    workdir = runner.cell_workdir(out, experiment, cell)
+    curve = runner.run_grid(experiment, [cell], out, lines.append)[0].curve("eval_accuracy")
+    assert [round(seconds) >= 0 for seconds, _ in curve] == [True, True]  # steps 1 and 2
+    assert lines[-1] == "[1/1] TB smoke x=None seed 0: finished, read back"
+    assert os.path.isfile(workdir + ".log")
