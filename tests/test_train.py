@@ -202,6 +202,9 @@ def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
     assert isinstance(raised.value.__cause__, ZeroDivisionError)
 
 
+STEP_FOUR_LINE = "step 4/100000 |"  # the console line of learner step 4
+
+
 @pytest.mark.parametrize(
     "mode, signum, reason",
     [("sync", signal.SIGTERM, "SIGTERM"), ("async", signal.SIGINT, "Ctrl-C")],
@@ -218,17 +221,22 @@ def test_a_signal_in_the_loop_saves_and_the_run_resumes(tmp_path, mode, signum, 
         "--config.checkpoint_every=100000",
     ]
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    tensorboard = os.path.join(workdir, "tensorboard")
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []  # read as they come: the console logs every 2 steps (smoke's log_every)
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
     deadline = time.time() + FAILSAFE_SECONDS
     while time.time() < deadline and process.poll() is None:
-        steps = read_scalars(tensorboard).get("loss", []) if os.path.isdir(tensorboard) else []
-        if len(steps) >= 3:
+        if any(STEP_FOUR_LINE in line for line in list(lines)):
             break
-        time.sleep(0.5)
-    assert process.poll() is None, process.stdout.read().decode()[-3000:]
+        time.sleep(0.2)
+    assert process.poll() is None, "".join(lines)[-3000:]
     process.send_signal(signum)
-    output = process.communicate(timeout=FAILSAFE_SECONDS)[0].decode()
+    process.wait(timeout=FAILSAFE_SECONDS)
+    reader.join(timeout=FAILSAFE_SECONDS)
+    output = "".join(lines)
     assert process.returncode == 0, output[-3000:]
     assert reason in output and "Traceback" not in output, output[-3000:]
     saved = os.listdir(os.path.join(workdir, "checkpoints"))
