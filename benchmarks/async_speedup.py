@@ -33,7 +33,7 @@ import tempfile
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from tba_jax.metrics import read_scalars  # noqa: E402
+from tba_jax.metrics import evaluation_curve, read_scalars  # noqa: E402
 
 CONFIG = "configs/arithmetic.py"
 SYNC_VARIANT = "mode=sync"
@@ -41,7 +41,7 @@ SYNC_VARIANT = "mode=sync"
 # publish every step (k=1) and draw 95% of prompts by recency (m=0.95); the defaults
 # (k=2, m=0.8), a learning rate of 2e-4 and K=4 of S=8 did not reach the target.
 TBA_VARIANT = "k=1,m=0.95"
-ACCURACY, RL_SECONDS, EVAL_SECONDS = "eval_accuracy", "rl_seconds", "evaluation_seconds"
+ACCURACY = "eval_accuracy"
 TENSORBOARD_SUBDIR = "tensorboard"
 RUN_TIMEOUT_S = 1800
 LOG_TAIL_CHARS = 3000
@@ -97,18 +97,7 @@ def run(name: str, command: list[str], workdir: str) -> dict:
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     scalars = read_scalars(os.path.join(workdir, TENSORBOARD_SUBDIR))
-    return {"summary": summary, "curve": evaluation_curve(scalars)}
-
-
-def evaluation_curve(scalars: dict) -> list[tuple[int, float, float]]:
-    """(step, accuracy, RL seconds without evaluations) at each in-loop evaluation."""
-    rl_seconds = dict(scalars[RL_SECONDS])
-    evaluation_seconds = dict(scalars.get(EVAL_SECONDS, []))
-    curve, spent = [], 0.0
-    for step, accuracy in scalars.get(ACCURACY, []):
-        spent += evaluation_seconds.get(step, 0.0)
-        curve.append((step, accuracy, rl_seconds[step] - spent))
-    return curve
+    return {"summary": summary, "curve": evaluation_curve(scalars, ACCURACY)}
 
 
 def time_to(curve, target: float) -> float | None:

@@ -28,6 +28,9 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 TENSORBOARD_SUBDIR = "tensorboard"
+# The train loop's clock scalars: RL seconds of the run so far (this segment's), and the
+# seconds each in-loop evaluation took.
+RL_SECONDS, EVAL_SECONDS = "rl_seconds", "evaluation_seconds"
 FLUSH_SECONDS = 10
 LOG_VALUE_FORMAT = ".4g"
 EVAL_METRIC_PREFIX = "eval_"
@@ -411,3 +414,17 @@ def read_scalars(event_dir: str) -> dict[str, list[tuple[int, float]]]:
         tag: [(step, value) for step, (_, value) in sorted(points.items())]
         for tag, points in by_tag.items()
     }
+
+
+def evaluation_curve(
+    scalars: Mapping[str, list[tuple[int, float]]], metric: str
+) -> list[tuple[int, float, float]]:
+    """(step, value, RL seconds without the evaluations themselves) at each in-loop
+    evaluation of `metric`, from `read_scalars`' output: accuracy against wall-clock."""
+    rl_seconds = dict(scalars.get(RL_SECONDS, []))
+    evaluation_seconds = dict(scalars.get(EVAL_SECONDS, []))
+    curve, spent = [], 0.0
+    for step, value in scalars.get(metric, []):
+        spent += evaluation_seconds.get(step, 0.0)
+        curve.append((step, value, rl_seconds[step] - spent))
+    return curve

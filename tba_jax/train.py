@@ -60,7 +60,7 @@ from tba_jax.checkpoint import (
     install_stop_handlers,
 )
 from tba_jax.config_lib import ConfigError
-from tba_jax.metrics import MetricsWriter, write_json_atomically
+from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_atomically
 from tba_jax.models import Model, Params, abstract_model, init_model
 from tba_jax.models.tokenizers import tokenizer_mismatch
 from tba_jax.sampling.engine import make_generator
@@ -82,7 +82,6 @@ SLOT_EVAL_BATCHES_PER_CALL = 4
 VALUE_STAGE_STREAM = 0x7649  # folded into the run's seed: VinePPO's rollout randomness
 # logged per step: seconds since this segment's RL phase began, and an evaluation's seconds
 # (benchmarks/async_speedup.py takes time-to-accuracy from them, evaluations left out)
-RL_SECONDS, EVAL_SECONDS = "rl_seconds", "evaluation_seconds"
 
 
 class NonFiniteError(ConfigError):

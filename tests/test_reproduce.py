@@ -78,7 +78,7 @@ def test_the_table_shows_mean_and_sample_std_over_seeds():
 
 def test_the_curve_leaves_the_evaluations_time_out():
     result = fake_result("TBA", 1, 0, 0.5, curve=[(2, 10.0, 0.1), (4, 25.0, 0.4)])
-    result.scalars["eval_seconds"] = [(2, 3.0), (4, 3.0)]
+    result.scalars["evaluation_seconds"] = [(2, 3.0), (4, 3.0)]
     assert result.curve("eval_accuracy") == [(7.0, 0.1), (19.0, 0.4)]
 
 

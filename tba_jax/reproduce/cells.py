@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from tba_jax.metrics import TENSORBOARD_SUBDIR, read_scalars
+from tba_jax.metrics import TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_SCRIPT = os.path.join(REPO_ROOT, "experiments", "train.py")
@@ -33,8 +33,6 @@ EVALUATE_SCRIPT = os.path.join(REPO_ROOT, "experiments", "evaluate.py")
 SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its workdir
 EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into the run's workdir
 LOG_TAIL_CHARS = 3000
-RL_SECONDS = "rl_seconds"  # the train loop's scalars (tba_jax.train)
-EVAL_SECONDS = "eval_seconds"
 
 
 class RunError(Exception):
@@ -90,13 +88,7 @@ class CellResult:
     def curve(self, metric: str) -> list[tuple[float, float]]:
         """(RL seconds without the evaluations themselves, value) at each in-loop
         evaluation of `metric`: the x axis of accuracy against wall-clock."""
-        rl_seconds = dict(self.scalars.get(RL_SECONDS, []))
-        evaluation_seconds = dict(self.scalars.get(EVAL_SECONDS, []))
-        points, spent = [], 0.0
-        for step, value in self.scalars.get(metric, []):
-            spent += evaluation_seconds.get(step, 0.0)
-            points.append((rl_seconds[step] - spent, value))
-        return points
+        return [(seconds, value) for _, value, seconds in evaluation_curve(self.scalars, metric)]
 
 
 def with_variant(config: str, items: str) -> str:
