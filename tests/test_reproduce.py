@@ -126,3 +126,14 @@ def test_a_one_run_grid_trains_reports_and_is_read_back_on_a_rerun(tmp_path, mon
     assert [round(seconds) >= 0 for seconds, _ in curve] == [True, True]  # steps 1 and 2
     assert lines[-1] == "[1/1] TB smoke x=None seed 0: finished, read back"
     assert os.path.isfile(workdir + ".log")
+
+
+def test_a_workdir_of_another_config_is_not_read_back_as_this_cell(tmp_path):
+    from tba_jax.reproduce.cells import RunError, run_cell
+
+    cell = Cell("TBA", "configs/arithmetic.py:K=4", x=4)
+    workdir = tmp_path / cell.name
+    workdir.mkdir()
+    (workdir / "config.json").write_text('{"variant": "K=4,seed=0,steps=9"}')
+    with pytest.raises(RunError, match="the grid changed since it ran"):
+        run_cell(cell, str(workdir))

@@ -32,6 +32,7 @@ TRAIN_SCRIPT = os.path.join(REPO_ROOT, "experiments", "train.py")
 EVALUATE_SCRIPT = os.path.join(REPO_ROOT, "experiments", "evaluate.py")
 SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its workdir
 EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into the run's workdir
+CONFIG_FILENAME = "config.json"  # the run's config, written when it starts
 LOG_TAIL_CHARS = 3000
 
 
@@ -165,8 +166,26 @@ def read_result(cell: Cell, workdir: str) -> CellResult:
     )
 
 
+def check_same_run(cell: Cell, workdir: str) -> None:
+    """RunError when `workdir` holds a run of another config than `cell`'s (a grid that
+    changed since): its results would be read back as this cell's."""
+    config_path = os.path.join(workdir, CONFIG_FILENAME)
+    if not os.path.isfile(config_path):
+        return
+    with open(config_path) as f:
+        stored = json.load(f).get("variant", "")
+    wanted = cell.config_with_seed.partition(":")[2]
+    if stored != wanted:
+        raise RunError(
+            f"{workdir} holds a run of variant {stored!r}, not this grid's {wanted!r} (the "
+            "grid changed since it ran); move that folder away or pass another --out."
+        )
+
+
 def run_cell(cell: Cell, workdir: str) -> CellResult:
-    """Trains (and evaluates) `cell` in `workdir` unless it is finished there already."""
+    """Trains (and evaluates) `cell` in `workdir` unless it is finished there already;
+    RunError when the workdir holds another config's run."""
+    check_same_run(cell, workdir)
     if not is_finished(cell, workdir):
         os.makedirs(os.path.dirname(workdir), exist_ok=True)
         log_path = workdir + ".log"

@@ -183,7 +183,10 @@ def redteam_notes(scale: str) -> list[str]:
 
 # ---------------------------------------------------------------------------- ablations
 
-ABLATION_K = {"tiny": (2, 4, 8), "paper": (5, 10, 20)}  # samples per prompt, S = K
+# Samples per prompt K (S = K) at a fixed batch: prompts per batch = rows / K, as the
+# paper's Table 5 keeps its batch size when K doubles.
+ABLATION_K = {"tiny": (4, 8, 16), "paper": (10, 20)}  # 140 rows hold no K = 40
+ABLATION_K_ROWS = {"tiny": 128, "paper": 140}
 ABLATION_M = (0.5, 0.95)  # recency probability
 ABLATION_SYNC = (1, 4)  # sync period k
 ABLATION_BETA = (0.02, 0.1, 0.5)  # β from the start to the end (no anneal)
@@ -198,8 +201,13 @@ def demo_or_paper(scale: str) -> tuple[str, str]:
 
 def ablation_k_cells(scale: str) -> list[Cell]:
     config, every = demo_or_paper(scale)
+    rows = ABLATION_K_ROWS[scale]
     return [
-        Cell("TBA", with_variant(config, _items(f"K={k},S={k}", every)), x=k)
+        Cell(
+            "TBA",
+            with_variant(config, _items(f"K={k},S={k},batch.prompts_per_batch={rows // k}", every)),
+            x=k,
+        )
         for k in ABLATION_K[scale]
     ]
 
