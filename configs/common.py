@@ -252,6 +252,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.checkpoint_every = None
     config.keep_checkpoints = 2
     config.progress_bar = True
+
+    # Replayable runs (README "Replaying a run's learner"): record every learner step's
+    # batch, its rows' provenance and a fingerprint of the params under
+    # <workdir>/learner_batches/, and keep the step-0 checkpoint, so that
+    # experiments/replay_learner.py re-runs the learner alone bit for bit. One process only.
+    config.record_learner_batches = False
     return config
 
 

@@ -252,6 +252,15 @@ def _save_decision_policy(save_interval_steps: int) -> Any:
     )
 
 
+def _preservation_policy(max_to_keep: int, keep_steps: Sequence[int]) -> Any:
+    """Keep the newest `max_to_keep` steps, and `keep_steps` whatever their age."""
+    policies = ocp.checkpoint_managers
+    newest = policies.LatestN(max_to_keep)
+    if not keep_steps:
+        return newest
+    return policies.AnyPreservationPolicy([newest, policies.CustomSteps(list(keep_steps))])
+
+
 class Checkpointer:
     """Saves and restores a run's train state, replay buffer and metadata with orbax.
 
@@ -268,11 +277,13 @@ class Checkpointer:
         max_to_keep: int = 2,
         save_interval_steps: int = 1,
         active_processes: Sequence[int] | None = None,
+        keep_steps: Sequence[int] = (),
     ):
         """`active_processes`: the processes that save and restore (the learners of a
         multi-process run; None: every process). A single saving process among several
         saves its train state from host memory (orbax refuses process-local arrays in a
-        multi-process run)."""
+        multi-process run). `keep_steps`: steps kept beside the newest `max_to_keep` (a
+        recorded run keeps step 0, where its replay starts)."""
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}.")
         if save_interval_steps < 1:
@@ -294,7 +305,7 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 save_decision_policy=_save_decision_policy(save_interval_steps),
-                preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+                preservation_policy=_preservation_policy(max_to_keep, keep_steps),
                 create=not subset,
                 multiprocessing_options=multiprocessing,
             ),

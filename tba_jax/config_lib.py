@@ -258,6 +258,7 @@ RANGES: dict[str, Allowed] = {
     "keep_checkpoints": integer_at_least(1),
     "progress_bar": BOOLEAN,
     "max_nonfinite_steps": integer_at_least(1),
+    "record_learner_batches": BOOLEAN,
 }
 
 
@@ -298,12 +299,22 @@ def _check_critic_init(config: ml_collections.ConfigDict) -> None:
 
 
 def validate(
-    config: ml_collections.ConfigDict, num_devices: int, learner_devices: int | None = None
+    config: ml_collections.ConfigDict,
+    num_devices: int,
+    learner_devices: int | None = None,
+    num_processes: int = 1,
 ) -> None:
     """Raises ConfigError for settings that cannot work. Cheap: runs before any long work.
     `learner_devices`: the learner mesh's size when it is not split from `num_devices`
-    (a multi-process run's layout, `tba_jax.topology`)."""
+    (a multi-process run's layout, `tba_jax.topology`); `num_processes`: the run's JAX
+    processes."""
     check_ranges(config, RANGES)
+    if config.record_learner_batches and num_processes > 1:
+        raise ConfigError(
+            f"record_learner_batches is not built for runs over several processes (this one "
+            f"has {num_processes}): its replay needs the whole global batch in one process. "
+            "Record a single-process run, or leave it False."
+        )
     if config.method not in registered_losses():
         raise ConfigError(f"method={config.method!r} is not one of {registered_losses()}.")
     batch = config.batch

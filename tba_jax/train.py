@@ -35,6 +35,7 @@ import numpy as np
 from absl import logging
 
 from tba_jax import (
+    batch_log,
     by_process,
     config_lib,
     distributed,
@@ -108,6 +109,10 @@ class Setup:
     topology: topology_lib.Topology
     group: topology_lib.LearnerGroup
     reference_shardings: Any  # where the checkpoint keeps π_ref
+
+    @property
+    def learner_parts(self) -> LearnerParts:
+        return LearnerParts(self.optimizer, self.state_sharding, self.critic, self.train_step)
 
 
 class Start(NamedTuple):
@@ -209,6 +214,82 @@ def check_critic_reward_model(config: ml_collections.ConfigDict, policy_tokenize
         )
 
 
+class LearnerParts(NamedTuple):
+    """What a run's learner is built from its config: the policy's optimiser, the shardings
+    of the TrainState (the critic's included), PPO's critic (None without one) and the
+    jitted `(TrainState, batch) -> (TrainState, metrics)`."""
+
+    optimizer: Any
+    state_sharding: learner.TrainState
+    critic: runs.CriticParts | None
+    train_step: Callable
+
+
+def role_shardings(
+    config: ml_collections.ConfigDict,
+    model: Model,
+    abstract_params: Params,
+    meshes: mesh_lib.RoleMeshes,
+) -> tuple[Any, Any]:
+    """The policy params' shardings on the learner mesh and on the sampler mesh."""
+    learner_shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract_params, meshes.learner, config.mesh.learner_rules
+    )
+    sampler_shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract_params, meshes.sampler, config.mesh.sampler_rules
+    )
+    return learner_shardings, sampler_shardings
+
+
+def make_learner(
+    config: ml_collections.ConfigDict,
+    model: Model,
+    abstract_params: Params,
+    learner_shardings: Any,
+    mesh: jax.sharding.Mesh,
+) -> LearnerParts:
+    """The learner of `config` on the learner `mesh` (the run's, and a replay's of it)."""
+    optimizer = learner.make_optimizer(runs.optim_config(config))
+    state_sharding = learner.train_state_shardings(
+        optimizer, abstract_params, learner_shardings, mesh
+    )
+    beta_schedule = losses.make_beta_schedule(
+        config.loss.beta_schedule,
+        config.loss.beta_start,
+        config.loss.beta_end,
+        config.loss.beta_anneal_steps,
+        config.loss.beta_cut_steps,
+    )
+    critic = runs.critic_parts(config, model, mesh, config.mesh.learner_rules)
+    if critic is None:
+        train_step = learner.make_train_step(
+            model,
+            losses.get_loss(config.method),
+            optimizer,
+            beta_schedule,
+            samples_per_prompt=config.batch.samples_per_prompt,
+            num_microbatches=config.batch.num_microbatches,
+            temperature=config.sampling.temperature,
+            state_sharding=state_sharding,
+            mesh=mesh,
+            loss_options=runs.loss_options(config),
+        )
+        return LearnerParts(optimizer, state_sharding, None, train_step)
+    state_sharding = state_sharding._replace(critic=critic.state_sharding)
+    train_step = ppo.make_train_step(
+        critic.critic,
+        optimizer,
+        critic.optimizer,
+        beta_schedule,
+        options=runs.ppo_config(config),
+        num_microbatches=config.batch.num_microbatches,
+        temperature=config.sampling.temperature,
+        state_sharding=state_sharding,
+        mesh=mesh,
+    )
+    return LearnerParts(optimizer, state_sharding, critic, train_step)
+
+
 def make_workdir(workdir: str) -> None:
     """Creates `workdir`, or a ConfigError saying why it cannot be (the launchers' check,
     `config_lib.output_dir_problem`, for callers that come from Python)."""
@@ -230,6 +311,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         config,
         jax.device_count(),
         learner_devices=topology_lib.learner_device_count(topology, config),
+        num_processes=topology.num_processes,
     )
     policy_tokenizer = runs.policy_tokenizer(config)  # None: the task's own
     check_hf_folders(config, policy_tokenizer)
@@ -253,56 +335,16 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
             experiment=runs.experiment_identity(config, model_cfg, layout),
             max_to_keep=config.keep_checkpoints,
             active_processes=topology.learner_processes if topology.multi_process else None,
+            keep_steps=(0,) if config.record_learner_batches else (),  # a replay's start
         )
     if topology.is_primary:
         runs.write_config(workdir, config)
     meshes = topology_lib.role_meshes(topology, config)
     model, abstract_params = abstract_model(model_cfg)
-    learner_shardings = mesh_lib.param_shardings(
-        model.logical_axes, abstract_params, meshes.learner, config.mesh.learner_rules
+    learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
+    optimizer, state_sharding, critic, train_step = make_learner(
+        config, model, abstract_params, learner_shardings, meshes.learner
     )
-    sampler_shardings = mesh_lib.param_shardings(
-        model.logical_axes, abstract_params, meshes.sampler, config.mesh.sampler_rules
-    )
-    optimizer = learner.make_optimizer(runs.optim_config(config))
-    state_sharding = learner.train_state_shardings(
-        optimizer, abstract_params, learner_shardings, meshes.learner
-    )
-    loss = losses.get_loss(config.method)
-    beta_schedule = losses.make_beta_schedule(
-        config.loss.beta_schedule,
-        config.loss.beta_start,
-        config.loss.beta_end,
-        config.loss.beta_anneal_steps,
-        config.loss.beta_cut_steps,
-    )
-    critic = runs.critic_parts(config, model, meshes.learner, config.mesh.learner_rules)
-    if critic is None:
-        train_step = learner.make_train_step(
-            model,
-            loss,
-            optimizer,
-            beta_schedule,
-            samples_per_prompt=config.batch.samples_per_prompt,
-            num_microbatches=config.batch.num_microbatches,
-            temperature=config.sampling.temperature,
-            state_sharding=state_sharding,
-            mesh=meshes.learner,
-            loss_options=runs.loss_options(config),
-        )
-    else:
-        state_sharding = state_sharding._replace(critic=critic.state_sharding)
-        train_step = ppo.make_train_step(
-            critic.critic,
-            optimizer,
-            critic.optimizer,
-            beta_schedule,
-            options=runs.ppo_config(config),
-            num_microbatches=config.batch.num_microbatches,
-            temperature=config.sampling.temperature,
-            state_sharding=state_sharding,
-            mesh=meshes.learner,
-        )
     return Setup(
         config=config,
         workdir=workdir,
@@ -481,17 +523,22 @@ def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
     return Start(state, reference, history, source_state=None)
 
 
+def checkpoint_template(parts: LearnerParts, abstract_params: Params, reference_shardings) -> dict:
+    """The abstract pytree a checkpoint of the learner `parts` restores into."""
+    return runs.checkpoint_template(
+        parts.optimizer,
+        abstract_params,
+        parts.state_sharding._replace(critic=None),
+        reference_shardings,
+        parts.critic,
+    )
+
+
 def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     """(train state + π_ref, buffer state, metadata) of the newest checkpoint that restores
     with finite params. A checkpoint that fails is moved to `checkpoints_set_aside/` (not
     deleted) with a warning, and the one before it is tried."""
-    template = runs.checkpoint_template(
-        run.optimizer,
-        run.abstract_params,
-        run.state_sharding._replace(critic=None),
-        run.reference_shardings,
-        run.critic,
-    )
+    template = checkpoint_template(run.learner_parts, run.abstract_params, run.reference_shardings)
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
         try:
@@ -566,12 +613,45 @@ def save_checkpoint(
         logging.info("Saved checkpoint %d.", step)
 
 
+def batch_arrays(config: ml_collections.ConfigDict, batch: SampledBatch) -> dict[str, np.ndarray]:
+    """The fields of `batch` the train step of `config.method` reads (host arrays, [N, ...])."""
+    names = learner.batch_fields(losses.get_loss(config.method))
+    return {name: getattr(batch, name) for name in names}
+
+
 def device_batch(run: Setup, batch: SampledBatch, sharding) -> dict[str, jax.Array]:
     """The fields the train step reads, on the learner mesh split over its batch axes (over
     several processes, `batch` is this process's rows of the global batch)."""
-    names = learner.batch_fields(losses.get_loss(run.config.method))
-    fields = {name: getattr(batch, name) for name in names}
-    return run.group.global_batch(fields, sharding)
+    return run.group.global_batch(batch_arrays(run.config, batch), sharding)
+
+
+def open_batch_log(run: Setup, step: int) -> batch_log.BatchLogWriter | None:
+    """The batch log of a run with `record_learner_batches` starting (or resuming) at
+    `step`; None without. A run that does not record still forgets what an earlier segment
+    recorded after `step` (it redoes those steps differently)."""
+    directory = batch_log.log_dir(run.workdir)
+    if not run.config.record_learner_batches:
+        batch_log.truncate_after(directory, step)
+        return None
+    return batch_log.BatchLogWriter(
+        directory,
+        start_step=step,
+        config=json.loads(run.config.to_json_best_effort()),
+        env=batch_log.environment(run.meshes.learner.devices.size),
+    )
+
+
+def record_step(
+    log: batch_log.BatchLogWriter,
+    step: int,
+    fields: dict[str, np.ndarray],
+    batch: SampledBatch,
+    state: learner.TrainState,
+    metrics: dict,
+) -> None:
+    """Records learner step `step` (the update that produced `state`) into `log`."""
+    rows = {name: getattr(batch, name) for name in batch_log.ROW_FIELDS}
+    log.record(step, fields, rows, batch_log.trained_params(state), metrics)
 
 
 def make_value_stage(run: Setup, meters) -> vineppo.MonteCarloValues | None:
@@ -758,8 +838,11 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     source = make_batch_source(run, state, reference, segment)
     if start.source_state is not None:
         source.restore(start.source_state)
+    recorder = open_batch_log(run, step) if topology.is_primary else None
 
     def save(force: bool) -> None:
+        if recorder is not None:
+            recorder.flush()  # a checkpoint never gets ahead of the steps recorded before it
         segment.remote_counts = source.remote_counts
         history_now = run_totals.history_so_far(history, segment)
         save_checkpoint(run, step, state, reference, source, history_now, force=force)
@@ -793,8 +876,13 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             if value_stage is not None:  # VinePPO: advantages from the current policy's rollouts
                 batch = with_rollout_advantages(run, value_stage, state.params, batch, step)
             with segment.meters.time_split.measure("training"):
-                state, metrics = run.train_step(state, device_batch(run, batch, batch_sharding))
+                fields = batch_arrays(config, batch)
+                state, metrics = run.train_step(
+                    state, run.group.global_batch(fields, batch_sharding)
+                )
                 metrics = jax.device_get(metrics)
+            if recorder is not None:
+                record_step(recorder, step + 1, fields, batch, state, metrics)
             versions_first, versions_last = batch_policy_versions(run, batch)
             batch_lags = runtime.policy_lags(step, versions_first)
             last_lags = runtime.policy_lags(step, versions_last)
@@ -833,6 +921,8 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
         source.close()
         if writer is not None:
             writer.close()
+        if recorder is not None:
+            recorder.close()
     source.agreed_stop(False)  # over several processes: also a last count of their samples
     save(force=True)
     if step < config.learner_steps:  # stopped early: every process agreed to
