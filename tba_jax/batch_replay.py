@@ -57,6 +57,35 @@ class Divergence:
     recorded_loss: float | None = None
     replayed_loss: float | None = None
 
+    def lines(self, from_step: int, checked: str) -> list[str]:
+        """What a report says of it (`checked`: the checkpoints that matched before it)."""
+        what = "params fingerprint" if self.kind == "fingerprint" else "checkpoint"
+        shown = ", ".join(self.leaves[:MAX_LEAVES_SHOWN])
+        more = ", ..." if len(self.leaves) > MAX_LEAVES_SHOWN else ""
+        matched = {0: "no step", 1: f"step {from_step + 1}"}.get(
+            self.step - 1 - from_step, f"steps {from_step + 1}-{self.step - 1}"
+        )
+        lines = [
+            f"DIVERGED at learner step {self.step}: its {what} differs from the recording "
+            f"({len(self.leaves)} leaves: {shown}{more}).",
+            f"  Before it {matched} matched; checkpoints compared: {checked}. Step {self.step} "
+            f"trained on {batch_log.step_path(batch_log.LOG_SUBDIR, self.step)}.",
+        ]
+        if self.recorded_loss is None:
+            return lines
+        if self.recorded_loss == self.replayed_loss:
+            cause = (
+                "the same, so the batch and the params before the step were: the update differs "
+                "(optimiser, learning-rate or β schedule, or the compiled program)"
+            )
+        else:
+            cause = "different: the batch, or the loss's program, differs from the recording's"
+        lines.append(
+            f"  Its loss: recorded {self.recorded_loss!r}, replayed {self.replayed_loss!r}; "
+            f"{cause}."
+        )
+        return lines
+
 
 @dataclasses.dataclass
 class ReplayReport:
@@ -81,31 +110,14 @@ class ReplayReport:
             f"checkpoint {self.from_step}.",
             *(f"note: {note}" for note in self.notes),
         ]
-        checked = ", ".join(map(str, self.checkpoints_compared)) or "none in the range"
+        checked = ", ".join(map(str, self.checkpoints_compared)) or "none"
         if self.divergence is None:
             lines.append(
                 f"OK: all {self.steps_replayed} steps matched their recorded params fingerprints "
                 f"and the checkpoints compared ({checked}) are bit-identical."
             )
             return lines
-        d = self.divergence
-        what = "params fingerprint" if d.kind == "fingerprint" else "checkpoint"
-        lines.append(
-            f"DIVERGED at learner step {d.step}: the {what} differs from the recording "
-            f"({len(d.leaves)} leaves: {', '.join(d.leaves[:MAX_LEAVES_SHOWN])}"
-            f"{', ...' if len(d.leaves) > MAX_LEAVES_SHOWN else ''})."
-        )
-        if d.recorded_loss is not None:
-            lines.append(
-                f"  loss at step {d.step}: recorded {d.recorded_loss!r}, "
-                f"replayed {d.replayed_loss!r}"
-            )
-        lines.append(
-            f"  Steps {self.from_step + 1}-{d.step - 1} matched; checkpoints compared before "
-            f"it: {checked}. Step {d.step} trained on {batch_log.LOG_SUBDIR}/"
-            f"{batch_log.STEP_FILENAME_FORMAT.format(step=d.step)}."
-        )
-        return lines
+        return lines + self.divergence.lines(self.from_step, checked)
 
 
 @dataclasses.dataclass
