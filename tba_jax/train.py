@@ -838,7 +838,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     source = make_batch_source(run, state, reference, segment)
     if start.source_state is not None:
         source.restore(start.source_state)
-    recorder = open_batch_log(run, step) if topology.is_primary else None
+    recorder = None  # the batch log (record_learner_batches), open while the loop runs
 
     def save(force: bool) -> None:
         if recorder is not None:
@@ -869,6 +869,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     value_stage = make_value_stage(run, segment.meters)
     nonfinite_in_a_row = 0
     try:
+        recorder = open_batch_log(run, step) if topology.is_primary else None
         segment.rl_started_at = time.time()
         source.start(stop_signal)
         while step < config.learner_steps and not source.agreed_stop(stop_signal.requested):

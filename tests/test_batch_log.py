@@ -1,14 +1,8 @@
-"""Replayable runs: the learner's batch log (tba_jax.batch_log) and its replay
-(tba_jax.batch_replay).
-
-One recorded async smoke run (warm start skipped) is stopped after its last step was
-recorded but before that step's checkpoint, and resumed: the replay through the learner
-alone must reproduce its params bit for bit, and a tampered batch must be named as the
-first divergence. The log's own bookkeeping is tested without a run.
-"""
+"""The learner's batch log (tba_jax.batch_log) without a run: writing, reading, truncation
+on resume, the params fingerprint, and where recording is refused. A recorded async run
+replayed end to end (tba_jax.batch_replay) is in test_train.py."""
 
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,75 +12,6 @@ import pytest
 from configs.arithmetic import get_config
 from tba_jax import batch_log, batch_replay
 from tba_jax.config_lib import ConfigError, validate
-from tba_jax.train import train_and_evaluate
-
-RECORDED = "smoke,warm_start.steps=0,record_learner_batches=True"
-
-
-@pytest.fixture(scope="module")
-def recorded_run(tmp_path_factory):
-    """A recorded 4-step async run whose step-4 checkpoint was lost (as if killed after
-    recording step 4), with a stale step 5 left in its log, then resumed from step 2."""
-    workdir = str(tmp_path_factory.mktemp("recorded"))
-    train_and_evaluate(get_config(RECORDED), workdir)
-    log = batch_log.log_dir(workdir)
-    shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
-    shutil.copy(batch_log.step_path(log, 1), batch_log.step_path(log, 5))
-    train_and_evaluate(get_config(RECORDED), workdir)  # resumes from 2, redoes 3 and 4
-    return workdir
-
-
-@pytest.fixture(scope="module")
-def bench(recorded_run):
-    with batch_replay.ReplayBench.build(recorded_run) as bench:
-        yield bench
-
-
-def test_a_resumed_async_run_replays_bit_identically(recorded_run, bench):
-    log = batch_log.BatchLogReader(batch_log.log_dir(recorded_run))
-    assert log.steps == [1, 2, 3, 4]  # the stale step 5 is gone
-    assert [segment.start_step for segment in log.segments] == [0, 2]
-    recorded = log.read(3)
-    assert recorded.batch["reward"].shape == (16,) and recorded.rows["prompt_ids"].shape == (4,)
-    assert set(recorded.rows) == set(batch_log.ROW_FIELDS) and "loss" in recorded.metrics
-    report = batch_replay.replay_with(bench)
-    assert report.ok, "\n".join(report.lines())
-    assert (report.from_step, report.to_step, report.steps_replayed) == (0, 4, 4)
-    assert report.checkpoints_compared == [2, 4]
-    assert report.lines()[-1].startswith("OK: all 4 steps matched")
-
-
-def test_a_tampered_batch_is_named_as_the_first_divergence(recorded_run, bench):
-    path = batch_log.step_path(batch_log.log_dir(recorded_run), 3)
-    with open(path, "rb") as f:
-        original = f.read()
-    with np.load(path) as data:
-        arrays = dict(data)
-    arrays["batch.reward"] = arrays["batch.reward"].copy()
-    arrays["batch.reward"][0] += 1.0  # one row: TB's loss moves (a shift of all would not)
-    try:
-        with open(path, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        report = batch_replay.replay_with(bench)
-    finally:
-        with open(path, "wb") as f:
-            f.write(original)
-    assert not report.ok
-    assert report.divergence.step == 3 and report.divergence.kind == "fingerprint"
-    assert report.checkpoints_compared == [2]  # matched before it
-    assert report.divergence.recorded_loss != report.divergence.replayed_loss
-    assert any("DIVERGED at learner step 3" in line for line in report.lines())
-
-
-def test_replay_ranges_are_checked_against_the_workdir(recorded_run, bench):
-    assert batch_replay.replay_with(bench, from_step=2, to_step=3).ok
-    with pytest.raises(ConfigError, match=r"--from_step=1 has no checkpoint; the run keeps"):
-        batch_replay.replay_with(bench, from_step=1)
-    with pytest.raises(ConfigError, match=r"recorded steps run to 4 \(recorded: 1-4\)"):
-        batch_replay.replay_with(bench, from_step=2, to_step=9)
-
-
-# ---------------------------------------------------------------------- without a run
 
 
 def record_steps(writer, steps, params):
@@ -145,3 +70,16 @@ def test_recording_over_several_processes_is_refused():
 def test_recorded_steps_are_described_as_ranges():
     assert batch_log.describe_steps([1, 2, 3, 7, 8, 10]) == "1-3, 7-8, 10"
     assert batch_log.describe_steps([]) == "none"
+
+
+def test_a_divergence_says_whether_the_batch_or_only_the_update_differed():
+    report = batch_replay.ReplayReport("/w", from_step=0, to_step=9, steps_replayed=3)
+    report.divergence = batch_replay.Divergence(3, "fingerprint", ["['policy']['w']"], 1.5, 1.5)
+    lines = report.lines()
+    assert lines[1].startswith("DIVERGED at learner step 3: its params fingerprint differs")
+    assert "Before it steps 1-2 matched; checkpoints compared: none." in lines[2]
+    assert "learner_batches/step_00000003.npz" in lines[2] and "the update differs" in lines[3]
+    report.divergence = batch_replay.Divergence(1, "fingerprint", ["['policy']['w']"], 1.5, 2.0)
+    lines = report.lines()
+    assert "Before it no step matched" in lines[2] and "the batch" in lines[3]
+    assert not report.ok

@@ -28,7 +28,7 @@ SMOKE = f"--config={ARITHMETIC}:smoke"
 REWARD_MODEL_TINY = "--config=" + os.path.join(REPO_ROOT, "configs", "reward_model.py") + ":tiny"
 REDTEAM_TINY = "--config=" + os.path.join(REPO_ROOT, "configs", "redteam_gpt2.py") + ":tiny"
 CONFIG_LAUNCHERS = ("train.py", "train_reward_model.py", "sweep_searchers.py")
-LAUNCHERS = (*CONFIG_LAUNCHERS, "export_hf.py", "compare_hf.py")
+LAUNCHERS = (*CONFIG_LAUNCHERS, "export_hf.py", "compare_hf.py", "replay_learner.py")
 MISTAKE_SECONDS = 60  # a mistake is reported before any long work (imports take most of it)
 RUN_SECONDS = 300
 # The smoke run's console: the data preparation notice (2 lines, first run only), the warm

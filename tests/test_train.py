@@ -2,7 +2,8 @@
 
 The smoke variant runs the full code path (TFDS build, warm start, searcher
 threads, replay buffer, TB learner, checkpoints, evaluation) with a micro
-model in seconds.
+model in seconds. The async run records its learner batches, so its learner replays
+(tba_jax.batch_replay; the batch log's own bookkeeping is in test_batch_log.py).
 """
 
 import json
@@ -19,8 +20,9 @@ import numpy as np
 import pytest
 
 from configs.arithmetic import get_config
-from tba_jax import tasks
+from tba_jax import batch_log, batch_replay, tasks
 from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
 from tba_jax.runs import load_config, load_trained_policy, restore_policy
 from tba_jax.tasks import arithmetic as arithmetic_tasks
@@ -41,13 +43,32 @@ REQUIRED_SUMMARY_KEYS = {
     "samples_per_second",
 }
 FAILSAFE_SECONDS = 300
+ASYNC = "smoke,record_learner_batches=True"
 
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("async"))
-    summary = train_and_evaluate(get_config("smoke"), workdir)
+    summary = train_and_evaluate(get_config(ASYNC), workdir)
     return workdir, summary
+
+
+@pytest.fixture(scope="module")
+def extended_run(async_run, tmp_path_factory):
+    """A copy of the async run extended to 6 steps, with a stale step 5 left in its batch
+    log first (as a run killed after recording a step beyond its last checkpoint leaves
+    it): (workdir, summary)."""
+    workdir = str(tmp_path_factory.mktemp("extended") / "copy")
+    shutil.copytree(async_run[0], workdir)
+    log = batch_log.log_dir(workdir)
+    shutil.copy(batch_log.step_path(log, 1), batch_log.step_path(log, 5))
+    return workdir, train_and_evaluate(get_config(ASYNC + ",steps=6"), workdir)
+
+
+@pytest.fixture(scope="module")
+def replay_bench(extended_run):
+    with batch_replay.ReplayBench.build(extended_run[0]) as bench:
+        yield bench
 
 
 def _files_and_bytes(directory):
@@ -81,18 +102,18 @@ def test_async_run_writes_tensorboard_scalars_and_a_final_checkpoint(async_run):
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3, 4]
     assert all(np.isfinite(value) for _, value in scalars["loss"])
     assert "policy_lag_mean" in scalars and "buffer_num_prompts" in scalars
-    _, params, metadata = restore_policy(get_config("smoke"), workdir)
+    _, params, metadata = restore_policy(get_config(ASYNC), workdir)
     assert metadata["policy_version"] == 4
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
 
 
 def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
     workdir, _ = async_run
-    saved, expected = load_config(workdir), get_config("smoke")
+    saved, expected = load_config(workdir), get_config(ASYNC)
     assert saved.to_json_best_effort(sort_keys=True) == expected.to_json_best_effort(sort_keys=True)
     model_config, params = load_trained_policy(workdir)
     assert model_config.d_model == 32  # the micro preset of the smoke variant
-    _, expected, _ = restore_policy(get_config("smoke"), workdir)
+    _, expected, _ = restore_policy(get_config(ASYNC), workdir)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -103,17 +124,14 @@ def test_rerunning_a_finished_run_keeps_its_summary(async_run, tmp_path):
     summary_path = os.path.join(workdir, "summary.json")
     with open(summary_path, "rb") as f:
         before = f.read()
-    summary = train_and_evaluate(get_config("smoke"), workdir)
+    summary = train_and_evaluate(get_config(ASYNC), workdir)
     with open(summary_path, "rb") as f:
         assert f.read() == before  # not replaced by the figures of an empty segment
     assert summary == json.loads(before)
 
 
-def test_a_finished_run_extended_reports_the_whole_run(async_run, tmp_path):
-    workdir = str(tmp_path / "copy")
-    shutil.copytree(async_run[0], workdir)
-    first = async_run[1]
-    summary = train_and_evaluate(get_config("smoke,steps=6"), workdir)
+def test_a_finished_run_extended_reports_the_whole_run(async_run, extended_run):
+    first, summary = async_run[1], extended_run[1]
     assert summary["learner_steps"] == 6
     # The warm start is not redone: its time and first evaluation come from the history.
     assert summary["warm_start_seconds"] == first["warm_start_seconds"]
@@ -123,6 +141,50 @@ def test_a_finished_run_extended_reports_the_whole_run(async_run, tmp_path):
     assert summary["rl_seconds"] > first["rl_seconds"]
     assert summary["wall_seconds"] > first["wall_seconds"]
     assert summary["max_policy_lag"] >= first["max_policy_lag"]
+
+
+def test_the_extended_async_run_replays_bit_identically(extended_run, replay_bench):
+    log = batch_log.BatchLogReader(batch_log.log_dir(extended_run[0]))
+    assert log.steps == [1, 2, 3, 4, 5, 6]
+    assert [segment.start_step for segment in log.segments] == [0, 4]
+    assert [segment.config["learner_steps"] for segment in log.segments] == [4, 6]
+    recorded = log.read(5)  # recorded again by the extension, not the stale copy of step 1
+    assert not np.array_equal(recorded.fingerprint, log.read(1).fingerprint)
+    assert recorded.batch["reward"].shape == (16,) and recorded.rows["prompt_ids"].shape == (4,)
+    assert set(recorded.rows) == set(batch_log.ROW_FIELDS) and "loss" in recorded.metrics
+    report = batch_replay.replay_with(replay_bench)
+    assert report.ok, "\n".join(report.lines())
+    assert (report.from_step, report.to_step, report.steps_replayed) == (0, 6, 6)
+    assert report.checkpoints_compared == [4, 6]  # 0 is kept, and the newest two
+    assert report.lines()[-1].startswith("OK: all 6 steps matched")
+
+
+def test_a_tampered_batch_is_named_as_the_first_divergence(extended_run, replay_bench):
+    path = batch_log.step_path(batch_log.log_dir(extended_run[0]), 3)
+    with open(path, "rb") as f:
+        original = f.read()
+    with np.load(path) as data:
+        arrays = dict(data)
+    arrays["batch.reward"] = arrays["batch.reward"].copy()
+    arrays["batch.reward"][0] += 1.0  # one row: TB's loss moves (a shift of all would not)
+    try:
+        with open(path, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        report = batch_replay.replay_with(replay_bench)
+    finally:
+        with open(path, "wb") as f:
+            f.write(original)
+    assert not report.ok
+    assert report.divergence.step == 3 and report.divergence.kind == "fingerprint"
+    assert report.divergence.recorded_loss != report.divergence.replayed_loss
+    assert any("DIVERGED at learner step 3" in line for line in report.lines())
+
+
+def test_replay_ranges_are_checked_against_the_workdir(replay_bench):
+    with pytest.raises(ConfigError, match=r"--from_step=2 has no checkpoint; the run keeps"):
+        batch_replay.replay_with(replay_bench, from_step=2)
+    with pytest.raises(ConfigError, match=r"recorded steps run to 6 \(recorded: 1-6\)"):
+        batch_replay.replay_with(replay_bench, from_step=4, to_step=9)
 
 
 @pytest.mark.parametrize(
