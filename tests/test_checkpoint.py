@@ -225,6 +225,14 @@ def test_latest_step_and_max_to_keep(tmp_path):
     assert step_dirs == ["2", "3"]
 
 
+def test_kept_steps_outlive_max_to_keep(tmp_path):
+    with Checkpointer(
+        str(tmp_path), experiment=EXPERIMENT, max_to_keep=2, keep_steps=(0,)
+    ) as checkpointer:
+        save_steps(checkpointer, [0, 1, 2, 3])
+        assert checkpointer.all_steps() == [0, 2, 3]  # a recorded run's replay starts at 0
+
+
 def test_save_interval_force_and_existing_step(tmp_path):
     with Checkpointer(str(tmp_path), experiment=EXPERIMENT, save_interval_steps=5) as checkpointer:
         assert save_steps(checkpointer, [3, 5, 7]) == [False, True, False]
