@@ -10,7 +10,8 @@ It reads top to bottom in three parts:
 3. The loop over a `sources.BatchSource` (async: searcher threads + replay buffer;
    sync: fresh on-policy samples each step): draw a batch, take a train step, publish
    every `source.publish_every` steps, log, evaluate, checkpoint. The loop has no mode
-   branches; the source is the mode.
+   branches; the source is the mode. With `record_learner_batches` every step's batch is
+   recorded (`tba_jax.batch_log`), so `tba_jax.batch_replay` can re-run the learner.
 
 Then the final evaluation and `workdir/summary.json`, whose figures cover the whole run
 across resumed segments. SIGTERM and Ctrl-C stop at the next safe point (between steps
