@@ -3,11 +3,16 @@
 Parameters travel as *pure* nested dicts of arrays (what optax, orbax and
 `jax.device_put` see); the module graph is kept as an `nnx.GraphDef` and
 re-attached inside jitted functions with `nnx.merge`.
+
+`params["blocks"]` is {0: block, 1: block, ...} per layer, or with
+`ModelConfig.scan_layers` one block's tree whose leaves are stacked [num_layers, ...];
+`stack_layers` and `unstack_layers` convert between the two exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -40,6 +45,8 @@ __all__ = [
     "positions_from_mask",
     "preset",
     "sequence_scores",
+    "stack_layers",
+    "unstack_layers",
 ]
 
 
@@ -75,8 +82,27 @@ class Model:
         module = nnx.merge(self.graphdef, params)
         return module.outputs_and_features(tokens, positions, key_valid)
 
+    def features(
+        self, params: Params, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array
+    ) -> jax.Array:
+        """Final hidden states [B, S, d_model] of a cache-free pass; see `Decoder.features`."""
+        return nnx.merge(self.graphdef, params).features(tokens, positions, key_valid)
+
+    def head(self, params: Params, features: jax.Array) -> jax.Array:
+        """The output head on hidden states [..., d_model]: float32 [..., V or num_labels]."""
+        return nnx.merge(self.graphdef, params).head(features)
+
     def init_cache(self, batch: int, length: int) -> KVCache:
         return init_cache(self.config, batch, length)
+
+    def per_layer(self, params: Params) -> tuple[Model, Params]:
+        """This model and `params` in the per-layer layout: as they are, or with
+        `scan_layers` the same model unscanned and `params` unstacked (copies). A decode
+        loop calls it once before the loop: the stacked model would slice every layer's
+        weights inside each step, and XLA keeps those copies in the loop."""
+        if not self.config.scan_layers:
+            return self, params
+        return _per_layer_model(self.config), unstack_layers(params)
 
     def __hash__(self):  # Hashable so a Model can be a static jit argument.
         return id(self)
@@ -93,6 +119,12 @@ def _split(module: Decoder, cfg: ModelConfig) -> tuple[Model, Params]:
     return Model(cfg, graphdef, logical_axes), nnx.to_pure_dict(state)
 
 
+@functools.cache
+def _per_layer_model(cfg: ModelConfig) -> Model:
+    """The model of `cfg` without scan_layers (built once per config)."""
+    return abstract_model(dataclasses.replace(cfg, scan_layers=False))[0]
+
+
 def init_model(cfg: ModelConfig, seed: int) -> tuple[Model, Params]:
     """Builds the model and randomly initialised params (on the default device)."""
     return _split(Decoder(cfg, rngs=nnx.Rngs(params=seed)), cfg)
@@ -103,6 +135,26 @@ def abstract_model(cfg: ModelConfig) -> tuple[Model, Params]:
     module = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0)))
     model, params = _split(module, cfg)
     return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def stack_layers(params: Params) -> Params:
+    """Per-layer params ({"blocks": {0: tree, ..., L-1: tree}, ...}) in the `scan_layers`
+    layout ({"blocks": tree of [L, ...] leaves, ...}); every other entry is kept as it is.
+    The values are copied exactly (`unstack_layers` is the inverse)."""
+    blocks = params["blocks"]
+    layers = [blocks[index] for index in range(len(blocks))]
+    return {**params, "blocks": jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)}
+
+
+def unstack_layers(params: Params) -> Params:
+    """`scan_layers` params ({"blocks": tree of [L, ...] leaves, ...}) in the per-layer
+    layout ({"blocks": {0: tree, ..., L-1: tree}, ...}); the inverse of `stack_layers`."""
+    blocks = params["blocks"]
+    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+    layers = {
+        index: jax.tree.map(lambda leaf, i=index: leaf[i], blocks) for index in range(num_layers)
+    }
+    return {**params, "blocks": layers}
 
 
 def sequence_scores(model: Model, params: Params, tokens: jax.Array, mask: jax.Array) -> jax.Array:

@@ -36,6 +36,17 @@ ACTIVATIONS = ("silu", "gelu", "gelu_new")
 POSITION_EMBEDDINGS = ("rope", "learned")
 ROPE_SCALINGS = (None, "llama3")
 HEADS = ("lm", "score")
+# How a model is computed (not what it computes): see `ModelConfig`'s execution fields.
+# "none", or a `jax.checkpoint_policies` name applied to each block ("nothing_saveable":
+# recompute the whole block in the backward pass).
+REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# "einsum": the explicit einsum/softmax attention; "dot_product": `jax.nn.dot_product_attention`
+# with JAX's choice of kernel (XLA in JAX 0.10); "cudnn": its cuDNN flash kernel (GPU, bf16/fp16).
+ATTENTIONS = ("einsum", "dot_product", "cudnn")
+HALF_DTYPES = ("bfloat16", "float16")
+# Fields that change how the model runs but neither its outputs (up to float rounding) nor
+# its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
+EXECUTION_FIELDS = ("remat", "attention", "logprob_chunk")
 
 # Values the architecture switches take when a config leaves them as None.
 _LLAMA_SWITCHES = dict(
@@ -97,6 +108,21 @@ class ModelConfig:
     `rope_scaling="llama3"` remaps the rotary frequencies as Llama 3.1/3.2 do
     (`rope_scaling_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
     `rope_original_max_len`).
+
+    Execution fields (the same model, computed differently):
+
+    - `scan_layers`: the blocks' params are stacked on a leading `layers` axis
+      (`params["blocks"]` is one block's tree with [num_layers, ...] leaves instead of
+      {0: ..., 1: ...}) and the cache-free pass (learner, scoring) runs them with one
+      `jax.lax.scan`, so compile time does not grow with depth. Passes with a KV cache
+      (decode) still run layer by layer on static slices. `models.stack_layers` /
+      `unstack_layers` convert params between the layouts exactly.
+    - `remat`: a rematerialisation policy (`REMAT_POLICIES`) applied to each block of the
+      cache-free pass: what the backward pass recomputes instead of keeping.
+    - `attention`: the cache-free pass's attention kernel (`ATTENTIONS`).
+    - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
+      and normalise this many response slots at a time, so [rows, length, vocab] float32
+      logits never exist at once (0: all slots in one go).
     """
 
     vocab_size: int
@@ -133,6 +159,11 @@ class ModelConfig:
     # Output head: "lm" (vocabulary logits) or "score" ([num_labels] per slot).
     head: str = "lm"
     num_labels: int = 1
+    # Execution (see the docstring).
+    scan_layers: bool = False
+    remat: str = "none"
+    attention: str = "einsum"
+    logprob_chunk: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -143,6 +174,7 @@ class ModelConfig:
         self._check_choices()
         self._check_shapes()
         self._check_rotary()
+        self._check_execution()
 
     def _check_choices(self):
         choices = {
@@ -193,6 +225,28 @@ class ModelConfig:
                 f"below model.rope_high_freq_factor={self.rope_high_freq_factor}."
             )
 
+    def _check_execution(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"model.remat={self.remat!r} is not one of {list(REMAT_POLICIES)} ('none': keep "
+                "every activation; the others name jax.checkpoint_policies)."
+            )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"model.attention={self.attention!r} is not one of {list(ATTENTIONS)}."
+            )
+        if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
+            raise ValueError(
+                "model.attention='cudnn' needs a half-precision compute dtype "
+                f"{list(HALF_DTYPES)}, got model.dtype={self.dtype!r}; use "
+                "attention='dot_product' for float32."
+            )
+        if not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 0:
+            raise ValueError(
+                f"model.logprob_chunk={self.logprob_chunk!r} must be an integer >= 0 (0: no "
+                "chunking)."
+            )
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
@@ -238,7 +292,16 @@ class ModelConfig:
         return self.num_layers * (attn + mlp + 2 * norm) + embed + head + norm
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields that say what the params are: what a run's checkpoints are matched
+        against. `EXECUTION_FIELDS` are left out (they may change between a run's
+        segments), and `scan_layers` (the params' layout) is kept only when on, so
+        checkpoints written before it existed still match."""
+        fields = dataclasses.asdict(self)
+        for name in EXECUTION_FIELDS:
+            del fields[name]
+        if not self.scan_layers:
+            del fields["scan_layers"]
+        return fields
 
 
 # Named presets. `vocab_size` and `max_seq_len` of a preset are defaults that a

@@ -17,6 +17,13 @@ padding is invisible to attention.
 
 The KV cache is a plain pytree (a tuple of per-layer dicts of arrays) passed in
 and returned, so jitted decode loops can carry and donate it.
+
+With `cfg.scan_layers` the decoder holds one `Block` whose params carry every layer's on
+a leading `layers` axis; the cache-free pass (`features`, what the learner and scoring
+run) scans it with `jax.lax.scan`, and a pass with a cache runs the layers one by one on
+static slices of it, so the cache keeps its per-layer layout in both cases. `cfg.remat`
+wraps each block of the cache-free pass in `jax.checkpoint`, and `cfg.attention` picks
+that pass's attention kernel.
 """
 
 from __future__ import annotations
@@ -29,9 +36,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tba_jax.models.config import ModelConfig
+from tba_jax.models.config import REMAT_POLICIES, ModelConfig
 
 KVCache = tuple[dict[str, jax.Array], ...]
+LAYERS_AXIS = "layers"  # logical name of the stacked blocks' leading axis (scan_layers)
+
+CHECKPOINT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+assert set(CHECKPOINT_POLICIES) == set(REMAT_POLICIES) - {"none"}
+# jax.nn.dot_product_attention's `implementation` for each fused `cfg.attention`.
+FUSED_ATTENTION_IMPLEMENTATIONS = {"dot_product": None, "cudnn": "cudnn"}
 
 ACTIVATION_FNS = {
     "silu": jax.nn.silu,
@@ -166,33 +183,60 @@ class Attention(nnx.Module):
         one offset for every row (a scalar) or one per row ([B], the slot engine's).
         """
         cfg = self.cfg
-        batch, seq_len, _ = x.shape
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
         k = self._rotate(self._project(x, self.wk, "bk"), positions)
         v = self._project(x, self.wv, "bv")
-        if cache_layer is not None:
-            offsets = jnp.asarray(cache_offset)
-            k = write_cache(cache_layer["k"], k, offsets)
-            v = write_cache(cache_layer["v"], v, offsets)
-            cache_layer = {"k": k, "v": v}
-            # [1, S] with one offset for every row, [B, S] with one per row
-            query_slots = offsets.reshape(-1, 1) + jnp.arange(seq_len)
+        if cache_layer is None and cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS:
+            out = fused_attention(q, k, v, key_valid, cfg)
         else:
-            query_slots = jnp.arange(seq_len)[None]
-        key_slots = jnp.arange(k.shape[1])
-        causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
-        mask = causal & key_valid[:, None, :]  # [B, S, S_kv]
-
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(batch, seq_len, cfg.num_kv_heads, groups, cfg.resolved_head_dim)
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k.astype(q.dtype)).astype(jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(cfg.resolved_head_dim))
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum("bkgst,btkd->bskgd", weights, v.astype(cfg.compute_dtype))
-        out = out.reshape(batch, seq_len, cfg.num_heads, cfg.resolved_head_dim)
+            query_slots = jnp.arange(x.shape[1])[None]  # [1, S]
+            if cache_layer is not None:
+                offsets = jnp.asarray(cache_offset)
+                k = write_cache(cache_layer["k"], k, offsets)
+                v = write_cache(cache_layer["v"], v, offsets)
+                cache_layer = {"k": k, "v": v}
+                # [1, S] with one offset for every row, [B, S] with one per row
+                query_slots = offsets.reshape(-1, 1) + query_slots
+            key_slots = jnp.arange(k.shape[1])
+            causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
+            out = einsum_attention(q, k, v, causal & key_valid[:, None, :], cfg)
         out = dense(out, self.wo.value.astype(cfg.compute_dtype), in_dims=2)
         return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
+
+
+def einsum_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cfg: ModelConfig
+) -> jax.Array:
+    """Grouped-query attention written out: q [B, S, H, hd]; k, v [B, S_kv, KV, hd]; mask
+    [B, S, S_kv] bool (True: the query may see the key). Scores and softmax in float32.
+    A query that sees no key (a padding slot) averages every value. Returns [B, S, H, hd]."""
+    batch, seq_len = q.shape[:2]
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(batch, seq_len, cfg.num_kv_heads, groups, cfg.resolved_head_dim)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k.astype(q.dtype)).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(cfg.resolved_head_dim))
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", weights, v.astype(cfg.compute_dtype))
+    return out.reshape(batch, seq_len, cfg.num_heads, cfg.resolved_head_dim)
+
+
+def fused_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, cfg: ModelConfig
+) -> jax.Array:
+    """Causal attention of a cache-free pass (queries in slots 0..S-1) through
+    `jax.nn.dot_product_attention`: q [B, S, H, hd]; k, v [B, S, KV, hd]; key_valid [B, S]
+    bool, broadcast over queries as a [B, 1, 1, S] mask (cuDNN takes it as a bias without a
+    query axis). Returns [B, S, H, hd] in the compute dtype."""
+    dt = cfg.compute_dtype
+    return jax.nn.dot_product_attention(
+        q.astype(dt),
+        k.astype(dt),
+        v.astype(dt),
+        mask=key_valid[:, None, None, :],
+        is_causal=True,
+        implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
+    )
 
 
 def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -257,6 +301,42 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache_layer
 
 
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose params hold those of `blocks` (exact copies) on a leading
+    `layers` axis: each leaf [num_layers, ...], its logical axes led by "layers"."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.split(block)[1] for block in blocks]
+    stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *states)
+    for _, variable in nnx.to_flat_state(stacked):
+        variable.set_metadata(logical_axes=(LAYERS_AXIS, *variable.get_metadata("logical_axes")))
+    return nnx.merge(graphdef, stacked)
+
+
+def layer_of(stacked: Block, index: int) -> Block:
+    """Layer `index` of a stacked Block (`stack_blocks`) as a Block of its own (static slices)."""
+    graphdef, state = nnx.split(stacked)
+    return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf[index], state))
+
+
+def remat_policy(fn, remat: str, *, prevent_cse: bool = True):
+    """`fn` wrapped in `jax.checkpoint` with the `jax.checkpoint_policies` named `remat`
+    ("none": `fn` itself). `prevent_cse=False` inside a scan (JAX's advice)."""
+    if remat == "none":
+        return fn
+    return jax.checkpoint(fn, policy=CHECKPOINT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def cache_free_block(graphdef: nnx.GraphDef, cfg: ModelConfig):
+    """`(block state, x, positions, key_valid) -> x`: one block of a cache-free pass (x [B,
+    S, D]), rematerialised as `cfg.remat` says."""
+
+    def run(state, x, positions, key_valid):
+        x, _ = nnx.merge(graphdef, state)(x, positions, key_valid, None, 0)
+        return x
+
+    return remat_policy(run, cfg.remat, prevent_cse=not cfg.scan_layers)
+
+
 class Decoder(nnx.Module):
     """Decoder-only model. Call it on tokens; it returns float32 vocabulary logits
     (`cfg.head="lm"`) or per-slot scores (`cfg.head="score"`)."""
@@ -268,7 +348,10 @@ class Decoder(nnx.Module):
             self.position_embedding = _param(
                 rngs, cfg, (cfg.max_seq_len, cfg.d_model), ("vocab", "embed")
             )
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        # The layers draw their initial values in the same order in both layouts, so a
+        # seed gives the same model either way.
+        blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+        self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = Norm(cfg)
         if cfg.head == "score":
             self.score = _param(rngs, cfg, (cfg.d_model, cfg.num_labels), ("embed", "labels"))
@@ -281,13 +364,17 @@ class Decoder(nnx.Module):
             x = x + jnp.take(self.position_embedding.value, positions, axis=0)
         return x.astype(self.cfg.compute_dtype)
 
-    def _output(self, x: jax.Array) -> jax.Array:
+    def head(self, features: jax.Array) -> jax.Array:
+        """The output head on final hidden states [..., d_model]: float32 [..., V] logits
+        (or [..., num_labels] scores)."""
         dt = self.cfg.compute_dtype
         if self.cfg.head == "score":
-            return dense(x, self.score.value.astype(dt))
-        if self.cfg.tie_embeddings:
-            return dense(x, self.embedding.value.astype(dt).T)
-        return dense(x, self.lm_head.value.astype(dt))
+            out = dense(features, self.score.value.astype(dt))
+        elif self.cfg.tie_embeddings:
+            out = dense(features, self.embedding.value.astype(dt).T)
+        else:
+            out = dense(features, self.lm_head.value.astype(dt))
+        return out.astype(jnp.float32)
 
     def __call__(
         self,
@@ -302,18 +389,45 @@ class Decoder(nnx.Module):
         Returns logits [B, S, V] (or scores [B, S, num_labels]) float32 and the
         updated cache (None without one).
         """
-        x, new_cache = self._trunk(tokens, positions, key_valid, cache, cache_offset)
-        return self._output(x).astype(jnp.float32), new_cache
+        if cache is None:
+            return self.head(self.features(tokens, positions, key_valid)), None
+        x, new_cache = self._cached_trunk(tokens, positions, key_valid, cache, cache_offset)
+        return self.head(x), new_cache
 
-    def _trunk(self, tokens, positions, key_valid, cache, cache_offset):
-        """Embedding, blocks and final norm: hidden states [B, S, d_model] and the cache."""
+    def features(self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array) -> jax.Array:
+        """The cache-free pass up to the head: final-normed hidden states [B, S, d_model]
+        (compute dtype). tokens, positions, key_valid: [B, S]. The blocks run in one scan
+        with `cfg.scan_layers`, each rematerialised as `cfg.remat` says."""
+        x = self._embed(tokens, positions)
+        if self.cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+            block = cache_free_block(graphdef, self.cfg)
+
+            def step(x, layer_state):
+                return block(layer_state, x, positions, key_valid), None
+
+            x, _ = jax.lax.scan(step, x, stacked)
+        else:
+            for layer in self.blocks:
+                graphdef, state = nnx.split(layer)
+                x = cache_free_block(graphdef, self.cfg)(state, x, positions, key_valid)
+        return self.final_norm(x)
+
+    def _layers(self) -> list[Block]:
+        """The blocks one by one (static slices of the stacked params with scan_layers)."""
+        if self.cfg.scan_layers:
+            return [layer_of(self.blocks, index) for index in range(self.cfg.num_layers)]
+        return list(self.blocks)
+
+    def _cached_trunk(self, tokens, positions, key_valid, cache, cache_offset):
+        """Embedding, blocks (layer by layer) and final norm with a KV cache: hidden states
+        [B, S, d_model] and the updated cache."""
         x = self._embed(tokens, positions)
         new_cache = []
-        for index, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache[index]
-            x, layer_cache = block(x, positions, key_valid, layer_cache, cache_offset)
+        for layer, layer_cache in zip(self._layers(), cache, strict=True):
+            x, layer_cache = layer(x, positions, key_valid, layer_cache, cache_offset)
             new_cache.append(layer_cache)
-        return self.final_norm(x), (None if cache is None else tuple(new_cache))
+        return self.final_norm(x), tuple(new_cache)
 
     def outputs_and_features(
         self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array
@@ -321,8 +435,8 @@ class Decoder(nnx.Module):
         """One cache-free pass returning the head's float32 outputs [B, S, V or num_labels]
         and the final-normed hidden states [B, S, d_model] (compute dtype) they are made
         from: what a value head on the shared trunk reads (PPO, `tba_jax.critic`)."""
-        features, _ = self._trunk(tokens, positions, key_valid, None, 0)
-        return self._output(features).astype(jnp.float32), features
+        features = self.features(tokens, positions, key_valid)
+        return self.head(features), features
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:

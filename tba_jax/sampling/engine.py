@@ -221,6 +221,7 @@ def decode_chunk(
     """Decodes every live slot for up to `max_steps` steps; stops early when no slot is
     live or `stop_when_free` slots are free (a refill can start). Returns the new state and
     the number of steps run and the slot-steps spent on live samples."""
+    model, params = model.per_layer(params)  # scan_layers: unstacked once, not per step
     width, max_new = state.tokens.shape
     prompt_len = state.key_valid.shape[1] - max_new
     rows = jnp.arange(width)
