@@ -29,18 +29,65 @@ def token_logprobs(
 
     prompt_tokens, prompt_mask: [N, P] (left-padded); response_tokens,
     response_mask: [N, T] (right-padded; mask 1 up to and including EOS).
-    Returns [N, T] float32.
+    Returns [N, T] float32. The output head runs on the T slots that predict response
+    tokens only, `model.config.logprob_chunk` of them at a time (`features_logprobs`).
     """
     tokens, positions, valid = joined_inputs(
         prompt_tokens, prompt_mask, response_tokens, response_mask
     )
-    logits, _ = model.apply(params, tokens, positions, valid)
-    return response_logprobs(
-        response_slots(logits, prompt_tokens.shape[1], response_tokens.shape[1]),
+    features = model.features(params, tokens, positions, valid)
+    predicting = response_slots(features, prompt_tokens.shape[1], response_tokens.shape[1])
+    return features_logprobs(
+        model,
+        params,
+        predicting,
         response_tokens,
         response_mask,
         temperature,
+        chunk=model.config.logprob_chunk,
     )
+
+
+def features_logprobs(
+    model: Model,
+    params: Params,
+    features: jax.Array,
+    response_tokens: jax.Array,
+    response_mask: jax.Array,
+    temperature,
+    *,
+    chunk: int = 0,
+) -> jax.Array:
+    """log π(y_t) from the hidden states [N, T, d_model] of the slots predicting each
+    response token, through the output head. `chunk` > 0 runs the head, log-softmax and
+    gather on `chunk` slots of every row at a time (a `lax.map`; T is padded up to a
+    multiple), each chunk rematerialised in the backward pass, so at most [N, chunk, V]
+    float32 logits exist at once; 0: all T at once. Returns [N, T] float32, 0 where
+    `response_mask` is 0."""
+
+    def logprobs(chunk_inputs):
+        chunk_features, chunk_tokens, chunk_mask = chunk_inputs
+        logits = model.head(params, chunk_features)
+        return response_logprobs(logits, chunk_tokens, chunk_mask, temperature)
+
+    length = response_tokens.shape[1]
+    if chunk <= 0 or chunk >= length:
+        return logprobs((features, response_tokens, response_mask))
+    chunks = -(-length // chunk)
+    inputs = tuple(
+        time_chunks(x, chunk, chunks) for x in (features, response_tokens, response_mask)
+    )
+    out = jax.lax.map(jax.checkpoint(logprobs), inputs)  # [chunks, N, chunk]
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], -1)[:, :length]
+
+
+def time_chunks(x: jax.Array, chunk: int, chunks: int) -> jax.Array:
+    """[N, T, ...] zero-padded to [N, chunks * chunk, ...] and split into
+    [chunks, N, chunk, ...] along time."""
+    pad = chunks * chunk - x.shape[1]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], chunks, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
 
 
 def joined_inputs(
