@@ -19,7 +19,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ from tba_jax.models.hf_checkpoint import (
     INDEX_FILENAME,
     SHOWN_NAMES,
     SINGLE_WEIGHTS_FILENAME,
+    Path,
     checkpoint_files,
     get_path,
     place_tensors,
@@ -60,6 +61,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
+BLOCKS = "blocks"  # the params entry holding the decoder's layers
 
 
 # ----------------------------------------------------------------------------------------
@@ -74,7 +76,9 @@ def load_params(hf_path: str, model: Model, *, shardings: Any = None, dtype: Any
     dtype (`dtype`, default the model's param_dtype) and placed with
     `jax.device_put` onto its entry of `shardings` (a pytree like the params; None:
     the default device), one tensor at a time. Raises if a tensor is missing,
-    unexpected or of the wrong shape, before any data is read.
+    unexpected or of the wrong shape, before any data is read. With `scan_layers` each
+    block tensor is stacked over the layers on the host and placed once all its layers
+    are read (the host then holds up to one copy of the blocks' weights).
     """
     cfg = model.config
     tensors = read_tensors(
@@ -87,7 +91,37 @@ def load_params(hf_path: str, model: Model, *, shardings: Any = None, dtype: Any
         ),
         advice="Check config.json against the weights (a different model's checkpoint?).",
     )
+    if cfg.scan_layers:
+        tensors = stacked_blocks(tensors, cfg.num_layers)
     return place_tensors(tensors, shardings)
+
+
+def stacked_blocks(
+    tensors: Iterable[tuple[Path, np.ndarray]], num_layers: int
+) -> Iterator[tuple[Path, np.ndarray]]:
+    """`tensors` (params path, array) with the per-layer block leaves (paths ("blocks",
+    i, ...)) gathered into the `scan_layers` layout: one ("blocks", ...) array of shape
+    [num_layers, ...] per leaf, yielded once all its layers have arrived. Other leaves
+    pass through as they come."""
+    pending: dict[Path, dict[int, np.ndarray]] = {}
+    for path, value in tensors:
+        if path[0] != BLOCKS:
+            yield path, value
+            continue
+        stacked_path = (BLOCKS, *path[2:])
+        layers = pending.setdefault(stacked_path, {})
+        layers[path[1]] = value
+        if len(layers) == num_layers:
+            yield stacked_path, np.stack([layers[index] for index in range(num_layers)])
+            del pending[stacked_path]
+
+
+def layout_leaf(params: Params, path: Path, scan_layers: bool) -> Any:
+    """The leaf of `params` that per-layer `path` (a layout rule's) names: with
+    `scan_layers`, layer path[1] of the stacked leaf ("blocks", ...)."""
+    if scan_layers and path[0] == BLOCKS:
+        return get_path(params, (BLOCKS, *path[2:]))[path[1]]
+    return get_path(params, path)
 
 
 def load_model(
@@ -205,7 +239,10 @@ def save_hf(
         tensors = {}
         for key in shard:
             rule = layout[key]
-            ours = [np.asarray(jax.device_get(get_path(params, path))) for path in rule.paths]
+            ours = [
+                np.asarray(jax.device_get(layout_leaf(params, path, model_cfg.scan_layers)))
+                for path in rule.paths
+            ]
             tensors[key] = np.ascontiguousarray(rule.to_hf(*ours).astype(target))
         save_file(tensors, os.path.join(out_dir, filename), metadata={"format": "pt"})
     written = [os.path.join(out_dir, filename) for filename in filenames]
