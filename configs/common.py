@@ -104,6 +104,15 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.model.hf_path = ""
     config.model.dtype = None  # compute
     config.model.param_dtype = "float32"  # stored params and Adam state
+    # How the policy is computed (README, "Accelerator throughput"): blocks stacked and run
+    # in one lax.scan (compile time flat in depth; changes the checkpoint's params layout),
+    # a jax.checkpoint policy per block (none | nothing_saveable | dots_saveable |
+    # dots_with_no_batch_dims_saveable), the attention kernel (einsum | dot_product |
+    # cudnn), and how many response slots the log-probs' head runs on at a time (0: all).
+    config.model.scan_layers = False
+    config.model.remat = "none"
+    config.model.attention = "einsum"
+    config.model.logprob_chunk = 0
 
     # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the
     # same architecture (see reference_follows_policy).

@@ -26,7 +26,7 @@ from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
 from tba_jax.critic import CRITIC_INITS, CRITIC_KINDS
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
-from tba_jax.models.config import DTYPES
+from tba_jax.models.config import ATTENTIONS, DTYPES, HALF_DTYPES, REMAT_POLICIES
 from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
 
@@ -179,6 +179,10 @@ RANGES: dict[str, Allowed] = {
     "max_response_len": integer_at_least(1),
     "model.dtype": one_of(sorted(DTYPES)),
     "model.param_dtype": one_of(sorted(DTYPES)),
+    "model.scan_layers": BOOLEAN,
+    "model.remat": one_of(REMAT_POLICIES),
+    "model.attention": one_of(ATTENTIONS),
+    "model.logprob_chunk": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),
     "warm_start.batch_size": integer_at_least(1),
     "warm_start.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
@@ -372,10 +376,22 @@ def validate(
             )
     check_score_chunks(config)
     check_engine(config)
+    check_attention(config)
     if config.loss.beta_schedule == "linear" and config.loss.beta_anneal_steps < 1:
         raise ConfigError(
             f"loss.beta_anneal_steps={config.loss.beta_anneal_steps} must be >= 1 for a linear "
             "β schedule (or set loss.beta_schedule=constant)."
+        )
+
+
+def check_attention(config: ml_collections.ConfigDict) -> None:
+    """ConfigError for model.attention=cudnn without a half-precision compute dtype (the
+    cuDNN kernel takes bfloat16 or float16 only)."""
+    dtype = config.model.get("dtype") or "float32"
+    if config.model.get("attention") == "cudnn" and dtype not in HALF_DTYPES:
+        raise ConfigError(
+            f"model.attention=cudnn needs model.dtype in {list(HALF_DTYPES)}, got {dtype!r}; "
+            "use model.attention=dot_product for float32."
         )
 
 

@@ -3,7 +3,10 @@
 Each role gets its own `jax.sharding.Mesh` with the axes `data`, `fsdp`,
 `tensor`. Parameters carry logical axis names (see `tba_jax.models`); a rule
 set per role maps each logical name onto a mesh axis (or none: replicated).
-With one device both roles share it (colocated).
+With one device both roles share it (colocated). The stacked blocks of
+`ModelConfig.scan_layers` lead with a `layers` axis that no default rule maps:
+every device holds every layer's slice of a parameter, split as that parameter's
+other axes say.
 """
 
 from __future__ import annotations

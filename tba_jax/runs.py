@@ -67,8 +67,14 @@ def run_tokenizer(config: ml_collections.ConfigDict, workdir: str):
     return policy_tokenizer(config) or tasks.build_task(config.task, workdir).tokenizer
 
 
+# config.model keys that set how the policy is computed (`ModelConfig`'s execution fields).
+EXECUTION_KEYS = ("scan_layers", "remat", "attention", "logprob_chunk")
+
+
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    """The policy's architecture: from `model.hf_path`'s config.json, else a named preset."""
+    """The policy's architecture: from `model.hf_path`'s config.json, else a named preset;
+    with the config's dtypes and execution knobs (`EXECUTION_KEYS`)."""
+    execution = {key: config.model[key] for key in EXECUTION_KEYS if key in config.model}
     if config.model.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
 
@@ -79,7 +85,7 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
                 f"has {loaded.vocab_size} embeddings; use the tokenizer that came with it."
             )
         return dataclasses.replace(
-            loaded, dtype=config.model.dtype, param_dtype=config.model.param_dtype
+            loaded, dtype=config.model.dtype, param_dtype=config.model.param_dtype, **execution
         )
     return preset(
         config.model.preset,
@@ -87,6 +93,7 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
         max_seq_len=config.max_prompt_len + config.max_response_len,
         dtype=config.model.dtype,
         param_dtype=config.model.param_dtype,
+        **execution,
     )
 
 
