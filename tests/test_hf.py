@@ -37,6 +37,7 @@ from tba_jax.models import (
     positions_from_mask,
     preset,
     sequence_scores,
+    stack_layers,
 )
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
@@ -359,6 +360,29 @@ def test_export_in_bfloat16(checkpoint, tmp_path):
     )
     assert not (info["missing_keys"] or info["unexpected_keys"])
     assert next(reloaded.parameters()).dtype == torch.bfloat16
+
+
+def test_scanned_layers_load_and_export_like_the_per_layer_model(checkpoint, tmp_path):
+    """With scan_layers the block tensors of a sharded checkpoint (a layer's tensors in
+    several files) are stacked on import, give transformers' logits, and export back to
+    the very tensors transformers wrote."""
+    ckpt = checkpoint("gpt_neox")  # fused qkv (one tensor -> three leaves), biases
+    sharded = str(tmp_path / "sharded")
+    ckpt.torch_model.save_pretrained(sharded, max_shard_size="20KB")
+    cfg = dataclasses.replace(ckpt.model.config, scan_layers=True)
+    model, _ = abstract_model(cfg)
+    params = hf.load_params(sharded, model)
+    assert_trees_equal(params, stack_layers(ckpt.params))
+    tokens, mask = padded_batch()
+    logits, _ = jax.jit(model.apply)(params, tokens, positions_from_mask(mask), mask)
+    expected = torch_logits(ckpt, tokens, mask)
+    np.testing.assert_allclose(np.asarray(logits)[mask], expected[mask], atol=TOL)
+    out = str(tmp_path / "export")
+    hf.save_hf(out, cfg, params, max_shard_bytes=20_000)
+    original, exported = stored_tensors(ckpt.path), stored_tensors(out)
+    assert sorted(exported) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,231 @@
+"""`ModelConfig`'s execution knobs compute the same model: scanned layers (and the exact
+conversion between the params layouts), rematerialisation, the fused attention kernel and
+time-chunked log-probs give the outputs and gradients of the plain decoder, decode works
+on scanned params, and the knobs stay out of a run's checkpoint identity.
+
+Tiny shapes (2 layers of width 16) and one compile per case: CI has two CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from configs.arithmetic import get_config
+from tba_jax import config_lib
+from tba_jax import mesh as mesh_lib
+from tba_jax.models import (
+    ModelConfig,
+    abstract_model,
+    init_model,
+    positions_from_mask,
+    stack_layers,
+    unstack_layers,
+)
+from tba_jax.models.config import EXECUTION_FIELDS
+from tba_jax.sampling import scoring
+from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+
+TOL = 1e-5
+GRAD_TOL = 1e-4
+TEMPERATURE = 0.7
+SEED = 0
+PLAIN = ModelConfig(
+    vocab_size=29,
+    d_model=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=24,
+    max_seq_len=32,
+    qkv_bias=True,
+    init_std=0.3,
+)
+SCANNED = dataclasses.replace(PLAIN, scan_layers=True)
+PROMPT_LEN, RESPONSE_LEN = 5, 7
+
+
+def execution(**fields) -> ModelConfig:
+    return dataclasses.replace(PLAIN, **fields)
+
+
+def scoring_batch() -> tuple[jax.Array, ...]:
+    """prompt_tokens, prompt_mask [3, 5] (left-padded), response_tokens, response_mask
+    [3, 7] (right-padded, one row cut short)."""
+    rng = np.random.default_rng(SEED)
+    prompt = rng.integers(1, PLAIN.vocab_size, (3, PROMPT_LEN))
+    prompt_mask = np.ones((3, PROMPT_LEN), np.float32)
+    prompt_mask[0, :2] = prompt_mask[2, :4] = 0
+    response = rng.integers(1, PLAIN.vocab_size, (3, RESPONSE_LEN))
+    response_mask = np.ones((3, RESPONSE_LEN), np.float32)
+    response_mask[1, 4:] = 0
+    prompt = np.where(prompt_mask > 0, prompt, 0).astype(np.int32)
+    return tuple(jnp.asarray(x) for x in (prompt, prompt_mask, response, response_mask))
+
+
+def logprobs_and_grads(cfg: ModelConfig, params):
+    """Per-token log-probs [3, 7] and the gradient of their sum under `cfg`."""
+    model, _ = abstract_model(cfg)
+    batch = scoring_batch()
+
+    def total(params):
+        logp = scoring.token_logprobs(model, params, *batch, temperature=TEMPERATURE)
+        return logp.sum(), logp
+
+    (_, logp), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(params)
+    return np.asarray(logp), grads
+
+
+def assert_trees_close(actual, expected, atol):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=atol)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Log-probs, gradients and params of the plain decoder (the reference)."""
+    _, params = init_model(PLAIN, SEED)
+    logp, grads = logprobs_and_grads(PLAIN, params)
+    return logp, grads, params
+
+
+def test_layout_conversion_is_exact_both_ways():
+    model, params = init_model(PLAIN, SEED)
+    scanned_model, scanned = init_model(SCANNED, SEED)  # a seed gives one model either way
+    assert jax.tree.structure(stack_layers(params)) == jax.tree.structure(scanned)
+    for a, b in zip(jax.tree.leaves(stack_layers(params)), jax.tree.leaves(scanned), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(unstack_layers(scanned)), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert scanned["blocks"]["attn"]["wq"].shape == (2, 16, 4, 4)
+    assert scanned_model.logical_axes["blocks"]["attn"]["wq"] == (
+        "layers",
+        *model.logical_axes["blocks"][0]["attn"]["wq"],
+    )
+    assert scanned_model.logical_axes["embedding"] == model.logical_axes["embedding"]
+
+
+def test_the_layers_axis_is_not_sharded_by_default():
+    model, params = init_model(SCANNED, SEED)
+    mesh = mesh_lib.make_mesh(jax.devices()[:1], {"fsdp": -1})
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    shardings = mesh_lib.param_shardings(
+        model.logical_axes, abstract, mesh, get_config().mesh.learner_rules
+    )
+    assert shardings["blocks"]["mlp"]["w_up"].spec == PartitionSpec(None, "fsdp", "tensor")
+
+
+@pytest.mark.parametrize("remat", ["none", "nothing_saveable"])
+def test_scanned_layers_give_the_plain_outputs_and_gradients(plain, remat):
+    logp, grads, params = plain
+    scanned_logp, scanned_grads = logprobs_and_grads(
+        execution(scan_layers=True, remat=remat), stack_layers(params)
+    )
+    np.testing.assert_allclose(scanned_logp, logp, atol=TOL)
+    assert_trees_close(unstack_layers(scanned_grads), grads, GRAD_TOL)
+
+
+@pytest.mark.parametrize("remat", ["dots_with_no_batch_dims_saveable"])
+def test_remat_keeps_the_values_and_gradients(plain, remat):
+    logp, grads, params = plain
+    remat_logp, remat_grads = logprobs_and_grads(execution(remat=remat), params)
+    np.testing.assert_allclose(remat_logp, logp, atol=TOL)
+    assert_trees_close(remat_grads, grads, GRAD_TOL)
+
+
+def test_fused_attention_matches_the_einsum_one_with_padding(plain):
+    """jax.nn.dot_product_attention (XLA's kernel on CPU) under the causal-and-padding mask:
+    the batch has left-padded prompts and a right-padded response."""
+    logp, grads, params = plain
+    fused_logp, fused_grads = logprobs_and_grads(execution(attention="dot_product"), params)
+    np.testing.assert_allclose(fused_logp, logp, atol=TOL)
+    assert_trees_close(fused_grads, grads, GRAD_TOL)
+
+
+@pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded
+def test_chunked_logprobs_and_their_gradient_match(plain, chunk):
+    logp, grads, params = plain
+    chunked_logp, chunked_grads = logprobs_and_grads(execution(logprob_chunk=chunk), params)
+    np.testing.assert_allclose(chunked_logp, logp, atol=TOL)
+    assert_trees_close(chunked_grads, grads, GRAD_TOL)
+    assert (chunked_logp[np.asarray(scoring_batch()[3]) == 0] == 0).all()
+
+
+def test_the_features_path_matches_the_full_logits(plain):
+    """The head on the response slots only gives the log-probs of the full forward pass."""
+    logp, _, params = plain
+    model, _ = abstract_model(PLAIN)
+    prompt, prompt_mask, response, response_mask = scoring_batch()
+    tokens, positions, valid = scoring.joined_inputs(prompt, prompt_mask, response, response_mask)
+    logits, _ = jax.jit(model.apply)(params, tokens, positions, valid)
+    predicting = scoring.response_slots(logits, PROMPT_LEN, RESPONSE_LEN)
+    expected = scoring.response_logprobs(predicting, response, response_mask, TEMPERATURE)
+    np.testing.assert_allclose(logp, expected, atol=TOL)
+
+
+def test_decode_on_scanned_params_matches(plain):
+    """generate() unstacks scanned params once (`Model.per_layer`) and samples what the
+    plain model samples; a cached pass straight on the stacked params agrees too."""
+    *_, params = plain
+    scanned_model, _ = abstract_model(SCANNED)
+    scanned = stack_layers(params)
+    per_layer_model, per_layer = scanned_model.per_layer(scanned)
+    assert per_layer_model.config == PLAIN
+    assert_trees_close(per_layer, params, atol=0)
+    prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
+    sampling = SamplingConfig(max_new_tokens=4, greedy=True)
+    runs = [
+        make_generate_fn(model, sampling, eos_id=1, pad_id=0)(
+            p, prompt, prompt > 0, jax.random.key(SEED)
+        )
+        for model, p in ((abstract_model(PLAIN)[0], params), (scanned_model, scanned))
+    ]
+    np.testing.assert_array_equal(runs[1].tokens, runs[0].tokens)
+    np.testing.assert_allclose(runs[1].token_logp, runs[0].token_logp, atol=TOL)
+    valid = prompt > 0
+    cached, _ = jax.jit(scanned_model.apply)(
+        scanned, prompt, positions_from_mask(valid), valid, scanned_model.init_cache(2, 4), 0
+    )
+    full, _ = jax.jit(per_layer_model.apply)(params, prompt, positions_from_mask(valid), valid)
+    np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=TOL)
+
+
+def test_execution_fields_stay_out_of_the_checkpoint_identity():
+    plain = PLAIN.to_dict()
+    assert not set(EXECUTION_FIELDS) & set(plain) and "scan_layers" not in plain
+    tuned = execution(remat="dots_saveable", attention="dot_product", logprob_chunk=4)
+    assert tuned.to_dict() == plain  # a resumed run may change these
+    assert SCANNED.to_dict() == {**plain, "scan_layers": True}  # the params' layout
+    assert ModelConfig(**SCANNED.to_dict()) == SCANNED
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(remat="full"), "model.remat"),
+        (dict(attention="flash"), "model.attention"),
+        (dict(attention="cudnn"), "half-precision"),
+        (dict(logprob_chunk=-1), "model.logprob_chunk"),
+    ],
+)
+def test_bad_execution_fields_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        execution(**fields)
+
+
+def test_the_config_checks_the_knobs():
+    config = get_config()
+    config.model.attention = "cudnn"
+    with pytest.raises(config_lib.ConfigError, match="cudnn needs"):
+        config_lib.check_attention(config)
+    config.model.dtype = "bfloat16"
+    config_lib.check_attention(config)
+    config.model.remat = "everything"
+    with pytest.raises(config_lib.ConfigError, match="remat"):
+        config_lib.check_ranges(config, config_lib.RANGES)
