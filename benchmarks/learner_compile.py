@@ -8,14 +8,15 @@ knobs (`ModelConfig.scan_layers`, `remat`, `attention`, `logprob_chunk`).
 Each case is `learner.make_train_step` with the TB loss (one optimiser step on a batch of
 `--rows` random responses of `--response_len` tokens after `--prompt_len`-token prompts,
 K = `--samples_per_prompt`) on a random-weight llama-family model of `--d_model` width on
-one device. The step is lowered and compiled explicitly (`lower_s`, `compile_s`), then run
-`--warmup` times untimed and `--repeats` times timed (`step_ms`: the median, wall time until
-the new params are ready). `temp_mib` is XLA's own accounting of the compiled step's
-scratch memory (`Compiled.memory_analysis()`: every buffer beside its arguments and
-outputs — activations kept for the backward pass, logits, gradients), and `total_mib` adds
-the arguments and outputs (the train state counted once: it is donated). Both are the same
-on every run of a program, so they compare memory without a device allocator's statistics
-(the CPU has none).
+one device. The step is lowered and compiled explicitly (`lower_s`, `compile_s` wall
+seconds; `compile_cpu_s` the process's CPU seconds while compiling, which a busy machine
+inflates less), then run `--warmup` times untimed and `--repeats` times timed (`step_ms`:
+the median, wall time until the new params are ready). `temp_mib` is XLA's own accounting
+of the compiled step's scratch memory (`Compiled.memory_analysis()`: every buffer beside
+its arguments and outputs — activations kept for the backward pass, logits, gradients),
+and `total_mib` adds the arguments and outputs (the train state counted once: it is
+donated). Both are the same on every run of a program, so they compare memory without a
+device allocator's statistics (the CPU has none).
 
 Sweeps (`--sweeps`):
 
@@ -24,13 +25,14 @@ Sweeps (`--sweeps`):
 - `logprob_chunk`: `--chunks` (0: the head on all response slots at once) at `--chunk_layers`
   layers and a `--chunk_vocab`-id vocabulary, where the [rows, length, vocab] float32
   logits dominate the step's memory.
-- `remat`: each `REMAT_POLICIES` entry at `--remat_layers` scanned layers.
-- `attention`: the einsum attention against `jax.nn.dot_product_attention` ("dot_product":
-  XLA's kernel on CPU; "cudnn" needs a GPU and bfloat16, `--attentions` adds it there).
+- `remat`: each `REMAT_POLICIES` entry at `--remat_layers` layers, scan_layers off / on.
+- `attention` (scanned): the einsum attention against `jax.nn.dot_product_attention`
+  ("dot_product": XLA's kernel on CPU; "cudnn" needs a GPU and bfloat16, `--attentions`
+  adds it there).
 
 Every case prints one JSON line {"benchmark": "learner_compile", "sweep", the knobs,
-"lower_s", "compile_s", "step_ms", "temp_mib", "total_mib", the shapes, the device}. Run it
-on a quiet machine.
+"lower_s", "compile_s", "compile_cpu_s", "step_ms", "temp_mib", "total_mib", the shapes,
+the device}. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -188,9 +190,9 @@ def measure(cfg: ModelConfig, shapes: Shapes, timing: Timing) -> dict[str, float
     batch = make_batch(shapes, cfg.vocab_size)
     began = time.perf_counter()
     lowered = step.lower(state, batch)
-    lowered_at = time.perf_counter()
+    lowered_at, cpu_before = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    compiled_at = time.perf_counter()
+    compiled_at, cpu_after = time.perf_counter(), time.process_time()
     seconds = []
     for index in range(timing.warmup + timing.repeats):
         started = time.perf_counter()
@@ -202,6 +204,7 @@ def measure(cfg: ModelConfig, shapes: Shapes, timing: Timing) -> dict[str, float
     return {
         "lower_s": round(lowered_at - began, 3),
         "compile_s": round(compiled_at - lowered_at, 3),
+        "compile_cpu_s": round(cpu_after - cpu_before, 3),
         "step_ms": round(1e3 * statistics.median(seconds), 2),
         "temp_mib": round(memory.temp_size_in_bytes / MIB, 2),
         "total_mib": round(total_bytes(memory) / MIB, 2),
@@ -236,8 +239,9 @@ def cases(sweep: str, shapes: Shapes) -> list[ModelConfig]:
     layers = flag_value("remat_layers")
     if sweep == "remat":
         return [
-            model_config(shapes, layers, depth_vocab, scan_layers=True, remat=policy)
+            model_config(shapes, layers, depth_vocab, scan_layers=scan, remat=policy)
             for policy in REMAT_POLICIES
+            for scan in (False, True)
         ]
     return [
         model_config(shapes, layers, depth_vocab, scan_layers=True, attention=attention)
