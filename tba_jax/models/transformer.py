@@ -227,9 +227,11 @@ def fused_attention(
     """Causal attention of a cache-free pass (queries in slots 0..S-1) through
     `jax.nn.dot_product_attention`: q [B, S, H, hd]; k, v [B, S, KV, hd]; key_valid [B, S]
     bool, broadcast over queries as a [B, 1, 1, S] mask (cuDNN takes it as a bias without a
-    query axis). Returns [B, S, H, hd] in the compute dtype."""
+    query axis). Returns [B, S, H, hd] in the compute dtype, zero at padding slots: a query
+    that sees no key is left to the kernel (a flash kernel may give NaN there), and a NaN
+    value at a padding slot would reach every query through its zero attention weight."""
     dt = cfg.compute_dtype
-    return jax.nn.dot_product_attention(
+    out = jax.nn.dot_product_attention(
         q.astype(dt),
         k.astype(dt),
         v.astype(dt),
@@ -237,6 +239,7 @@ def fused_attention(
         is_causal=True,
         implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
     )
+    return jnp.where(key_valid[:, :, None, None], out, jnp.zeros((), dt))
 
 
 def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
