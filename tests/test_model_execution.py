@@ -170,8 +170,9 @@ def test_the_features_path_matches_the_full_logits(plain):
 
 
 def test_decode_on_scanned_params_matches(plain):
-    """generate() unstacks scanned params once (`Model.per_layer`) and samples what the
-    plain model samples; a cached pass straight on the stacked params agrees too."""
+    """generate() unstacks scanned params once (`Model.per_layer`) and samples greedily what
+    the plain model's full forward pass predicts; a cached pass straight on the stacked
+    params (static slices) gives that pass's logits too."""
     *_, params = plain
     scanned_model, _ = abstract_model(SCANNED)
     scanned = stack_layers(params)
@@ -180,19 +181,24 @@ def test_decode_on_scanned_params_matches(plain):
     assert_trees_close(per_layer, params, atol=0)
     prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
     sampling = SamplingConfig(max_new_tokens=4, greedy=True)
-    runs = [
-        make_generate_fn(model, sampling, eos_id=1, pad_id=0)(
-            p, prompt, prompt > 0, jax.random.key(SEED)
-        )
-        for model, p in ((abstract_model(PLAIN)[0], params), (scanned_model, scanned))
-    ]
-    np.testing.assert_array_equal(runs[1].tokens, runs[0].tokens)
-    np.testing.assert_allclose(runs[1].token_logp, runs[0].token_logp, atol=TOL)
-    valid = prompt > 0
-    cached, _ = jax.jit(scanned_model.apply)(
-        scanned, prompt, positions_from_mask(valid), valid, scanned_model.init_cache(2, 4), 0
+    generated = make_generate_fn(scanned_model, sampling, eos_id=1, pad_id=0)(
+        scanned, prompt, prompt > 0, jax.random.key(SEED)
     )
-    full, _ = jax.jit(per_layer_model.apply)(params, prompt, positions_from_mask(valid), valid)
+    tokens = jnp.concatenate([prompt, generated.tokens], axis=1)
+    valid = jnp.concatenate([prompt > 0, generated.mask > 0], axis=1)
+    positions = positions_from_mask(valid)
+    full, _ = jax.jit(per_layer_model.apply)(params, tokens, positions, valid)
+    predicting = np.asarray(full[:, prompt.shape[1] - 1 : -1])  # the slots before each token
+    mask = np.asarray(generated.mask) > 0
+    np.testing.assert_array_equal(predicting.argmax(-1)[mask], np.asarray(generated.tokens)[mask])
+    expected_logp = np.asarray(jax.nn.log_softmax(predicting, axis=-1))
+    chosen = np.take_along_axis(expected_logp, np.asarray(generated.tokens)[..., None], -1)
+    np.testing.assert_allclose(
+        np.asarray(generated.token_logp)[mask], chosen[..., 0][mask], atol=TOL
+    )
+    cache = scanned_model.init_cache(*tokens.shape)
+    cached, _ = jax.jit(scanned_model.apply)(scanned, tokens, positions, valid, cache, 0)
+    valid = np.asarray(valid)
     np.testing.assert_allclose(np.asarray(cached)[valid], np.asarray(full)[valid], atol=TOL)
 
 
