@@ -71,10 +71,17 @@ def run_tokenizer(config: ml_collections.ConfigDict, workdir: str):
 EXECUTION_KEYS = ("scan_layers", "remat", "attention", "logprob_chunk")
 
 
+def execution_fields(config: ml_collections.ConfigDict) -> dict:
+    """`config.model`'s execution knobs as `ModelConfig` fields (those the config has).
+    They are not part of a checkpoint's identity (`ModelConfig.to_dict`), so a model
+    rebuilt from `stored_model_config` computes as its run did only with these applied."""
+    return {key: config.model[key] for key in EXECUTION_KEYS if key in config.model}
+
+
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     """The policy's architecture: from `model.hf_path`'s config.json, else a named preset;
     with the config's dtypes and execution knobs (`EXECUTION_KEYS`)."""
-    execution = {key: config.model[key] for key in EXECUTION_KEYS if key in config.model}
+    execution = execution_fields(config)
     if config.model.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
 
