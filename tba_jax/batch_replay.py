@@ -147,6 +147,7 @@ class ReplayBench:
             )
         topology = topology_lib.make_topology(config, num_processes=1, process_index=0)
         meshes = topology_lib.role_meshes(topology, config)
+        model_cfg = dataclasses.replace(model_cfg, **runs.execution_fields(config))
         model, abstract_params = abstract_model(model_cfg)
         learner_shardings, sampler_shardings = train.role_shardings(
             config, model, abstract_params, meshes
@@ -170,9 +171,12 @@ class ReplayBench:
         key = json.dumps(segment_config, sort_keys=True)
         if key not in self._parts:
             config = ml_collections.ConfigDict(segment_config)
+            # the segment's execution knobs (remat, attention, ...): they may change on resume
+            model_cfg = dataclasses.replace(self.model.config, **runs.execution_fields(config))
+            model = self.model if model_cfg == self.model.config else abstract_model(model_cfg)[0]
             self._parts[key] = train.make_learner(
                 config,
-                self.model,
+                model,
                 self.abstract_params,
                 self.learner_shardings,
                 self.meshes.learner,
