@@ -391,6 +391,19 @@ class Checkpointer:
             )
         return train_state, restored[BUFFER_ITEM], restored[METADATA_ITEM]
 
+    def restore_buffer(self, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+        """Restores (buffer_state, metadata) from `step` (default: latest) without reading
+        the train state: what inspecting a run's replay buffer needs."""
+        self._manager.wait_until_finished()
+        step = self._resolve_step(step)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{BUFFER_ITEM: NumpyDictRestore(), METADATA_ITEM: ocp.args.JsonRestore()}
+            ),
+        )
+        return restored[BUFFER_ITEM], restored[METADATA_ITEM]
+
     def wait_until_finished(self) -> None:
         self._manager.wait_until_finished()
 

@@ -147,6 +147,19 @@ def test_empty_buffer_and_concrete_template_round_trip(tmp_path):
     assert restored_metadata == {}
 
 
+def test_restore_buffer_reads_the_buffer_and_metadata_of_a_step(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [2, 4], force=True)
+        latest_buffer, latest_metadata = checkpointer.restore_buffer()
+        _, step_2_metadata = checkpointer.restore_buffer(step=2)
+        with pytest.raises(FileNotFoundError, match="available steps: \\[2, 4\\]"):
+            checkpointer.restore_buffer(step=3)
+    assert latest_buffer.keys() == make_buffer_state().keys()
+    for name, array in make_buffer_state().items():
+        np.testing.assert_array_equal(latest_buffer[name], array)
+    assert (latest_metadata, step_2_metadata) == (make_metadata(4), make_metadata(2))
+
+
 def test_numpy_values_in_metadata_are_saved_as_plain_json(tmp_path):
     metadata = {"policy_version": np.int64(3), "rng_key": np.array([0, 42], dtype=np.uint32)}
     train_state = {"step": jnp.asarray(1)}
