@@ -14,7 +14,7 @@ verifiable rewards of the built-in tasks and GSM8K give 1.0 for a right answer).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -47,6 +47,32 @@ def generate_and_score(
     """One response per example (batch i drawn with `fold_in(rng, i)`): (rewards, lengths),
     float32 and int32 arrays of len(examples)."""
     rewards, lengths = [], []
+    for batch_examples, texts, response_lengths in generated_responses(
+        generate_fn,
+        params,
+        examples,
+        tokenizer,
+        max_prompt_len=max_prompt_len,
+        batch_size=batch_size,
+        rng=rng,
+    ):
+        rewards.extend(rewards_fn(batch_examples, texts))
+        lengths.extend(response_lengths)
+    return np.asarray(rewards, np.float32), np.asarray(lengths, np.int32)
+
+
+def generated_responses(
+    generate_fn,
+    params,
+    examples: Sequence[dict],
+    tokenizer: Tokenizer,
+    *,
+    max_prompt_len: int,
+    batch_size: int,
+    rng: jax.Array,
+) -> Iterator[tuple[list[dict], list[str], np.ndarray]]:
+    """One decoded response per example, batch by batch (`generated_batches`): yields
+    (the batch's examples, their responses' texts, their lengths in tokens, int32)."""
     for batch_examples, _, _, out in generated_batches(
         generate_fn,
         params,
@@ -59,9 +85,7 @@ def generate_and_score(
         tokens, response_lengths = jax.device_get((out.tokens, out.lengths))
         real = len(batch_examples)
         texts = [tokenizer.decode(tokens[row]) for row in range(real)]
-        rewards.extend(rewards_fn(batch_examples, texts))
-        lengths.extend(response_lengths[:real])
-    return np.asarray(rewards, np.float32), np.asarray(lengths, np.int32)
+        yield batch_examples, texts, np.asarray(response_lengths[:real], np.int32)
 
 
 def greedy_accuracy(
