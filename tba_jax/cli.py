@@ -13,6 +13,8 @@
 - `configure_console()`: our own logs at INFO without absl's prefix, other libraries'
   (orbax, jax, TFDS) only from WARNING and no library progress bars, unless `--verbosity`
   (`-v`) is given: then absl logs everything at that level, in its own format.
+  `configure_interactive_console()`: the same console where no launcher parses flags (a
+  notebook, or a script that calls `train.train_and_evaluate` itself).
 
 A launcher adopts these flags in its `--help` with `flags.adopt_module_key_flags(cli)`.
 """
@@ -292,6 +294,18 @@ def configure_console() -> None:
     if not any(isinstance(installed, LibraryLogFilter) for installed in handler.filters):
         handler.addFilter(LibraryLogFilter(own_source_roots()))
     hide_library_progress_bars()
+
+
+def configure_interactive_console() -> None:
+    """`configure_console` in a process whose command line is not absl's (a notebook's
+    kernel, a script calling `train.train_and_evaluate`): our progress and notices at INFO
+    through absl's handler, without its prefix; libraries' logs from WARNING; no library
+    progress bars. The flags keep their defaults (marked parsed, so absl does not warn)."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    absl_logging.use_absl_handler()
+    absl_logging.set_verbosity(absl_logging.INFO)
+    configure_console()
 
 
 # absl's --verbosity, explained for our console and shown in every launcher's --help.
