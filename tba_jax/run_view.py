@@ -1,0 +1,293 @@
+"""A training run's workdir as Python objects: what the notebooks (experiments/notebooks/)
+and any script that looks inside a run read.
+
+    from tba_jax.run_view import RunView
+
+    view = RunView("/tmp/tba_demo")
+    view.config, view.summary                 # config.json; summary.json (None until done)
+    steps, rewards = view.scalar("reward_mean")
+    seconds, rewards = view.against_seconds("reward_mean")   # x: RL wall-clock seconds
+    for s in view.sample(4, n=2):             # the first 4 test problems, 2 responses each
+        print(s.prompt, s.response, s.reward)
+    buffer = view.replay_buffer()             # the latest checkpoint's ReplayBuffer
+
+Everything is read with the functions the tools use (`runs.load_config`,
+`runs.restore_run`, `metrics.read_scalars`, `tasks.build_task`, the generators the
+evaluation uses, `sources.make_replay_buffer`), so a view sees what `evaluate.py` sees.
+Checkpoints are restored on the default device, once per step; files (the summary, the
+scalars) are read again on every access, so a view of a run in progress stays current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from tba_jax import evaluation, runs, sources, tasks
+from tba_jax.checkpoint import Checkpointer
+from tba_jax.metrics import TENSORBOARD_SUBDIR, read_scalars
+from tba_jax.models import abstract_model
+from tba_jax.replay import ReplayBuffer
+from tba_jax.sampling.engine import make_generator
+from tba_jax.train import EVAL_SECONDS, RL_SECONDS, SUMMARY_FILENAME
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One response of the policy. `reward`: the task's reward of it (as the evaluation
+    scores it, without the searchers' non-EOS penalty); None for a bare prompt string,
+    which carries nothing to check a response against."""
+
+    prompt: str
+    response: str
+    reward: float | None
+    length: int  # response tokens, EOS included when emitted
+
+
+def seconds_without_evaluations(
+    scalars: Mapping[str, list[tuple[int, float]]], since_first_step: bool = False
+) -> dict[int, float]:
+    """{step: RL wall-clock seconds at that step}: since the RL phase began (after the warm
+    start), across resumed segments (each segment's `rl_seconds` restarts at 0; the next
+    continues from where the last ended), without the in-loop evaluations' seconds. The x
+    axis of a curve against time.
+
+    `since_first_step`: counted from the end of the first logged step instead, which also
+    holds compiling and the searchers' first fill of the buffer; runs that compiled and runs
+    that loaded their programs from JAX's compilation cache line up."""
+    rl_seconds = dict(scalars.get(RL_SECONDS, []))
+    evaluation_seconds = dict(scalars.get(EVAL_SECONDS, []))
+    seconds, offset, previous, spent = {}, 0.0, 0.0, 0.0
+    for step in sorted(rl_seconds):
+        if rl_seconds[step] < previous:  # a resumed segment's clock starts again
+            offset += previous
+        previous = rl_seconds[step]
+        spent += evaluation_seconds.get(step, 0.0)
+        seconds[step] = offset + previous - spent
+    if since_first_step and seconds:
+        start = seconds[min(seconds)]
+        seconds = {step: value - start for step, value in seconds.items()}
+    return seconds
+
+
+class RunView:
+    """The run in `workdir` (one `experiments/train.py` or `train_and_evaluate` wrote).
+
+    FileNotFoundError when `workdir` holds no run's config.json.
+    """
+
+    def __init__(self, workdir: str):
+        self.workdir = os.path.abspath(workdir)
+        self.config: ml_collections.ConfigDict = runs.load_config(self.workdir)
+        self._policies: dict[int, runs.RestoredRun] = {}
+        self._buffers: dict[int, tuple[dict, dict]] = {}
+        self._generators: dict[tuple, object] = {}
+
+    def __repr__(self) -> str:
+        return f"RunView({self.workdir!r})"
+
+    # ------------------------------------------------------------------ files
+
+    @property
+    def summary(self) -> dict | None:
+        """summary.json: the whole run's figures; None while the run is unfinished."""
+        path = os.path.join(self.workdir, SUMMARY_FILENAME)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    @property
+    def scalars(self) -> dict[str, list[tuple[int, float]]]:
+        """Every learner step's TensorBoard scalars, {tag: [(step, value), ...]}."""
+        event_dir = os.path.join(self.workdir, TENSORBOARD_SUBDIR)
+        return read_scalars(event_dir) if os.path.isdir(event_dir) else {}
+
+    @property
+    def tags(self) -> list[str]:
+        return sorted(self.scalars)
+
+    def scalar(self, tag: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps int64 [n], values float64 [n]) of `tag`, in step order (a step logged
+        twice, by a segment resumed from an earlier checkpoint: its last value)."""
+        return self._points(self.scalars, tag)
+
+    def _points(self, scalars: dict, tag: str) -> tuple[np.ndarray, np.ndarray]:
+        if tag not in scalars:
+            raise KeyError(f"No scalar {tag!r} in {self.workdir}; it has {sorted(scalars)}.")
+        points = sorted(dict(scalars[tag]).items())
+        steps = np.asarray([step for step, _ in points], np.int64)
+        return steps, np.asarray([value for _, value in points], np.float64)
+
+    def against_seconds(
+        self, tag: str, since_first_step: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(RL wall-clock seconds, values) of `tag`: seconds since the RL phase began (after
+        the warm start) or, `since_first_step`, since the first learner step ended;
+        evaluations left out (`seconds_without_evaluations`)."""
+        scalars = self.scalars
+        steps, values = self._points(scalars, tag)
+        seconds = seconds_without_evaluations(scalars, since_first_step)
+        known = np.asarray([int(step) in seconds for step in steps], bool)
+        x = np.asarray([seconds[int(step)] for step in steps[known]], np.float64)
+        return x, values[known]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpointer(self) -> Checkpointer:
+        # the identity the checkpoints were written for: any run's checkpoints open here
+        return Checkpointer(self.workdir, experiment=runs.stored_experiment(self.workdir))
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        """The steps with a checkpoint (0: right after the warm start), oldest first."""
+        with self._checkpointer() as checkpointer:
+            return sorted(checkpointer.all_steps())
+
+    def _step(self, step: int | None) -> int:
+        steps = self.checkpoint_steps
+        if not steps:
+            raise FileNotFoundError(f"No checkpoint in {self.workdir}; train first.")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self.workdir}; its steps: {steps}."
+            )
+        return step
+
+    def policy(self, step: int | None = None) -> runs.RestoredRun:
+        """The checkpoint of `step` (default: the latest): model, params, π_ref, metadata."""
+        step = self._step(step)
+        if step not in self._policies:
+            self._policies[step] = runs.restore_run(self.config, self.workdir, step)
+        return self._policies[step]
+
+    def checkpoint_metadata(self, step: int | None = None) -> dict:
+        """What the checkpoint of `step` records besides arrays: `policy_version` (the
+        version its searchers were sampling with), `data_position`, `seed`, `history`."""
+        return self._buffer_checkpoint(self._step(step))[1]
+
+    def replay_buffer(self, step: int | None = None) -> ReplayBuffer | None:
+        """A new `ReplayBuffer` holding what the checkpoint of `step` (default: the latest)
+        kept: the samples, their order, the sync window and the draw pools, so its draws
+        are the ones the run would have made next (each call gives a fresh copy). Built
+        from the run's `replay` settings. None for a sync run, which keeps no buffer. A
+        multi-process run's buffer is process 0's."""
+        state = dict(self._buffer_checkpoint(self._step(step))[0])
+        if not state:
+            return None
+        for key in sources.STREAM_POSITION_KEYS:  # a process's prompt-stream position
+            state.pop(key, None)
+        buffer = sources.make_replay_buffer(self.config, self.tokenizer.pad_id)
+        buffer.load_state_dict(state)
+        return buffer
+
+    def _buffer_checkpoint(self, step: int) -> tuple[dict, dict]:
+        if step not in self._buffers:
+            with self._checkpointer() as checkpointer:
+                self._buffers[step] = checkpointer.restore_buffer(step)
+        return self._buffers[step]
+
+    # ------------------------------------------------------------------ the policy
+
+    @functools.cached_property
+    def task(self) -> tasks.Task:
+        """The run's task (data, tokenizer, rewards), built as `evaluate.py` builds it."""
+        return tasks.build_task(
+            self.config.task, self.workdir, tokenizer=runs.policy_tokenizer(self.config)
+        )
+
+    @property
+    def tokenizer(self):
+        return self.task.tokenizer
+
+    def decode(self, tokens) -> str:
+        """Text of token ids (stops at EOS; padding skipped)."""
+        return self.tokenizer.decode(np.asarray(tokens).tolist())
+
+    def test_examples(self, num: int | None = None) -> list[dict]:
+        """The first `num` (None: all) examples of the task's test split."""
+        return list(self.task.test[:num])
+
+    def sample(
+        self,
+        examples: int | Sequence[dict | str] = 4,
+        *,
+        n: int = 1,
+        temperature: float | None = None,
+        greedy: bool = False,
+        step: int | None = None,
+        seed: int = 0,
+    ) -> list[Sample]:
+        """`n` responses of the policy at checkpoint `step` (default: the latest) to each of
+        `examples`: the first that many test examples (an int), test examples (dicts with
+        `prompt` and what the reward reads), or bare prompt strings (no reward; one string
+        is one prompt). Drawn at
+        `temperature` (default: the run's `sampling.temperature`, with its top-k / top-p),
+        or greedily; `seed` picks the draws. Returned example by example, n in a row."""
+        if isinstance(examples, int):
+            examples = self.test_examples(examples)
+        elif isinstance(examples, str):
+            examples = [examples]
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1.")
+        rows = [
+            (example, True) if isinstance(example, Mapping) else ({"prompt": example}, False)
+            for example in examples
+            for _ in range(n)
+        ]
+        run = self.policy(step)
+        batches = evaluation.generated_responses(
+            self._generator(temperature, greedy),
+            run.params,
+            [example for example, _ in rows],
+            self.tokenizer,
+            max_prompt_len=self.config.max_prompt_len,
+            batch_size=self.config.eval.batch_size,
+            rng=jax.random.key(seed),
+        )
+        samples, start = [], 0
+        for batch_examples, texts, lengths in batches:
+            scored = [i for i in range(len(texts)) if rows[start + i][1]]
+            rewards = [None] * len(texts)
+            if scored:
+                values = self.task.rewards(
+                    [batch_examples[i] for i in scored], [texts[i] for i in scored]
+                )
+                for i, value in zip(scored, values, strict=True):
+                    rewards[i] = float(value)
+            samples.extend(
+                Sample(example["prompt"], text, reward, int(length))
+                for example, text, reward, length in zip(
+                    batch_examples, texts, rewards, lengths, strict=True
+                )
+            )
+            start += len(texts)
+        return samples
+
+    def _generator(self, temperature: float | None, greedy: bool):
+        """The evaluation's generator (batches, or the slot engine the run searched with)
+        for these settings; one per setting, so repeated calls compile once."""
+        key = (None if greedy or temperature is None else float(temperature), greedy)
+        if key not in self._generators:
+            sampling = sources.sampling_config(self.config, self.tokenizer.vocab_size, greedy)
+            if key[0] is not None:
+                sampling = dataclasses.replace(sampling, temperature=key[0])
+            model, _ = abstract_model(runs.stored_model_config(self.workdir))
+            self._generators[key] = make_generator(
+                model,
+                sampling,
+                eos_id=self.tokenizer.eos_id,
+                pad_id=self.tokenizer.pad_id,
+                max_prompt_len=self.config.max_prompt_len,
+                engine=sources.evaluation_engine_config(self.config),
+            )
+        return self._generators[key]
