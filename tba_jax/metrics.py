@@ -419,12 +419,17 @@ def read_scalars(event_dir: str) -> dict[str, list[tuple[int, float]]]:
 def evaluation_curve(
     scalars: Mapping[str, list[tuple[int, float]]], metric: str
 ) -> list[tuple[int, float, float]]:
-    """(step, value, RL seconds without the evaluations themselves) at each in-loop
-    evaluation of `metric`, from `read_scalars`' output: accuracy against wall-clock."""
+    """(step, value, RL seconds without the evaluations themselves) at each logged point of
+    `metric` (an in-loop evaluation's, or any per-step scalar), from `read_scalars`' output:
+    accuracy against wall-clock. A resumed run's segments each start their clock at 0; the
+    seconds of a segment go on from where the one before it ended."""
     rl_seconds = dict(scalars.get(RL_SECONDS, []))
     evaluation_seconds = dict(scalars.get(EVAL_SECONDS, []))
-    curve, spent = [], 0.0
-    for step, value in scalars.get(metric, []):
+    clock, offset, previous, spent = {}, 0.0, 0.0, 0.0
+    for step in sorted(rl_seconds):
+        if rl_seconds[step] < previous:  # a resumed segment's clock starts again
+            offset += previous
+        previous = rl_seconds[step]
         spent += evaluation_seconds.get(step, 0.0)
-        curve.append((step, value, rl_seconds[step] - spent))
-    return curve
+        clock[step] = offset + previous - spent
+    return [(step, value, clock[step]) for step, value in scalars.get(metric, [])]

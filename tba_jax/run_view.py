@@ -12,8 +12,10 @@ and any script that looks inside a run read.
     buffer = view.replay_buffer()             # the latest checkpoint's ReplayBuffer
 
 Everything is read with the functions the tools use (`runs.load_config`,
-`runs.restore_run`, `metrics.read_scalars`, `tasks.build_task`, the generators the
-evaluation uses, `sources.make_replay_buffer`), so a view sees what `evaluate.py` sees.
+`runs.restore_run`, `metrics.read_scalars` and `evaluation_curve`, `tasks.build_task`, the
+generators the evaluation uses, `Checkpointer.restore_buffer`,
+`sources.make_replay_buffer`), so a view sees what `evaluate.py` and
+`experiments/reproduce.py` see.
 Checkpoints are restored on the default device, once per step; files (the summary, the
 scalars) are read again on every access, so a view of a run in progress stays current.
 """
@@ -32,11 +34,11 @@ import numpy as np
 
 from tba_jax import evaluation, runs, sources, tasks
 from tba_jax.checkpoint import Checkpointer
-from tba_jax.metrics import TENSORBOARD_SUBDIR, read_scalars
+from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 from tba_jax.models import abstract_model
 from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.engine import make_generator
-from tba_jax.train import EVAL_SECONDS, RL_SECONDS, SUMMARY_FILENAME
+from tba_jax.train import SUMMARY_FILENAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,32 +51,6 @@ class Sample:
     response: str
     reward: float | None
     length: int  # response tokens, EOS included when emitted
-
-
-def seconds_without_evaluations(
-    scalars: Mapping[str, list[tuple[int, float]]], since_first_step: bool = False
-) -> dict[int, float]:
-    """{step: RL wall-clock seconds at that step}: since the RL phase began (after the warm
-    start), across resumed segments (each segment's `rl_seconds` restarts at 0; the next
-    continues from where the last ended), without the in-loop evaluations' seconds. The x
-    axis of a curve against time.
-
-    `since_first_step`: counted from the end of the first logged step instead, which also
-    holds compiling and the searchers' first fill of the buffer; runs that compiled and runs
-    that loaded their programs from JAX's compilation cache line up."""
-    rl_seconds = dict(scalars.get(RL_SECONDS, []))
-    evaluation_seconds = dict(scalars.get(EVAL_SECONDS, []))
-    seconds, offset, previous, spent = {}, 0.0, 0.0, 0.0
-    for step in sorted(rl_seconds):
-        if rl_seconds[step] < previous:  # a resumed segment's clock starts again
-            offset += previous
-        previous = rl_seconds[step]
-        spent += evaluation_seconds.get(step, 0.0)
-        seconds[step] = offset + previous - spent
-    if since_first_step and seconds:
-        start = seconds[min(seconds)]
-        seconds = {step: value - start for step, value in seconds.items()}
-    return seconds
 
 
 class RunView:
@@ -129,15 +105,19 @@ class RunView:
     def against_seconds(
         self, tag: str, since_first_step: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(RL wall-clock seconds, values) of `tag`: seconds since the RL phase began (after
-        the warm start) or, `since_first_step`, since the first learner step ended;
-        evaluations left out (`seconds_without_evaluations`)."""
+        """(seconds, values) of `tag`: the RL phase's wall-clock seconds (after the warm
+        start; in-loop evaluations left out; a resumed run's segments joined:
+        `metrics.evaluation_curve`), or `since_first_step` counted from the end of the
+        first learner step, which also holds compiling and the searchers' first fill of the
+        buffer (so runs that compiled and runs whose programs came from JAX's compilation
+        cache line up)."""
         scalars = self.scalars
-        steps, values = self._points(scalars, tag)
-        seconds = seconds_without_evaluations(scalars, since_first_step)
-        known = np.asarray([int(step) in seconds for step in steps], bool)
-        x = np.asarray([seconds[int(step)] for step in steps[known]], np.float64)
-        return x, values[known]
+        self._points(scalars, tag)  # a KeyError naming the tags there are
+        curve = evaluation_curve(scalars, tag)
+        seconds = np.asarray([seconds for _, _, seconds in curve], np.float64)
+        if since_first_step and len(seconds):
+            seconds -= evaluation_curve(scalars, RL_SECONDS)[0][2]
+        return seconds, np.asarray([value for _, value, _ in curve], np.float64)
 
     # ------------------------------------------------------------------ checkpoints
 

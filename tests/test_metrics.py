@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 from tba_jax.metrics import (
+    EVAL_SECONDS,
+    RL_SECONDS,
     TENSORBOARD_SUBDIR,
     MetricsWriter,
     RateMeter,
     StepPace,
     TimeSplit,
+    evaluation_curve,
     format_console_line,
     format_duration,
     progress_enabled,
@@ -260,3 +263,16 @@ def test_rate_meter_with_no_elapsed_time_reports_zero():
     meter = RateMeter(clock=FakeClock())
     meter.add("samples", 3)
     assert meter.rates_since_start() == {"samples": 0.0}
+
+
+def test_evaluation_curve_leaves_evaluations_out_and_joins_resumed_segments():
+    scalars = {
+        RL_SECONDS: [(1, 5.0), (2, 7.0), (3, 10.0), (4, 1.0), (5, 3.0)],  # resumed at step 4
+        EVAL_SECONDS: [(2, 1.0), (5, 0.5)],
+        "eval_accuracy": [(2, 0.25), (5, 0.5)],
+        "reward_mean": [(step, 0.1 * step) for step in range(1, 6)],
+    }
+    assert evaluation_curve(scalars, "eval_accuracy") == [(2, 0.25, 6.0), (5, 0.5, 11.5)]
+    seconds = [seconds for _, _, seconds in evaluation_curve(scalars, "reward_mean")]
+    assert seconds == [5.0, 6.0, 9.0, 10.0, 11.5]
+    assert evaluation_curve(scalars, "absent") == []

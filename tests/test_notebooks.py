@@ -19,7 +19,11 @@ import pytest
 
 from tba_jax import runs
 from tba_jax.checkpoint import Checkpointer
-from tba_jax.run_view import RunView, seconds_without_evaluations
+from tba_jax.run_view import RunView
+
+# Under pytest-xdist (`--dist loadgroup`) the module's tests stay on one worker, which trains
+# the ablation's runs once for all of them.
+pytestmark = pytest.mark.xdist_group("notebooks")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO_ROOT / "experiments" / "notebooks"
@@ -100,18 +104,6 @@ def ablation(tmp_path_factory, cache_dir):
 def view(ablation) -> RunView:
     """The ablation's k=2 run."""
     return RunView(str(ablation[1] / f"m{M:g}_k2"))
-
-
-def test_seconds_without_evaluations_across_a_resumed_segment():
-    scalars = {
-        "rl_seconds": [(1, 5.0), (2, 7.0), (3, 10.0), (4, 1.0), (5, 3.0)],  # resumed at 4
-        "evaluation_seconds": [(2, 1.0), (5, 0.5)],
-        "reward_mean": [(step, 0.0) for step in range(1, 6)],
-    }
-    assert seconds_without_evaluations(scalars) == {1: 5.0, 2: 6.0, 3: 9.0, 4: 10.0, 5: 11.5}
-    since_first = seconds_without_evaluations(scalars, since_first_step=True)
-    assert since_first == {1: 0.0, 2: 1.0, 3: 4.0, 4: 5.0, 5: 6.5}
-    assert seconds_without_evaluations({}) == {}
 
 
 # ------------------------------------------------------------------ the notebooks
