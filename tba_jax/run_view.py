@@ -35,7 +35,6 @@ import numpy as np
 from tba_jax import evaluation, runs, sources, tasks
 from tba_jax.checkpoint import Checkpointer
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
-from tba_jax.models import abstract_model
 from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.engine import make_generator
 from tba_jax.train import SUMMARY_FILENAME
@@ -226,7 +225,7 @@ class RunView:
         ]
         run = self.policy(step)
         batches = evaluation.generated_responses(
-            self._generator(temperature, greedy),
+            self._generator(run.model, temperature, greedy),
             run.params,
             [example for example, _ in rows],
             self.tokenizer,
@@ -253,15 +252,15 @@ class RunView:
             start += len(texts)
         return samples
 
-    def _generator(self, temperature: float | None, greedy: bool):
-        """The evaluation's generator (batches, or the slot engine the run searched with)
-        for these settings; one per setting, so repeated calls compile once."""
+    def _generator(self, model, temperature: float | None, greedy: bool):
+        """The evaluation's generator of `model` (the run's policy, the same at every step:
+        batches, or the slot engine the run searched with) for these settings; one per
+        setting, so repeated calls compile once."""
         key = (None if greedy or temperature is None else float(temperature), greedy)
         if key not in self._generators:
             sampling = sources.sampling_config(self.config, self.tokenizer.vocab_size, greedy)
             if key[0] is not None:
                 sampling = dataclasses.replace(sampling, temperature=key[0])
-            model, _ = abstract_model(runs.stored_model_config(self.workdir))
             self._generators[key] = make_generator(
                 model,
                 sampling,
