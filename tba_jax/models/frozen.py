@@ -35,14 +35,14 @@ def frozen_model_config(
     role: ml_collections.ConfigDict,
     *,
     role_name: str,
-    vocab_size: int,
+    vocab_size: int | None,
     max_seq_len: int,
     head: str = "lm",
     num_labels: int = 1,
 ) -> ModelConfig:
     """The architecture of the model `role` describes, read without loading weights:
-    `hf_path`'s config.json, else the `preset` over `vocab_size` ids and `max_seq_len`
-    positions. `head`, `num_labels`: see `load_frozen_model`."""
+    `hf_path`'s config.json, else the `preset` over `vocab_size` ids (only read for a
+    preset) and `max_seq_len` positions. `head`, `num_labels`: see `load_frozen_model`."""
     if role.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
 
@@ -83,7 +83,7 @@ def load_frozen_model(
     config = frozen_model_config(
         role,
         role_name=role_name,
-        vocab_size=fallback_tokenizer.vocab_size,
+        vocab_size=None if role.hf_path else fallback_tokenizer.vocab_size,
         max_seq_len=max_seq_len,
         head=head,
         num_labels=num_labels,
