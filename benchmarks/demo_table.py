@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -40,6 +38,7 @@ from tba_jax.reproduce.cells import (
     train_command,
     with_variant,
 )
+from tba_jax.reproduce.report import machine_line
 
 DEFAULT_CONFIG = "configs/arithmetic.py"
 # The README's rows: async TB, sync TB, sync RLOO ("" = the config's own defaults).
@@ -160,21 +159,10 @@ def warm_start_line(runs: list[DemoRun]) -> str:
     return f"Warm start and its evaluation: {times}."
 
 
-def machine_line() -> str:
-    """The CPUs, JAX and Python the runs used (without importing JAX here)."""
-    cpus = os.cpu_count()
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
-    cpu_text = f"{cpus} CPUs" + (f" ({usable} usable here)" if usable != cpus else "")
-    return (
-        f"Machine: {cpu_text}, JAX {importlib.metadata.version('jax')}, "
-        f"Python {platform.python_version()}, {platform.system()} {platform.machine()}."
-    )
-
-
 def report(runs: list[DemoRun]) -> str:
     """The table and the figures the README quotes around it."""
     lines = [markdown_table(runs), "", throughput_line(runs), warm_start_line(runs)]
-    return "\n".join([*lines, machine_line()])
+    return "\n".join([*lines, f"Machine: {machine_line()}."])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.metadata
 import os
 import platform
 from collections.abc import Sequence
@@ -197,9 +198,14 @@ def _save(figure, path: str, plt) -> str:
 
 
 def machine_line() -> str:
-    """The CPUs and Python the runs used (without importing JAX here)."""
+    """The CPUs, JAX and Python the runs used (without importing JAX here)."""
     cpus = os.cpu_count()
-    return f"{cpus} CPUs, Python {platform.python_version()}, {platform.system()}"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    cpu_text = f"{cpus} CPUs" + (f" ({usable} usable here)" if usable != cpus else "")
+    return (
+        f"{cpu_text}, JAX {importlib.metadata.version('jax')}, "
+        f"Python {platform.python_version()}, {platform.system()} {platform.machine()}"
+    )
 
 
 def write_markdown(
