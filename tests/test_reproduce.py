@@ -46,6 +46,7 @@ def test_a_paper_grid_without_checkpoints_prints_the_exact_commands(tmp_path):
     message = str(error.value)
     assert "model.hf_path, task.reward_model.hf_path, task.gold_reward_model.hf_path" in message
     assert "experiments/train.py" in message and "experiments/evaluate.py" in message
+    assert "experiments/evaluate.py --workdir=" in message  # the command as evaluate takes it
     assert "task.reward_model.hf_path=/path/to/reward_model" in message
     assert not os.path.exists(tmp_path / "out")  # nothing written before a valid grid
 

@@ -11,7 +11,6 @@ import dataclasses
 import importlib.util
 import os
 import shlex
-import sys
 from collections.abc import Callable, Sequence
 
 import ml_collections
@@ -21,6 +20,7 @@ from tba_jax.reproduce import report
 from tba_jax.reproduce.cells import (
     Cell,
     CellResult,
+    evaluate_command,
     is_finished,
     run_cell,
     runnable_config,
@@ -84,7 +84,7 @@ def commands_text(experiment: Experiment, cells: Sequence[Cell], out: str) -> st
         workdir = cell_workdir(out, experiment, cell)
         lines.append(shlex.join(train_command(cell.config_with_seed, workdir)))
         if cell.evaluate:
-            lines.append(shlex.join([sys.executable, "experiments/evaluate.py", workdir]))
+            lines.append(shlex.join(evaluate_command(workdir)))
     return "\n".join(lines)
 
 
