@@ -171,11 +171,14 @@ def critic_role_config(config: ml_collections.ConfigDict, policy_cfg: ModelConfi
     from tba_jax.models.frozen import frozen_model_config
 
     role = config.task.reward_model
-    tokenizer = policy_tokenizer(config)  # a random stand-in covers the policy's token ids
+    vocab_size = None  # a checkpoint's config.json has its own
+    if not role.hf_path:  # a random stand-in covers the policy tokenizer's ids
+        tokenizer = policy_tokenizer(config)
+        vocab_size = policy_cfg.vocab_size if tokenizer is None else tokenizer.vocab_size
     return frozen_model_config(
         role,
         role_name="task.reward_model",
-        vocab_size=policy_cfg.vocab_size if tokenizer is None else tokenizer.vocab_size,
+        vocab_size=vocab_size,
         max_seq_len=role.max_len,
         head="score",
     )

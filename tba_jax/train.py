@@ -82,8 +82,6 @@ WARM_START_NOTICES = 5  # console lines over a warm start
 # engine call (a stop is honoured between calls).
 SLOT_EVAL_BATCHES_PER_CALL = 4
 VALUE_STAGE_STREAM = 0x7649  # folded into the run's seed: VinePPO's rollout randomness
-# logged per step: seconds since this segment's RL phase began, and an evaluation's seconds
-# (benchmarks/async_speedup.py takes time-to-accuracy from them, evaluations left out)
 
 
 class NonFiniteError(ConfigError):
