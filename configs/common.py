@@ -217,7 +217,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.search.engine = "batch"  # batch | slots
     config.search.slots = 0  # decode width; 0: the rows of one call (async) or batch (sync)
     config.search.chunk_steps = 16  # decode steps per host round trip (at most)
-    config.search.prefill_prompts = 1  # prompts per prefill call
+    # Prompts per prefill call (a fixed shape); 0: every waiting prompt the free slots
+    # hold, in one call of 4^i rows.
+    config.search.prefill_prompts = 0
+    # A decode chunk returns for a refill once this share of the slots is free (and the
+    # next prompt's samples fit); 0: as soon as they fit.
+    config.search.refill_free = 0.0
     # Prompts are prefilled at the smallest of this many lengths (max_prompt_len × i / N)
     # that holds a refill's longest prompt; 1: always at max_prompt_len.
     config.search.prefill_buckets = 4
@@ -225,7 +230,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # at most this share of the width move to a halved width (down to min_width); 0: off.
     config.search.compact_below = 0.5
     config.search.min_width = 8
-    config.search.score_rows = 0  # samples per π_ref scoring call; 0: samples per prompt
+    # ...and only while the live samples may still run this many steps (max_response_len
+    # less the fewest tokens any has): a short tail does not repay a compaction.
+    config.search.compact_min_steps = 32
+    # π_ref scoring calls take score_rows × 4^i finished samples (the most that are
+    # ready, up to the decode width); 0: samples per prompt.
+    config.search.score_rows = 0
     # Async searchers read newly published params between decode chunks instead of
     # finishing their samples on the params they started with.
     config.search.in_flight_updates = False

@@ -1,8 +1,10 @@
 """Searching with the slot engine: per-sample scoring overlapped with decoding.
 
 `runtime.SearchWorker` generates a whole batch, then scores it. `FusedSearchWorker`
-feeds prompts to `sampling.engine.SlotEngine` and scores finished samples in groups of
-`score_rows` while the engine keeps decoding (RLHFuse's inter-stage fusion): each
+feeds prompts to `sampling.engine.SlotEngine` and scores finished samples in groups
+while the engine keeps decoding (RLHFuse's inter-stage fusion): a group is the most
+ready samples that make `score_rows` × 4^i rows or the decode width (a few static
+shapes; the last samples of a search are padded to `score_rows`). Each
 group's π_ref log-probs are dispatched to the device behind the running decode chunk,
 its rewards (verifier, reward model, judge) are computed on the host meanwhile, and its
 trajectories are handed on one chunk later, when the device has finished them.
@@ -29,7 +31,7 @@ from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
 from tba_jax.runtime import DROPPED_NONFINITE, is_finite
-from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length
+from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length, rows_at_most
 from tba_jax.trajectories import Trajectory
 
 # π_ref scoring compiles for this many response lengths: max_new_tokens × i / N, i = 1..N.
@@ -73,7 +75,7 @@ class FusedSearchWorker:
     rewards_fn: Callable  # (examples, response texts) -> float32 [N]
     max_prompt_len: int
     samples_per_prompt: int
-    score_rows: int  # samples per π_ref scoring call (a fixed shape)
+    score_rows: int  # the unit of a π_ref scoring call's rows (score_rows × 4^i)
     time_split: TimeSplit
     rates: RateMeter
     non_eos_penalty: float | None = None
@@ -130,8 +132,9 @@ class FusedSearchWorker:
                     finished.extend(chunk)
                 last = chunk is None
                 while len(finished) >= self.score_rows or (last and finished):
-                    group, finished = finished[: self.score_rows], finished[self.score_rows :]
-                    in_flight.append(self._dispatch(group, by_key))
+                    rows = self._group_rows(len(finished))
+                    group, finished = finished[:rows], finished[rows:]
+                    in_flight.append(self._dispatch(group, rows, by_key))
                 if last:
                     ready += [self._complete(group, by_key) for group in in_flight]
                 items = [item for items in ready for item in items]
@@ -144,16 +147,22 @@ class FusedSearchWorker:
             if last:
                 return
 
+    def _group_rows(self, ready: int) -> int:
+        """The rows of the next scoring call with `ready` samples finished: the largest
+        score_rows × ROW_GROWTH^i below the decode width, or the width, that they fill;
+        score_rows (padded) for fewer."""
+        return rows_at_most(ready, self.score_rows, self.engine.config.slots)
+
     def _encode(self, example: dict) -> tuple[np.ndarray, np.ndarray]:
         """The example's prompt, left-padded: tokens [P] int32, mask [P] bool."""
         tokens, mask = self.tokenizer.encode_prompts([example["prompt"]], self.max_prompt_len)
         return tokens[0], mask[0]
 
-    def _dispatch(self, samples: list[Finished], by_key: dict[int, _Prompt]) -> _Group:
-        """Starts π_ref scoring of `samples` on the device and computes their rewards.
-        Responses are padded to the smallest of SCORE_LENGTH_BUCKETS lengths that holds the
-        group's longest, so a group of short samples is not scored at full length."""
-        rows = self.score_rows
+    def _dispatch(self, samples: list[Finished], rows: int, by_key: dict[int, _Prompt]) -> _Group:
+        """Starts π_ref scoring of `samples` (padded to `rows`) on the device and computes
+        their rewards. Responses are padded to the smallest of SCORE_LENGTH_BUCKETS lengths
+        that holds the group's longest, so a group of short samples is not scored at full
+        length."""
         longest = max(len(sample.tokens) for sample in samples)  # >= 1: EOS at least
         max_new = bucket_length(longest, self.engine.max_new, SCORE_LENGTH_BUCKETS)
         prompt_tokens = np.full((rows, self.max_prompt_len), self.tokenizer.pad_id, np.int32)

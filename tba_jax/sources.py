@@ -153,9 +153,11 @@ def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig
         slots=slots,
         chunk_steps=search.chunk_steps,
         prefill_prompts=search.prefill_prompts,
+        refill_free=search.get("refill_free", 0.0),  # a config saved before it existed
         prefill_buckets=search.prefill_buckets,
         compact_below=search.compact_below,
         min_width=search.min_width,
+        compact_min_steps=search.get("compact_min_steps", 0),  # a config saved before it
     )
 
 

@@ -243,7 +243,7 @@ def check_engine() -> dict:
     engine = SlotEngine(
         model,
         greedy,
-        EngineConfig(slots=4, chunk_steps=3, min_width=2),
+        EngineConfig(slots=4, chunk_steps=3, min_width=2, compact_min_steps=0),
         max_prompt_len=prompt_len,
         eos_id=eos,
         pad_id=pad,

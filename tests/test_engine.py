@@ -98,7 +98,14 @@ def test_the_reference_responses_end_at_many_lengths(greedy_reference):
         dict(slots=4, chunk_steps=3, compact_below=0.0, prefill_buckets=1),
         # several prompts per prefill, at a length per prompt length
         dict(slots=8, chunk_steps=5, prefill_prompts=3, prefill_buckets=6),
-        dict(slots=16, chunk_steps=2, compact_below=0.5, min_width=2),  # tail compaction
+        # refills wait until half the slots are free, and fill them in one call
+        dict(slots=8, chunk_steps=5, refill_free=0.5),
+        # tail compaction
+        dict(slots=16, chunk_steps=2, compact_below=0.5, min_width=2, compact_min_steps=0),
+        # chunks longer than any response: they return when the tail can be compacted
+        dict(slots=32, chunk_steps=64, compact_below=0.5, min_width=2, compact_min_steps=0),
+        # a tail that may run at most T = 12 more steps is not worth compacting
+        dict(slots=16, chunk_steps=2, compact_below=0.5, min_width=2, compact_min_steps=13),
     ],
 )
 def test_greedy_engine_responses_equal_the_batch_generator(setup, greedy_reference, config):
@@ -108,23 +115,23 @@ def test_greedy_engine_responses_equal_the_batch_generator(setup, greedy_referen
     for row, (tokens, token_logp) in enumerate(greedy_reference):
         np.testing.assert_array_equal(finished[row, 0].tokens, tokens, err_msg=f"row {row}")
         np.testing.assert_allclose(finished[row, 0].token_logp, token_logp, atol=TOL)
-    if config.get("compact_below"):
-        assert engine.counters.compactions > 0
-    if config.get("compact_below") == 0.0:
-        assert engine.counters.compactions == 0
+    # compaction off, no width under 8, or a tail too short to repay it: none
+    compacts = config.get("compact_min_steps") == 0
+    assert (engine.counters.compactions > 0) == compacts
 
 
 def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):
     engine = engine_for(setup, GREEDY, slots=8, chunk_steps=4)
     finished = run_engine(setup, engine, samples=3)
     assert sorted(finished) == [(row, s) for row in range(20) for s in range(3)]
-    assert engine.counters.prefills == 20  # one per prompt, not one per sample
+    assert engine.counters.prefilled_prompts == 20  # one per prompt, not one per sample
+    assert engine.counters.prefills < 20  # the prompts that fit go in one call
     for (row, _), item in finished.items():
         np.testing.assert_array_equal(item.tokens, greedy_reference[row][0])
 
 
 def test_sampled_behaviour_logp_equals_teacher_forced_scoring(setup):
-    engine = engine_for(setup, SAMPLED, slots=6, chunk_steps=4, min_width=2)
+    engine = engine_for(setup, SAMPLED, slots=6, chunk_steps=4, min_width=2, compact_min_steps=0)
     finished = run_engine(setup, engine, samples=2, rng=3)
     score_fn = make_score_fn(setup["model"], temperature=SAMPLED.temperature)
     keys = sorted(finished)
@@ -152,14 +159,18 @@ def test_sampled_behaviour_logp_equals_teacher_forced_scoring(setup):
     )
 
 
-def test_nothing_recompiles_as_prompts_come_and_go(setup):
-    engine = engine_for(setup, SAMPLED, slots=8, chunk_steps=2, min_width=2)
+@pytest.mark.parametrize("prefill_prompts, most_prefill_rows", [(1, 1), (0, 3)])
+def test_nothing_recompiles_as_prompts_come_and_go(setup, prefill_prompts, most_prefill_rows):
+    engine = engine_for(
+        setup, SAMPLED, slots=8, chunk_steps=2, min_width=2, prefill_prompts=prefill_prompts
+    )
     run_engine(setup, engine, samples=2, rng=1)
     run_engine(setup, engine, samples=2, rng=2, rows=range(7))
     # one decode program per width (8, 4, 2) and one prefill program per prefill length
-    # (prompts of 1..6 tokens at buckets of 2: 2, 4, 6), whatever the traffic
+    # (prompts of 1..6 tokens at buckets of 2: 2, 4, 6) and row count (a fixed 1, or
+    # 1, 4 and 8 rows for up to 4 prompts of 2 samples in 8 slots), whatever the traffic
     assert engine._decode._cache_size() <= 3
-    assert engine._prefill._cache_size() == 3
+    assert engine._prefill._cache_size() <= 3 * most_prefill_rows
 
 
 def test_in_flight_updates_record_the_first_and_last_versions(setup):
@@ -248,21 +259,31 @@ def fused_parts(setup):
     return shared, examples
 
 
-def fused_worker(setup, shared, sampling):
+def fused_worker(setup, shared, sampling, slots=6, score_rows=4):
     from tba_jax.fused import FusedSearchWorker
 
     engine = SlotEngine(
         setup["model"],
         sampling,
-        EngineConfig(slots=6, chunk_steps=3, min_width=2),
+        EngineConfig(slots=slots, chunk_steps=3, min_width=2, compact_min_steps=0),
         max_prompt_len=P,
         eos_id=EOS,
         pad_id=shared["tokenizer"].pad_id,
     )
-    return FusedSearchWorker(engine=engine, score_rows=4, **shared)
+    return FusedSearchWorker(engine=engine, score_rows=score_rows, **shared)
 
 
-def test_fused_search_equals_batch_then_score_on_greedy_samples(setup, fused_parts):
+def test_scoring_groups_are_the_most_ready_samples_in_growing_units(setup, fused_parts):
+    worker = fused_worker(setup, fused_parts[0], GREEDY, slots=48, score_rows=2)
+    rows = {ready: worker._group_rows(ready) for ready in (1, 2, 7, 8, 31, 32, 47, 48, 100)}
+    assert rows == {1: 2, 2: 2, 7: 2, 8: 8, 31: 8, 32: 32, 47: 32, 48: 48, 100: 48}
+
+
+# groups of 4 or 6 in 6 slots; groups of 2, 8 or 16 in 16 slots
+@pytest.mark.parametrize("slots, score_rows", [(6, 4), (16, 2)])
+def test_fused_search_equals_batch_then_score_on_greedy_samples(
+    setup, fused_parts, slots, score_rows
+):
     from tba_jax.runtime import SearchWorker
 
     shared, examples = fused_parts
@@ -272,7 +293,7 @@ def test_fused_search_equals_batch_then_score_on_greedy_samples(setup, fused_par
         ),
         **shared,
     )
-    fused = fused_worker(setup, shared, GREEDY)
+    fused = fused_worker(setup, shared, GREEDY, slots, score_rows)
     key = jax.random.key(0)
     expected = batch.search(setup["params"], 7, examples, key)
     got = fused.search(setup["params"], 7, examples, key)

@@ -4,22 +4,28 @@
 lengths most decode steps of a batch are spent on a handful of rows. The slot engine
 keeps `width` decode slots, each holding one sample's KV cache:
 
-- a **refill** prefills waiting prompts (`prefill_prompts` at a time, one prefill per
-  prompt) and copies each prompt's cache into the S free slots of its samples;
+- a **refill** prefills the waiting prompts that fit in the free slots in one call (at
+  most `prefill_prompts`; one prefill per prompt) and copies each prompt's cache into the
+  S free slots of its samples;
 - a **decode chunk** runs up to `chunk_steps` steps for every slot in one jitted
-  `lax.while_loop`, and returns early once enough slots are free for the next refill;
+  `lax.while_loop`, and returns early once enough slots are free for the next refill
+  (or, with no prompt waiting, once the live samples are few enough to compact);
 - finished samples (EOS or `max_new_tokens`) are handed to the caller while the next
   chunk runs (JAX dispatch is asynchronous), so scoring them overlaps decoding
   (`fused.py` does that);
 - **tail compaction**: once no prompt is waiting and the live samples fill at most
   `compact_below` of the width, they move into the smallest narrower width that holds
-  them (halving down to `min_width`), so the tail stops paying for the full width.
+  them (halving down to `min_width`), so the tail stops paying for the full width; only
+  while the tail may still run `compact_min_steps` steps (`max_new_tokens` less the
+  fewest tokens a live sample has), since each compaction costs a host round trip, a
+  copy of the cache and, once, a compile.
 
 Shapes are static: the slot width (and its halvings), the cache length
-`max_prompt_len + max_new_tokens` and the prefill shapes `[prefill_prompts, L]` for
-`prefill_buckets` lengths L (a refill is prefilled at the smallest L that holds its
-longest prompt, into the last L prompt positions of its slots); nothing recompiles as
-prompts come and go.
+`max_prompt_len + max_new_tokens` and the prefill shapes `[R, L]` for `prefill_buckets`
+lengths L (a refill is prefilled at the smallest L that holds its longest prompt, into
+the last L prompt positions of its slots) and R = `prefill_prompts`, or with
+`prefill_prompts=0` the smallest of `row_shapes(1, slots)` that holds the refill's prompts; nothing
+recompiles as prompts come and go.
 
 Each slot's cache row is laid out as in `generate.generate`: the left-padded prompt in
 slots 0..P-1, the response from slot P on. The decoder writes each slot's new key at
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -47,6 +54,31 @@ from tba_jax.models import KVCache, Model, Params, positions_from_mask
 from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
 
 ENGINES = ("batch", "slots")
+
+
+# Row counts that vary with traffic (prompts per prefill call, samples per scoring call)
+# are unit × ROW_GROWTH^i below a cap, and the cap: a few static shapes, each call at most
+# ROW_GROWTH× padded.
+ROW_GROWTH = 4
+
+
+def row_shapes(unit: int, cap: int) -> list[int]:
+    """unit, unit × ROW_GROWTH, … below `cap`, then `cap` (just `unit` if cap <= unit)."""
+    shapes = [unit]
+    while shapes[-1] < cap:
+        shapes.append(min(shapes[-1] * ROW_GROWTH, cap))
+    return shapes
+
+
+def rows_at_least(n: int, unit: int, cap: int) -> int:
+    """The smallest of `row_shapes(unit, cap)` that holds n (the largest if none does)."""
+    shapes = row_shapes(unit, cap)
+    return next((rows for rows in shapes if rows >= n), shapes[-1])
+
+
+def rows_at_most(n: int, unit: int, cap: int) -> int:
+    """The largest of `row_shapes(unit, cap)` that n fills; `unit` when n fills none."""
+    return max(rows for rows in row_shapes(unit, cap) if rows <= max(n, unit))
 
 
 def bucket_length(length: int, limit: int, buckets: int) -> int:
@@ -62,11 +94,20 @@ class EngineConfig:
 
     slots: int  # decode width
     chunk_steps: int = 16  # decode steps per host round trip (at most)
-    prefill_prompts: int = 1  # prompts prefilled per refill call
+    # Prompts per prefill call (a fixed shape); 0: every waiting prompt the free slots
+    # hold, in one call of 4^i rows (or as many rows as slots).
+    prefill_prompts: int = 0
     # Tail compaction: with no prompt waiting, live samples at most this share of the width
     # move to the smallest halving of the width that holds them; 0 turns it off.
     compact_below: float = 0.5
     min_width: int = 8  # compaction never goes narrower
+    # ...and only while the live samples may still run this many steps (max_new_tokens
+    # less the fewest tokens any of them has): a short tail does not repay a compaction.
+    compact_min_steps: int = 32
+    # A decode chunk returns for a refill once this share of the slots is free (and the
+    # next prompt's samples fit); 0: as soon as they fit. Fewer, larger refills cost fewer
+    # host round trips and prefill calls; slots wait a little longer empty.
+    refill_free: float = 0.0
     # Prompts are prefilled at the smallest of this many lengths (max_prompt_len × i / N)
     # that holds the longest prompt of a refill; 1: always at max_prompt_len.
     prefill_buckets: int = 4
@@ -76,12 +117,16 @@ class EngineConfig:
             raise ValueError(f"slots={self.slots} must be >= 1.")
         if self.chunk_steps < 1:
             raise ValueError(f"chunk_steps={self.chunk_steps} must be >= 1.")
-        if self.prefill_prompts < 1:
-            raise ValueError(f"prefill_prompts={self.prefill_prompts} must be >= 1.")
+        if self.prefill_prompts < 0:
+            raise ValueError(f"prefill_prompts={self.prefill_prompts} must be >= 0.")
         if not 0.0 <= self.compact_below < 1.0:
             raise ValueError(f"compact_below={self.compact_below} must be in [0, 1).")
+        if not 0.0 <= self.refill_free <= 1.0:
+            raise ValueError(f"refill_free={self.refill_free} must be in [0, 1].")
         if self.min_width < 1:
             raise ValueError(f"min_width={self.min_width} must be >= 1.")
+        if self.compact_min_steps < 0:
+            raise ValueError(f"compact_min_steps={self.compact_min_steps} must be >= 0.")
         if self.prefill_buckets < 1:
             raise ValueError(f"prefill_buckets={self.prefill_buckets} must be >= 1.")
 
@@ -95,6 +140,29 @@ class EngineConfig:
     def prefill_length(self, longest_prompt: int, max_prompt_len: int) -> int:
         """The prefill length of a refill whose longest prompt has `longest_prompt` tokens."""
         return bucket_length(longest_prompt, max_prompt_len, self.prefill_buckets)
+
+    def prefill_rows(self, prompts: int) -> int:
+        """The rows of the prefill call for a refill of `prompts` prompts."""
+        return self.prefill_prompts or rows_at_least(prompts, 1, self.slots)
+
+    def most_prefill_prompts(self) -> int:
+        """The most prompts one refill call takes."""
+        return self.prefill_prompts or self.slots
+
+    def stop_to_refill(self, samples: int) -> int:
+        """Free slots at which a decode chunk returns for a refill whose next prompt has
+        `samples` samples."""
+        return max(samples, math.ceil(self.refill_free * self.slots))
+
+    def stop_to_compact(self, width: int) -> int:
+        """Free slots (of `width`) at which a decode chunk with no prompt waiting returns,
+        so that the live samples can move to a narrower width; `width + 1`: never (no
+        narrower width, or compaction off)."""
+        narrower = [w for w in self.widths() if w < width]
+        if self.compact_below == 0 or not narrower:
+            return width + 1
+        live_at_most = min(int(self.compact_below * width), max(narrower))
+        return width - live_at_most
 
     def widths(self) -> list[int]:
         """The compiled decode widths: `slots`, then its halvings down to `min_width`."""
@@ -213,14 +281,16 @@ def decode_chunk(
     rng: jax.Array,
     max_steps: jax.Array,
     stop_when_free: jax.Array,
+    min_steps_left: jax.Array,
     *,
     sampling: SamplingConfig,
     eos_id: int,
     pad_id: int,
 ) -> tuple[SlotState, jax.Array, jax.Array]:
     """Decodes every live slot for up to `max_steps` steps; stops early when no slot is
-    live or `stop_when_free` slots are free (a refill can start). Returns the new state and
-    the number of steps run and the slot-steps spent on live samples."""
+    live or `stop_when_free` slots are free (a refill can start, or a compaction) while the
+    live samples may still run `min_steps_left` steps (0 for a refill). Returns the new
+    state and the number of steps run and the slot-steps spent on live samples."""
     model, params = model.per_layer(params)  # scan_layers: unstacked once, not per step
     width, max_new = state.tokens.shape
     prompt_len = state.key_valid.shape[1] - max_new
@@ -229,7 +299,9 @@ def decode_chunk(
     def keep_going(carry) -> jax.Array:
         steps, _, s, _ = carry
         free = width - jnp.sum(s.live.astype(jnp.int32))
-        return (steps < max_steps) & jnp.any(s.live) & (free < stop_when_free)
+        steps_left = max_new - jnp.min(jnp.where(s.live, s.step, max_new))
+        stop = (free >= stop_when_free) & (steps_left >= min_steps_left)
+        return (steps < max_steps) & jnp.any(s.live) & ~stop
 
     def one_step(carry):
         steps, live_steps, s, rng = carry
@@ -335,11 +407,11 @@ class SlotEngine:
         harvest = None  # finished samples of the last chunk, gathered on the device
         chunk = 0
         while True:
-            # Refill free slots, `prefill_prompts` prompts per prefill call.
+            # Refill free slots, up to `most_prefill_prompts` prompts per prefill call.
             while not exhausted and width == config.slots:
                 batch: list[Request] = []
                 free = slots.free_count()
-                while len(batch) < config.prefill_prompts:
+                while len(batch) < config.most_prefill_prompts():
                     if waiting is None:
                         waiting = next(pending, None)
                         if waiting is None:
@@ -361,27 +433,40 @@ class SlotEngine:
                 break
             if exhausted and config.compact_below > 0:
                 narrower = [w for w in widths if w < width and w >= live_count]
-                if narrower and live_count <= config.compact_below * width:
+                steps_left = self.max_new - slots.fewest_steps()
+                if (
+                    narrower
+                    and live_count <= config.compact_below * width
+                    and steps_left >= config.compact_min_steps
+                ):
                     new_width = min(narrower)
                     keep = slots.compact_to(new_width)
                     state = self._compact(state, jnp.asarray(keep, jnp.int32))
                     self.counters.compactions += 1
                     width = new_width
-            stop_when_free = width + 1 if exhausted else _next_refill_size(waiting)
+            if exhausted:
+                stop_when_free = config.stop_to_compact(width)
+                min_steps_left = config.compact_min_steps
+            else:
+                stop_when_free = config.stop_to_refill(_next_refill_size(waiting))
+                min_steps_left = 0
             state, steps, live_steps = self._decode(
                 params,
                 state,
                 jax.random.fold_in(rng, chunk),
                 jnp.int32(config.chunk_steps),
                 jnp.int32(stop_when_free),
+                jnp.int32(min_steps_left),
             )
             chunk += 1
             if harvest is not None:  # the caller works while the chunk runs
                 yield _collect(harvest)
                 harvest = None
-            live, steps, live_steps = jax.device_get((state.live, steps, live_steps))
+            live, slot_steps, steps, live_steps = jax.device_get(
+                (state.live, state.step, steps, live_steps)
+            )
             self.counters.add_chunk(int(steps), width, int(live_steps))
-            slots.mark_decoded(version)
+            slots.mark_decoded(version, slot_steps)
             ended = slots.ended(live)
             if len(ended):
                 ids = np.zeros(width, np.int32)
@@ -397,15 +482,16 @@ class SlotEngine:
         copies = max(request.samples for request in batch)
         longest = max(_prompt_span(request.prompt_mask) for request in batch)
         length = config.prefill_length(longest, self.max_prompt_len)
-        shape = (config.prefill_prompts, length)
+        shape = (config.prefill_rows(len(batch)), length)
         prompt_tokens = np.full(shape, self.pad_id, np.int32)
         prompt_mask = np.zeros(shape, bool)
-        slot_ids = np.full((config.prefill_prompts, copies), slots.width, np.int32)  # dropped
+        slot_ids = np.full((shape[0], copies), slots.width, np.int32)  # dropped
         for row, request in enumerate(batch):
             prompt_tokens[row] = request.prompt_tokens[-length:]
             prompt_mask[row] = request.prompt_mask[-length:]
             slot_ids[row, : request.samples] = slots.place(request, version)
         self.counters.prefills += 1
+        self.counters.prefilled_prompts += len(batch)
         return self._prefill(params, state, prompt_tokens, prompt_mask, slot_ids)
 
 
@@ -445,13 +531,14 @@ def _collect(harvest) -> list[Finished]:
 @dataclasses.dataclass
 class EngineCounters:
     """What the engine did: decode chunks and steps, slot-steps (width × steps) and those
-    spent on live samples, prefill calls and compactions."""
+    spent on live samples, prefill calls and the prompts they prefilled, compactions."""
 
     chunks: int = 0
     decode_steps: int = 0
     slot_steps: int = 0
     live_slot_steps: int = 0
     prefills: int = 0
+    prefilled_prompts: int = 0
     compactions: int = 0
 
     def add_chunk(self, steps: int, width: int, live_steps: int) -> None:
@@ -473,6 +560,7 @@ class _SlotTable:
         self.width = width
         self.owner: list[tuple | None] = [None] * width  # (key, sample, first version)
         self.last_version = np.zeros(width, np.int64)
+        self.steps = np.zeros(width, np.int64)  # tokens each slot's sample has, last seen
 
     def free_count(self) -> int:
         return sum(owner is None for owner in self.owner)
@@ -487,12 +575,20 @@ class _SlotTable:
         for sample, slot in enumerate(taken):
             self.owner[slot] = (request.key, sample, version)
             self.last_version[slot] = version
+            self.steps[slot] = 0
         return taken
 
-    def mark_decoded(self, version: int) -> None:
+    def mark_decoded(self, version: int, steps: np.ndarray) -> None:
+        """After a decode chunk with `version`'s params: steps [W], tokens per slot."""
+        self.steps = np.asarray(steps, np.int64).copy()
         for slot, owner in enumerate(self.owner):
             if owner is not None:
                 self.last_version[slot] = version
+
+    def fewest_steps(self) -> int:
+        """The fewest tokens any occupied slot's sample has (0 with none occupied)."""
+        occupied = [self.steps[slot] for slot, owner in enumerate(self.owner) if owner is not None]
+        return int(min(occupied, default=0))
 
     def ended(self, live: np.ndarray) -> np.ndarray:
         """Occupied slots whose sample is no longer live."""
@@ -518,6 +614,7 @@ class _SlotTable:
         keep = np.asarray((occupied + free)[:width], np.int32)
         self.owner = [self.owner[slot] for slot in keep]
         self.last_version = self.last_version[keep]
+        self.steps = self.steps[keep]
         self.width = width
         return keep
 
