@@ -14,8 +14,8 @@ the response text), at the same decode width W (`--width`):
   loop that runs until the call's longest response ends), then scoring them;
 - fused: one `fused.FusedSearchWorker.search` over all the prompts with a
   `sampling.engine.SlotEngine` of W slots (`--chunk_steps`, `--prefill_prompts`,
-  `--compact_below`, `--min_width`), scoring finished samples `--score_rows` at a time
-  while decoding goes on.
+  `--refill_free`, `--compact_below`, `--min_width`, `--compact_min_steps`), scoring
+  finished samples in groups of `--score_rows` × 4^i while decoding goes on.
 
 Response lengths come from the model's EOS logit. Residual dimension 0 is made a constant
 (embedding column 0 = 3; no attention or MLP output writes to it), so after the final
@@ -29,7 +29,7 @@ of a random init_std=0.02 model are all near 0). Two length mixes:
   slot-steps go to rows that have already ended; the slot engine refills those slots;
 - `uniform`: bias `--no_eos_bias` (EOS never drawn): every response runs to
   `--max_new_tokens`. There is nothing to refill, so this measures the engine's overhead
-  (a host round trip per decode chunk, one prefill call per prompt) against one jitted loop.
+  (a host round trip per decode chunk, prefill calls) against one jitted loop.
 
 For each mix, both paths first run once untimed over all the prompts (compiling their
 shapes; `compiles_while_timing` counts any compilation the timed runs still hit, e.g. a
@@ -113,12 +113,22 @@ _PROMPTS = flags.DEFINE_integer(
     "prompts", 64, "Prompts per measurement (a multiple of W / S).", lower_bound=1
 )
 _SCORE_ROWS = flags.DEFINE_integer(
-    "score_rows", None, "Samples per π_ref scoring call of the fused path (default W / 2)."
+    "score_rows",
+    None,
+    "The fused path's π_ref scoring calls take score_rows × 4^i ready samples (default S).",
 )
 _CHUNK_STEPS = flags.DEFINE_integer("chunk_steps", 16, "Engine decode steps per chunk (at most).")
-_PREFILL_PROMPTS = flags.DEFINE_integer("prefill_prompts", 1, "Engine: prompts per prefill call.")
+_PREFILL_PROMPTS = flags.DEFINE_integer(
+    "prefill_prompts", 0, "Engine: prompts per prefill call (0: every one that fits)."
+)
+_REFILL_FREE = flags.DEFINE_float(
+    "refill_free", 0.0, "Engine: a chunk returns for a refill once this share is free."
+)
 _COMPACT_BELOW = flags.DEFINE_float("compact_below", 0.5, "Engine tail compaction (0: off).")
 _MIN_WIDTH = flags.DEFINE_integer("min_width", 8, "Engine: compaction's narrowest width.")
+_COMPACT_MIN_STEPS = flags.DEFINE_integer(
+    "compact_min_steps", 32, "Engine: compact only a tail that may run this many more steps."
+)
 _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed runs of each path per mix (medians are reported).", lower_bound=1
 )
@@ -146,8 +156,10 @@ class Settings:
     score_rows: int
     chunk_steps: int
     prefill_prompts: int
+    refill_free: float
     compact_below: float
     min_width: int
+    compact_min_steps: int
     repeats: int
     seed: int
     mixes: tuple[str, ...]
@@ -176,8 +188,10 @@ def read_settings() -> Settings:
             "score_rows",
             "chunk_steps",
             "prefill_prompts",
+            "refill_free",
             "compact_below",
             "min_width",
+            "compact_min_steps",
             "repeats",
             "seed",
             "eos_bias",
@@ -188,7 +202,7 @@ def read_settings() -> Settings:
     if _SMOKE.value:
         values.update({k: v for k, v in SMOKE.items() if not flags.FLAGS[k].present})
     if values["score_rows"] is None:
-        values["score_rows"] = max(1, values["width"] // 2)
+        values["score_rows"] = values["samples_per_prompt"]
     settings = Settings(mixes=tuple(_MIXES.value), **values)
     unknown = sorted(set(settings.mixes) - set(MIXES))
     if unknown or not settings.mixes:
@@ -285,8 +299,10 @@ def build_paths(settings: Settings) -> Paths:
             slots=settings.width,
             chunk_steps=settings.chunk_steps,
             prefill_prompts=settings.prefill_prompts,
+            refill_free=settings.refill_free,
             compact_below=settings.compact_below,
             min_width=settings.min_width,
+            compact_min_steps=settings.compact_min_steps,
         )
         engine_config.check_samples_per_prompt(settings.samples_per_prompt)
     except ValueError as error:
