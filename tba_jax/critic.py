@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from tba_jax.models import Model, ModelConfig, Params, abstract_model
 from tba_jax.models.transformer import dense
-from tba_jax.sampling.scoring import joined_inputs, response_logprobs, response_slots
+from tba_jax.sampling.scoring import features_logprobs, joined_inputs, response_slots
 
 CRITIC_KINDS = ("separate", "shared")
 CRITIC_INITS = ("policy", "reward_model")  # where a separate critic starts
@@ -109,19 +109,22 @@ class Critic:
         temperature: float,
     ) -> tuple[jax.Array, jax.Array]:
         """Per-token log π(y_t) [N, T] and values [N, T] (both 0 on padding) of a batch
-        with prompt/response tokens and masks; one trunk pass for the shared layout."""
-        inputs = _joined_batch(batch)
+        with prompt/response tokens and masks; one trunk pass for the shared layout. The
+        policy's output head runs on the response slots only, `logprob_chunk` of them at
+        a time (`scoring.features_logprobs`), as in every other log-prob."""
+        features = self.policy.features(policy_params, *_joined_batch(batch))
         if self.kind == "separate":
-            logits, _ = self.policy.apply(policy_params, *inputs)
             values = self.values(critic_params, batch)
         else:
-            logits, features = self.policy.apply_with_features(policy_params, *inputs)
             values = self._slots(self._head_values(critic_params, features), batch)
-        logp = response_logprobs(
-            self._slots(logits, batch),
+        logp = features_logprobs(
+            self.policy,
+            policy_params,
+            self._slots(features, batch),
             batch["response_tokens"],
             batch["response_mask"],
             temperature,
+            chunk=self.policy.config.logprob_chunk,
         )
         return logp, values
 
@@ -144,7 +147,7 @@ class Critic:
             batch["response_tokens"].shape[1],
         )
         sliced = response_slots(outputs, prompt_len, response_len)
-        if sliced.ndim == 2:  # values: masked here; logits are masked by response_logprobs
+        if sliced.ndim == 2:  # values: masked here; features are masked by features_logprobs
             return sliced * batch["response_mask"]
         return sliced
 

@@ -1,6 +1,8 @@
 """PPO (tba_jax.ppo, tba_jax.critic): its math against NumPy loops, the fused actor–critic
 step against the unfused one, and the critic layouts on the real model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from support import rewarded_preference, sampled_micro_batch
 from tba_jax import losses, ppo
 from tba_jax import mesh as mesh_lib
 from tba_jax.critic import Critic
+from tba_jax.models import abstract_model
 
 N, P, T = 8, 5, 6
 TEMPERATURE = 0.8
@@ -208,15 +211,45 @@ def test_a_separate_critic_starts_as_the_policy_trunk_with_zero_values(setup):
     np.testing.assert_array_equal(critic.values(critic_params, batch), 0.0)
 
 
+@pytest.mark.parametrize("logprob_chunk", [0, 2])
 @pytest.mark.parametrize("kind", ["separate", "shared"])
-def test_policy_log_probs_of_either_layout_are_the_scorers(setup, kind):
+def test_policy_log_probs_of_either_layout_are_the_scorers(setup, kind, logprob_chunk):
     model, params, batch = setup
+    model = abstract_model(dataclasses.replace(model.config, logprob_chunk=logprob_chunk))[0]
     critic = Critic.build(kind, model)
     critic_params = jax.tree.map(lambda x: x + 0.1, critic.initial_params(params))
     logp, values = critic.policy_logp_and_values(params, critic_params, batch, TEMPERATURE)
     np.testing.assert_allclose(logp, batch["token_logp_behaviour"], rtol=1e-4, atol=1e-5)
     assert np.all(np.asarray(values)[batch["response_mask"] == 0] == 0)
     assert np.any(np.asarray(values)[batch["response_mask"] > 0] != 0)
+    # the output head runs on the response slots only, `logprob_chunk` of them at a time
+    jaxpr = jax.make_jaxpr(critic.policy_logp_and_values, static_argnums=3)(
+        params, critic_params, batch, TEMPERATURE
+    )
+    vocab, rows, response_len = (
+        model.config.vocab_size,
+        *batch["response_tokens"].shape,
+    )
+    logits_lengths = {
+        var.aval.shape[1]
+        for eqn in _all_equations(jaxpr.jaxpr)
+        for var in eqn.outvars
+        if len(getattr(var.aval, "shape", ())) == 3
+        and var.aval.shape[0] == rows
+        and var.aval.shape[2] == vocab
+    }
+    assert logits_lengths == {logprob_chunk or response_len}
+
+
+def _all_equations(jaxpr):
+    """Every equation of `jaxpr`, those inside its sub-jaxprs (map, remat, …) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _all_equations(inner)
 
 
 def test_ppo_steps_with_a_shared_trunk_raise_the_rewarded_responses_and_fit_the_values(setup):

@@ -74,14 +74,6 @@ class Model:
         module = nnx.merge(self.graphdef, params)
         return module(tokens, positions, key_valid, cache, cache_offset)
 
-    def apply_with_features(
-        self, params: Params, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """Head outputs and final hidden states of one pass; see
-        `Decoder.outputs_and_features`."""
-        module = nnx.merge(self.graphdef, params)
-        return module.outputs_and_features(tokens, positions, key_valid)
-
     def features(
         self, params: Params, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array
     ) -> jax.Array:

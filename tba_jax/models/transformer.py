@@ -432,15 +432,6 @@ class Decoder(nnx.Module):
             new_cache.append(layer_cache)
         return self.final_norm(x), tuple(new_cache)
 
-    def outputs_and_features(
-        self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """One cache-free pass returning the head's float32 outputs [B, S, V or num_labels]
-        and the final-normed hidden states [B, S, d_model] (compute dtype) they are made
-        from: what a value head on the shared trunk reads (PPO, `tba_jax.critic`)."""
-        features = self.features(tokens, positions, key_valid)
-        return self.head(features), features
-
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
     """Zeroed KV cache: per layer k, v of shape [B, length, KV, head_dim]."""
