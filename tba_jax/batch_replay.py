@@ -173,6 +173,12 @@ class ReplayBench:
             config = ml_collections.ConfigDict(segment_config)
             # the segment's execution knobs (remat, attention, ...): they may change on resume
             model_cfg = dataclasses.replace(self.model.config, **runs.execution_fields(config))
+            if model_cfg.scan_layers != self.model.config.scan_layers:
+                raise ConfigError(
+                    f"The run in {self.workdir} changed model.scan_layers between the segments "
+                    "of the steps asked for; a replay keeps one params layout (the fingerprints "
+                    "hash the params in it). Replay the steps of each segment separately."
+                )
             model = self.model if model_cfg == self.model.config else abstract_model(model_cfg)[0]
             self._parts[key] = train.make_learner(
                 config,
@@ -184,9 +190,19 @@ class ReplayBench:
         return self._parts[key]
 
     def restore(self, step: int, parts: train.LearnerParts) -> learner.TrainState:
-        """The train state (the critic's included) of the checkpoint of `step`."""
+        """The train state (the critic's included) of the checkpoint of `step`, in the
+        bench's params layout (converted from a segment's other `scan_layers`)."""
         template = train.checkpoint_template(parts, self.abstract_params, self.reference_shardings)
-        restored, _, _ = self.checkpointer.restore(train_state_template=template, step=step)
+        stacked = self.model.config.scan_layers
+
+        def template_for(layout_stacked: bool) -> dict:
+            if layout_stacked == stacked:
+                return template
+            return train.layout_template(
+                self.config, self.model, self.meshes, multi_process=False, stacked=layout_stacked
+            )
+
+        restored, _, _ = runs.restore_in_layout(self.checkpointer, step, template_for, stacked)
         return runs.restored_state(restored)
 
     def close(self) -> None:

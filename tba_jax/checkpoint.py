@@ -177,7 +177,7 @@ def _check_experiment(
     (comparing every key of the identity but `ignored_keys`)."""
     experiment_path = directory / EXPERIMENT_FILENAME
     if experiment_path.exists():
-        held = _held_experiment(workdir, experiment_path)
+        held = _without_params_layout(_held_experiment(workdir, experiment_path))
         if isinstance(held, dict) and ignored_keys:
             held = {key: value for key, value in held.items() if key not in ignored_keys}
             experiment = {
@@ -194,6 +194,14 @@ def _check_experiment(
             f"Workdir {workdir} holds checkpoints with no {EXPERIMENT_FILENAME}, so they may "
             f"belong to another experiment; pass another --workdir or delete {directory}."
         )
+
+
+def _without_params_layout(held: Any) -> Any:
+    """An identity written while the params' layout was part of it (`model.scan_layers`,
+    present only when on) as identities are now: without it."""
+    if isinstance(held, dict) and isinstance(held.get("model"), dict):
+        held = {**held, "model": {k: v for k, v in held["model"].items() if k != "scan_layers"}}
+    return held
 
 
 def check_experiment(workdir: str, experiment: dict, ignored_keys: tuple[str, ...] = ()) -> None:
@@ -390,6 +398,15 @@ class Checkpointer:
                 lambda value, leaf: jax.device_put(value, leaf.sharding), train_state, template
             )
         return train_state, restored[BUFFER_ITEM], restored[METADATA_ITEM]
+
+    def read_metadata(self, step: int | None = None) -> dict:
+        """The metadata of `step` (default: latest) alone: what to know before restoring."""
+        self._manager.wait_until_finished()
+        step = self._resolve_step(step)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+        )
+        return restored[METADATA_ITEM]
 
     def restore_buffer(self, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
         """Restores (buffer_state, metadata) from `step` (default: latest) without reading

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +27,15 @@ import ml_collections
 from tba_jax import learner, tasks
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME, Checkpointer
-from tba_jax.models import Model, ModelConfig, Params, abstract_model, preset
+from tba_jax.models import (
+    Model,
+    ModelConfig,
+    Params,
+    abstract_model,
+    preset,
+    stack_layers,
+    unstack_layers,
+)
 from tba_jax.tasks.base import task_identity
 
 CONFIG_FILENAME = "config.json"
@@ -269,6 +278,51 @@ def checkpoint_items(state: learner.TrainState, reference: Params) -> dict:
     return items
 
 
+# Checkpoint metadata: whether the checkpoint's params are stacked (`model.scan_layers`).
+PARAMS_STACKED_KEY = "params_stacked"
+
+
+def checkpoint_stacked(metadata: dict, workdir: str) -> bool:
+    """Whether a checkpoint's params are in the stacked (`scan_layers`) layout: its
+    metadata says; one written before it did has the layout its experiment.json names."""
+    if PARAMS_STACKED_KEY in metadata:
+        return bool(metadata[PARAMS_STACKED_KEY])
+    return bool(stored_experiment(workdir).get("model", {}).get("scan_layers", False))
+
+
+def convert_layout(tree: Any, stacked: bool) -> Any:
+    """`tree` with every params-like dict in it (one with a "blocks" entry: the policy's
+    params, Adam's moments of them, π_ref, a separate critic's params) in the stacked
+    (`stack_layers`) or per-layer (`unstack_layers`) layout."""
+    if isinstance(tree, dict):
+        if "blocks" in tree:
+            return stack_layers(tree) if stacked else unstack_layers(tree)
+        return {key: convert_layout(value, stacked) for key, value in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # optax states
+        return type(tree)(*(convert_layout(value, stacked) for value in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(convert_layout(value, stacked) for value in tree)
+    return tree
+
+
+def restore_in_layout(
+    checkpointer: Checkpointer, step: int, template_for: Callable[[bool], dict], stacked: bool
+) -> tuple[dict, dict, dict]:
+    """(train state + π_ref, buffer state, metadata) of checkpoint `step`, its params in the
+    stacked layout or not (`stacked`) whatever layout it was saved in: restored into
+    `template_for(its layout)` (a checkpoint template, as `checkpoint_template` makes) and
+    converted onto the shardings of `template_for(stacked)`."""
+    saved_stacked = checkpoint_stacked(checkpointer.read_metadata(step), checkpointer.workdir)
+    restored, buffer_state, metadata = checkpointer.restore(
+        train_state_template=template_for(saved_stacked), step=step
+    )
+    if saved_stacked != stacked:
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, template_for(stacked))
+        convert = jax.jit(lambda tree: convert_layout(tree, stacked), out_shardings=shardings)
+        restored = convert(restored)
+    return restored, buffer_state, metadata
+
+
 def restored_state(restored: dict) -> learner.TrainState:
     """The TrainState (the critic's included) of a checkpoint restored from
     `checkpoint_template`."""
@@ -310,11 +364,13 @@ def restore_run(
 ) -> RestoredRun:
     """Loads the trained policy and reference of the run `config` in `workdir` (latest step
     by default), onto the default device. Raises a clear error if the workdir has no
-    checkpoint or one of another experiment."""
+    checkpoint or one of another experiment. The model has the checkpoint's params layout
+    (`scan_layers` as that segment of the run had it)."""
     model_cfg = stored_model_config(workdir)
     layout = stored_experiment(workdir).get(PROCESSES_KEY)  # any run's policy loads here
     checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg, layout))
-    model, abstract_params = abstract_model(model_cfg)
+    stacked = checkpoint_stacked(checkpointer.read_metadata(step), workdir)
+    model, abstract_params = abstract_model(dataclasses.replace(model_cfg, scan_layers=stacked))
     mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])
     optimizer = learner.make_optimizer(optim_config(config))

@@ -533,16 +533,47 @@ def checkpoint_template(parts: LearnerParts, abstract_params: Params, reference_
     )
 
 
+def layout_template(
+    config: ml_collections.ConfigDict,
+    model: Model,
+    meshes: mesh_lib.RoleMeshes,
+    *,
+    multi_process: bool,
+    stacked: bool,
+) -> dict:
+    """The checkpoint template of the run `config` of `model` with its params stacked
+    (`scan_layers`) or not: the layout a checkpoint of another segment may have."""
+    model, abstract_params = abstract_model(dataclasses.replace(model.config, scan_layers=stacked))
+    learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
+    parts = make_learner(config, model, abstract_params, learner_shardings, meshes.learner)
+    reference_shardings = learner_shardings if multi_process else sampler_shardings
+    return checkpoint_template(parts, abstract_params, reference_shardings)
+
+
 def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     """(train state + π_ref, buffer state, metadata) of the newest checkpoint that restores
-    with finite params. A checkpoint that fails is moved to `checkpoints_set_aside/` (not
-    deleted) with a warning, and the one before it is tried."""
+    with finite params, in this run's params layout (a checkpoint of a segment with the
+    other `model.scan_layers` is converted). A checkpoint that fails is moved to
+    `checkpoints_set_aside/` (not deleted) with a warning, and the one before it is tried."""
     template = checkpoint_template(run.learner_parts, run.abstract_params, run.reference_shardings)
+    stacked = run.model.config.scan_layers
+
+    def template_for(layout_stacked: bool) -> dict:
+        if layout_stacked == stacked:
+            return template
+        return layout_template(
+            run.config,
+            run.model,
+            run.meshes,
+            multi_process=run.topology.multi_process,
+            stacked=layout_stacked,
+        )
+
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
         try:
-            restored, buffer_state, metadata = run.checkpointer.restore(
-                train_state_template=template, step=step
+            restored, buffer_state, metadata = runs.restore_in_layout(
+                run.checkpointer, step, template_for, stacked
             )
             if not bool(learner.all_finite(restored["train"]["params"])):
                 raise ValueError("its params hold NaN or infinite values")
@@ -605,6 +636,7 @@ def save_checkpoint(
             "data_position": source_state.data_position,
             "seed": run.config.seed,
             "history": history,
+            runs.PARAMS_STACKED_KEY: run.model.config.scan_layers,
         },
         force=force,
     )

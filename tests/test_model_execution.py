@@ -207,8 +207,9 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
     assert not set(EXECUTION_FIELDS) & set(plain) and "scan_layers" not in plain
     tuned = execution(remat="dots_saveable", attention="dot_product", logprob_chunk=4)
     assert tuned.to_dict() == plain  # a resumed run may change these
-    assert SCANNED.to_dict() == {**plain, "scan_layers": True}  # the params' layout
-    assert ModelConfig(**SCANNED.to_dict()) == SCANNED
+    # and the params' layout: each checkpoint records it, and a resume converts it
+    assert SCANNED.to_dict() == plain
+    assert ModelConfig(**SCANNED.to_dict()) == PLAIN
 
 
 @pytest.mark.parametrize(
@@ -235,3 +236,55 @@ def test_the_config_checks_the_knobs():
     config.model.remat = "everything"
     with pytest.raises(config_lib.ConfigError, match="remat"):
         config_lib.check_ranges(config, config_lib.RANGES)
+
+
+def test_layout_conversion_reaches_every_params_tree_of_a_train_state():
+    from tba_jax import learner
+    from tba_jax.runs import convert_layout
+
+    _, params = init_model(PLAIN, jax.random.key(SEED))
+    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=1e-3, grad_clip_norm=1))
+    opt_state = optimizer.init(params)
+    opt_state = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, opt_state)
+    tree = {"train": {"params": params, "opt_state": opt_state}, "reference": params}
+    stacked = convert_layout(tree, stacked=True)
+    want_stacked = {
+        "train": {
+            "params": stack_layers(params),
+            "opt_state": optimizer.init(stack_layers(params)),
+        },
+        "reference": stack_layers(params),
+    }
+    assert jax.tree.structure(stacked) == jax.tree.structure(want_stacked)
+    adam_stacked, adam = stacked["train"]["opt_state"][1][0], opt_state[1][0]  # after clip
+    layer_1 = jax.tree.leaves(adam.mu["blocks"][1])
+    for got, want in zip(jax.tree.leaves(adam_stacked.mu["blocks"]), layer_1, strict=True):
+        np.testing.assert_array_equal(got[1], want)  # layer 1's Adam moment
+    back = convert_layout(stacked, stacked=False)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_run_resumes_in_the_other_params_layout(tmp_path):
+    from tba_jax.checkpoint import Checkpointer
+    from tba_jax.runs import PARAMS_STACKED_KEY, restore_policy, stored_experiment
+    from tba_jax.train import train_and_evaluate
+
+    variant = "smoke,mode=sync,optim.schedule=constant,optim.warmup_steps=0"
+    straight, switched = str(tmp_path / "straight"), str(tmp_path / "switched")
+    train_and_evaluate(get_config(variant + ",steps=4"), straight)
+    train_and_evaluate(get_config(variant + ",steps=2"), switched)
+    train_and_evaluate(get_config(variant + ",steps=4,model.scan_layers=True"), switched)
+    model, params_switched, metadata = restore_policy(get_config(variant), switched)
+    assert model.config.scan_layers and metadata[PARAMS_STACKED_KEY]
+    _, params_straight, _ = restore_policy(get_config(variant), straight)
+    unstacked = unstack_layers(params_switched)
+    assert jax.tree.structure(unstacked) == jax.tree.structure(params_straight)
+    for got, want in zip(jax.tree.leaves(unstacked), jax.tree.leaves(params_straight), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    # and back: the stacked step-4 checkpoint resumes per layer
+    summary = train_and_evaluate(get_config(variant + ",steps=6"), switched)
+    assert summary["learner_steps"] == 6
+    with Checkpointer(switched, experiment=stored_experiment(switched)) as checkpointer:
+        assert checkpointer.read_metadata(6)[PARAMS_STACKED_KEY] is False

@@ -293,14 +293,12 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that say what the params are: what a run's checkpoints are matched
-        against. `EXECUTION_FIELDS` are left out (they may change between a run's
-        segments), and `scan_layers` (the params' layout) is kept only when on, so
-        checkpoints written before it existed still match."""
+        against. `EXECUTION_FIELDS` and `scan_layers` are left out: they may change
+        between a run's segments (each checkpoint records its params' layout, and a
+        resume converts it; `tba_jax.runs.restore_in_layout`)."""
         fields = dataclasses.asdict(self)
-        for name in EXECUTION_FIELDS:
+        for name in (*EXECUTION_FIELDS, "scan_layers"):
             del fields[name]
-        if not self.scan_layers:
-            del fields["scan_layers"]
         return fields
 
 
