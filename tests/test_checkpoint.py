@@ -160,6 +160,27 @@ def test_restore_buffer_reads_the_buffer_and_metadata_of_a_step(tmp_path):
     assert (latest_metadata, step_2_metadata) == (make_metadata(4), make_metadata(2))
 
 
+def test_read_metadata_reads_a_steps_metadata_alone(tmp_path):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [2, 4], force=True)
+        assert checkpointer.read_metadata() == make_metadata(4)
+        assert checkpointer.read_metadata(2) == make_metadata(2)
+
+
+def test_an_identity_that_named_the_params_layout_still_matches(tmp_path):
+    from tba_jax.runs import checkpoint_stacked
+
+    legacy = {**EXPERIMENT, "model": {**EXPERIMENT["model"], "scan_layers": True}}
+    with Checkpointer(str(tmp_path), experiment=legacy) as checkpointer:
+        save_steps(checkpointer, [2], force=True)
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        # a checkpoint without params_stacked in its metadata has the legacy identity's layout
+        assert checkpoint_stacked(checkpointer.read_metadata(2), str(tmp_path))
+    other = {**EXPERIMENT, "model": {"layers": 3}}
+    with pytest.raises(CheckpointMismatchError, match=r"model\.layers"):
+        Checkpointer(str(tmp_path), experiment=other)
+
+
 def test_numpy_values_in_metadata_are_saved_as_plain_json(tmp_path):
     metadata = {"policy_version": np.int64(3), "rng_key": np.array([0, 42], dtype=np.uint32)}
     train_state = {"step": jnp.asarray(1)}
