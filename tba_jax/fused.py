@@ -29,7 +29,7 @@ import numpy as np
 
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
-from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
+from tba_jax.rewards import response_rewards
 from tba_jax.runtime import DROPPED_NONFINITE, is_finite
 from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length, rows_at_most
 from tba_jax.trajectories import Trajectory
@@ -179,12 +179,14 @@ class FusedSearchWorker:
             tokens[row, :length], mask[row, :length], lengths[row] = sample.tokens, 1.0, length
         logp_ref = self.score_fn(self.reference_params, prompt_tokens, prompt_mask, tokens, mask)
         n = len(samples)
-        rewards = self.rewards_fn(
+        rewards = response_rewards(
+            self.rewards_fn,
+            self.tokenizer,
             [by_key[sample.key].example for sample in samples],
-            [self.tokenizer.decode(sample.tokens) for sample in samples],
+            tokens[:n],
+            lengths[:n],
+            self.non_eos_penalty,
         )
-        ended = ended_with_eos(tokens[:n], lengths[:n], self.tokenizer.eos_id)
-        rewards = apply_non_eos_penalty(rewards, ended, self.non_eos_penalty)
         return _Group(samples, prompt_tokens, prompt_mask, logp_ref, rewards)
 
     def _complete(self, group: _Group, by_key: dict[int, _Prompt]) -> list[Scored]:
@@ -193,16 +195,13 @@ class FusedSearchWorker:
         created_at = time.time()
         scored = []
         for row, sample in enumerate(group.samples):
-            length = len(sample.tokens)
-            trajectory = Trajectory(
-                prompt_id=int(by_key[sample.key].example["id"]),
+            trajectory = Trajectory.sampled(
+                prompt_id=by_key[sample.key].example["id"],
                 prompt_tokens=group.prompt_tokens[row][group.prompt_mask[row]],
                 response_tokens=sample.tokens,
-                reward=float(group.rewards[row]),
-                logp_behaviour=float(sample.token_logp.sum()),
-                logp_ref=float(logp_ref[row, :length].sum()),
                 token_logp_behaviour=sample.token_logp,
-                token_logp_ref=logp_ref[row, :length],
+                token_logp_ref=logp_ref[row, : len(sample.tokens)],
+                reward=group.rewards[row],
                 policy_version=sample.version_first,
                 created_at=created_at,
                 policy_version_last=sample.version_last,

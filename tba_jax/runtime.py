@@ -24,7 +24,7 @@ from tba_jax.data.pipeline import PromptStream
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.replay import ReplayBuffer
-from tba_jax.rewards import apply_non_eos_penalty, ended_with_eos
+from tba_jax.rewards import response_rewards
 from tba_jax.trajectories import Trajectory
 
 DROPPED_NONFINITE = "samples_dropped_nonfinite"
@@ -98,25 +98,25 @@ class SearchWorker:
             )
             created_at = time.time()
             sample_examples = [examples[row // s] for row in range(len(prompt_tokens))]
-            responses = [tokens[row, : lengths[row]] for row in range(len(prompt_tokens))]
-            rewards = self.rewards_fn(
-                sample_examples, [self.tokenizer.decode(r) for r in responses]
+            rewards = response_rewards(
+                self.rewards_fn,
+                self.tokenizer,
+                sample_examples,
+                tokens,
+                lengths,
+                self.non_eos_penalty,
             )
-            ended = ended_with_eos(tokens, lengths, self.tokenizer.eos_id)
-            rewards = apply_non_eos_penalty(rewards, ended, self.non_eos_penalty)
             trajectories = []
             for row, prompt_row in enumerate(prompt_tokens):
                 length = int(lengths[row])
                 trajectories.append(
-                    Trajectory(
-                        prompt_id=int(sample_examples[row]["id"]),
+                    Trajectory.sampled(
+                        prompt_id=sample_examples[row]["id"],
                         prompt_tokens=prompt_row[prompt_mask[row]],
-                        response_tokens=responses[row],
-                        reward=float(rewards[row]),
-                        logp_behaviour=float(token_logp[row, :length].sum()),
-                        logp_ref=float(token_logp_ref[row, :length].sum()),
+                        response_tokens=tokens[row, :length],
                         token_logp_behaviour=token_logp[row, :length],
                         token_logp_ref=token_logp_ref[row, :length],
+                        reward=rewards[row],
                         policy_version=version,
                         created_at=created_at,
                     )

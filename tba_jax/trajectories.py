@@ -54,6 +54,36 @@ class Trajectory:
         if self.policy_version_last is None:
             self.policy_version_last = self.policy_version
 
+    @classmethod
+    def sampled(
+        cls,
+        *,
+        prompt_id: int,
+        prompt_tokens: np.ndarray,
+        response_tokens: np.ndarray,
+        token_logp_behaviour: np.ndarray,
+        token_logp_ref: np.ndarray,
+        reward: float,
+        policy_version: int,
+        created_at: float,
+        policy_version_last: int | None = None,
+    ) -> Trajectory:
+        """A searcher's sample: its sequence log-probs are the sums of the per-token ones
+        (all [T_i], the response's length)."""
+        return cls(
+            prompt_id=int(prompt_id),
+            prompt_tokens=prompt_tokens,
+            response_tokens=response_tokens,
+            reward=float(reward),
+            logp_behaviour=float(token_logp_behaviour.sum()),
+            logp_ref=float(token_logp_ref.sum()),
+            token_logp_behaviour=token_logp_behaviour,
+            token_logp_ref=token_logp_ref,
+            policy_version=policy_version,
+            created_at=created_at,
+            policy_version_last=policy_version_last,
+        )
+
     @property
     def response_length(self) -> int:
         """Number of response tokens T_i (EOS included when emitted)."""

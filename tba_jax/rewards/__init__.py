@@ -8,6 +8,23 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
+def response_rewards(
+    rewards_fn: Callable,
+    tokenizer,
+    examples: Sequence[dict],
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    non_eos_penalty: float | None,
+) -> np.ndarray:
+    """A task's rewards (`rewards_fn(examples, texts)`, see `tasks.Task.rewards`) of the
+    responses tokens [N, T] with lengths [N] to `examples` [N], each response that did not
+    end with EOS scored `non_eos_penalty` instead (`apply_non_eos_penalty`). float32 [N]."""
+    texts = [tokenizer.decode(tokens[row, : lengths[row]]) for row in range(len(examples))]
+    rewards = rewards_fn(examples, texts)
+    ended = ended_with_eos(tokens, lengths, tokenizer.eos_id)
+    return apply_non_eos_penalty(rewards, ended, non_eos_penalty)
+
+
 def score_pairs(
     reward_fn: Callable[[str, str], float], responses: Sequence[str], answers: Sequence[str]
 ) -> np.ndarray:
