@@ -49,7 +49,6 @@ import optax
 from absl import flags
 
 from tba_jax import cli, learner, losses
-from tba_jax import mesh as mesh_lib
 from tba_jax.models import ModelConfig, init_model
 from tba_jax.models.config import REMAT_POLICIES
 
@@ -170,12 +169,8 @@ def measure(cfg: ModelConfig, shapes: Shapes, timing: Timing) -> dict[str, float
     """Lower, compile and run the TB train step of `cfg`: seconds to lower and to compile,
     the median step in ms, and XLA's scratch and total memory of the step in MiB."""
     model, params = init_model(cfg, shapes.seed)
-    mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     optimizer = optax.adamw(LEARNING_RATE)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
-    state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
-    state = learner.init_train_state(params, optimizer, state_sharding)
+    state, state_sharding, mesh = learner.one_device_train_state(model, params, optimizer)
     step = learner.make_train_step(
         model,
         losses.get_loss("tb"),

@@ -160,6 +160,18 @@ def init_train_state(
     return TrainState(params, opt_state, step)
 
 
+def one_device_train_state(
+    model: Model, params: Params, optimizer: optax.GradientTransformation
+) -> tuple[TrainState, TrainState, jax.sharding.Mesh]:
+    """(train state, its shardings, the mesh) of `params` on a one-device learner mesh
+    (the default device): what a test, a benchmark or a notebook trains with."""
+    mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
+    state_sharding = train_state_shardings(optimizer, abstract, shardings, mesh)
+    return init_train_state(params, optimizer, state_sharding), state_sharding, mesh
+
+
 def sequence_logp(
     model: Model, params: Params, batch: Mapping[str, jax.Array], temperature: float
 ) -> jax.Array:

@@ -8,7 +8,6 @@ import pytest
 from support import rewarded_preference, sampled_micro_batch
 
 from tba_jax import learner, losses
-from tba_jax import mesh as mesh_lib
 
 B, K, P, T = 3, 4, 5, 6
 TEMPERATURE = 0.8
@@ -25,11 +24,7 @@ def setup():
 
 def _train_step(model, params, optimizer, num_microbatches, beta=0.3, method="tb"):
     """(initial state, jitted step) on a one-device learner mesh."""
-    mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
-    state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
-    state = learner.init_train_state(params, optimizer, state_sharding)
+    state, state_sharding, mesh = learner.one_device_train_state(model, params, optimizer)
     step = learner.make_train_step(
         model,
         losses.get_loss(method),
