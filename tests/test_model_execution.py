@@ -264,27 +264,3 @@ def test_layout_conversion_reaches_every_params_tree_of_a_train_state():
     assert jax.tree.structure(back) == jax.tree.structure(tree)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
         np.testing.assert_array_equal(got, want)
-
-
-def test_a_run_resumes_in_the_other_params_layout(tmp_path):
-    from tba_jax.checkpoint import Checkpointer
-    from tba_jax.runs import PARAMS_STACKED_KEY, restore_policy, stored_experiment
-    from tba_jax.train import train_and_evaluate
-
-    variant = "smoke,mode=sync,optim.schedule=constant,optim.warmup_steps=0"
-    straight, switched = str(tmp_path / "straight"), str(tmp_path / "switched")
-    train_and_evaluate(get_config(variant + ",steps=4"), straight)
-    train_and_evaluate(get_config(variant + ",steps=2"), switched)
-    train_and_evaluate(get_config(variant + ",steps=4,model.scan_layers=True"), switched)
-    model, params_switched, metadata = restore_policy(get_config(variant), switched)
-    assert model.config.scan_layers and metadata[PARAMS_STACKED_KEY]
-    _, params_straight, _ = restore_policy(get_config(variant), straight)
-    unstacked = unstack_layers(params_switched)
-    assert jax.tree.structure(unstacked) == jax.tree.structure(params_straight)
-    for got, want in zip(jax.tree.leaves(unstacked), jax.tree.leaves(params_straight), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-    # and back: the stacked step-4 checkpoint resumes per layer
-    summary = train_and_evaluate(get_config(variant + ",steps=6"), switched)
-    assert summary["learner_steps"] == 6
-    with Checkpointer(switched, experiment=stored_experiment(switched)) as checkpointer:
-        assert checkpointer.read_metadata(6)[PARAMS_STACKED_KEY] is False

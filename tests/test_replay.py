@@ -32,15 +32,13 @@ def make_trajectory(
     prompt_tokens = np.asarray(prompt if prompt is not None else (prompt_id, 7), dtype=np.int32)
     token_logp_behaviour = -0.1 * (np.arange(len(response_tokens), dtype=np.float32) + 1)
     token_logp_ref = 2 * token_logp_behaviour
-    return Trajectory(
+    return Trajectory.sampled(
         prompt_id=prompt_id,
         prompt_tokens=prompt_tokens,
         response_tokens=response_tokens,
-        reward=reward,
-        logp_behaviour=float(token_logp_behaviour.sum()),
-        logp_ref=float(token_logp_ref.sum()),
         token_logp_behaviour=token_logp_behaviour,
         token_logp_ref=token_logp_ref,
+        reward=reward,
         policy_version=policy_version,
         created_at=created_at,
         policy_version_last=policy_version_last,

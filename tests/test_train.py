@@ -222,17 +222,48 @@ def test_sync_run_of_another_method(tmp_path, method):
     assert summary["samples_generated"] == 4 * 4 * 4  # steps × prompts × K
 
 
-def test_resumed_sync_run_ends_with_the_same_params(tmp_path):
-    variant = "smoke,mode=sync,optim.schedule=constant,optim.warmup_steps=0"
-    straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
-    train_and_evaluate(get_config(variant + ",steps=4"), straight)
-    train_and_evaluate(get_config(variant + ",steps=2"), interrupted)
-    train_and_evaluate(get_config(variant + ",steps=4"), interrupted)
-    _, params_straight, _ = restore_policy(get_config(variant), straight)
-    _, params_resumed, meta = restore_policy(get_config(variant), interrupted)
+SYNC_CONSTANT_LR = "smoke,mode=sync,optim.schedule=constant,optim.warmup_steps=0"
+
+
+@pytest.fixture(scope="module")
+def straight_sync_params(tmp_path_factory):
+    """The params of a sync run trained straight to step 4 (the resumes below end there)."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=4"), workdir)
+    return restore_policy(get_config(SYNC_CONSTANT_LR), workdir)[1]
+
+
+def test_resumed_sync_run_ends_with_the_same_params(tmp_path, straight_sync_params):
+    interrupted = str(tmp_path / "interrupted")
+    train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=2"), interrupted)
+    train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=4"), interrupted)
+    _, params_resumed, meta = restore_policy(get_config(SYNC_CONSTANT_LR), interrupted)
     assert meta["policy_version"] == 4
-    for a, b in zip(jax.tree.leaves(params_straight), jax.tree.leaves(params_resumed), strict=True):
+    pairs = zip(jax.tree.leaves(straight_sync_params), jax.tree.leaves(params_resumed), strict=True)
+    for a, b in pairs:
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_resumes_in_the_other_params_layout(tmp_path, straight_sync_params):
+    from tba_jax.checkpoint import Checkpointer
+    from tba_jax.models import unstack_layers
+    from tba_jax.runs import PARAMS_STACKED_KEY, stored_experiment
+
+    switched = str(tmp_path / "switched")
+    train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=2"), switched)
+    train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=4,model.scan_layers=True"), switched)
+    model, params_switched, metadata = restore_policy(get_config(SYNC_CONSTANT_LR), switched)
+    assert model.config.scan_layers and metadata[PARAMS_STACKED_KEY]
+    unstacked = unstack_layers(params_switched)
+    assert jax.tree.structure(unstacked) == jax.tree.structure(straight_sync_params)
+    pairs = zip(jax.tree.leaves(unstacked), jax.tree.leaves(straight_sync_params), strict=True)
+    for got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    # and back: the stacked step-4 checkpoint resumes per layer
+    summary = train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=6"), switched)
+    assert summary["learner_steps"] == 6
+    with Checkpointer(switched, experiment=stored_experiment(switched)) as checkpointer:
+        assert checkpointer.read_metadata(6)[PARAMS_STACKED_KEY] is False
 
 
 def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
