@@ -24,8 +24,8 @@ Shapes are static: the slot width (and its halvings), the cache length
 `max_prompt_len + max_new_tokens` and the prefill shapes `[R, L]` for `prefill_buckets`
 lengths L (a refill is prefilled at the smallest L that holds its longest prompt, into
 the last L prompt positions of its slots) and R = `prefill_prompts`, or with
-`prefill_prompts=0` the smallest of `row_shapes(1, slots)` that holds the refill's prompts; nothing
-recompiles as prompts come and go.
+`prefill_prompts=0` the smallest of `row_shapes(1, slots)` that holds the refill's
+prompts; nothing recompiles as prompts come and go.
 
 Each slot's cache row is laid out as in `generate.generate`: the left-padded prompt in
 slots 0..P-1, the response from slot P on. The decoder writes each slot's new key at
