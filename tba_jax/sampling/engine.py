@@ -155,9 +155,10 @@ class EngineConfig:
         return max(samples, math.ceil(self.refill_free * self.slots))
 
     def stop_to_compact(self, width: int) -> int:
-        """Free slots (of `width`) at which a decode chunk with no prompt waiting returns,
-        so that the live samples can move to a narrower width; `width + 1`: never (no
-        narrower width, or compaction off)."""
+        """Free slots (of `width`) from which the live samples can move to a narrower
+        width (at most `compact_below` of the width, and few enough for a narrower one to
+        hold them): where a decode chunk with no prompt waiting returns; `width + 1`: never
+        (no narrower width, or compaction off)."""
         narrower = [w for w in self.widths() if w < width]
         if self.compact_below == 0 or not narrower:
             return width + 1
@@ -431,19 +432,17 @@ class SlotEngine:
             live_count = slots.occupied_count()
             if live_count == 0:
                 break
-            if exhausted and config.compact_below > 0:
-                narrower = [w for w in widths if w < width and w >= live_count]
-                steps_left = self.max_new - slots.fewest_steps()
-                if (
-                    narrower
-                    and live_count <= config.compact_below * width
-                    and steps_left >= config.compact_min_steps
-                ):
-                    new_width = min(narrower)
-                    keep = slots.compact_to(new_width)
-                    state = self._compact(state, jnp.asarray(keep, jnp.int32))
-                    self.counters.compactions += 1
-                    width = new_width
+            # the rule a decode chunk stops at (stop_to_compact, compact_min_steps)
+            if (
+                exhausted
+                and width - live_count >= config.stop_to_compact(width)
+                and self.max_new - slots.fewest_steps() >= config.compact_min_steps
+            ):
+                new_width = min(w for w in widths if live_count <= w < width)
+                keep = slots.compact_to(new_width)
+                state = self._compact(state, jnp.asarray(keep, jnp.int32))
+                self.counters.compactions += 1
+                width = new_width
             if exhausted:
                 stop_when_free = config.stop_to_compact(width)
                 min_steps_left = config.compact_min_steps
