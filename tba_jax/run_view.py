@@ -253,14 +253,16 @@ class RunView:
         return samples
 
     def _generator(self, model, temperature: float | None, greedy: bool):
-        """The evaluation's generator of `model` (the run's policy, the same at every step:
-        batches, or the slot engine the run searched with) for these settings; one per
-        setting, so repeated calls compile once."""
-        key = (None if greedy or temperature is None else float(temperature), greedy)
+        """The evaluation's generator of `model` (batches, or the slot engine the run
+        searched with) for these settings; one per setting and model config (the policy's
+        architecture is the same at every step, its params layout may not be: a run can
+        switch `model.scan_layers`), so repeated calls compile once."""
+        temperature = None if greedy or temperature is None else float(temperature)
+        key = (model.config, temperature, greedy)
         if key not in self._generators:
             sampling = sources.sampling_config(self.config, self.tokenizer.vocab_size, greedy)
-            if key[0] is not None:
-                sampling = dataclasses.replace(sampling, temperature=key[0])
+            if temperature is not None:
+                sampling = dataclasses.replace(sampling, temperature=temperature)
             self._generators[key] = make_generator(
                 model,
                 sampling,

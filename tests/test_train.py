@@ -24,6 +24,7 @@ from tba_jax import batch_log, batch_replay, tasks
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
+from tba_jax.run_view import RunView
 from tba_jax.runs import load_config, load_trained_policy, restore_policy
 from tba_jax.tasks import arithmetic as arithmetic_tasks
 from tba_jax.train import train_and_evaluate
@@ -264,6 +265,11 @@ def test_a_run_resumes_in_the_other_params_layout(tmp_path, straight_sync_params
     assert summary["learner_steps"] == 6
     with Checkpointer(switched, experiment=stored_experiment(switched)) as checkpointer:
         assert checkpointer.read_metadata(6)[PARAMS_STACKED_KEY] is False
+    # a notebook's view samples each checkpoint in its own layout
+    view = RunView(switched)
+    assert {4, 6} <= set(view.checkpoint_steps)
+    for step in (4, 6):
+        assert len(view.sample(1, greedy=True, step=step)) == 1
 
 
 def test_a_failing_searcher_stops_the_run_with_its_error(tmp_path, monkeypatch):
