@@ -194,15 +194,15 @@ class ReplayBench:
         bench's params layout (converted from a segment's other `scan_layers`)."""
         template = train.checkpoint_template(parts, self.abstract_params, self.reference_shardings)
         stacked = self.model.config.scan_layers
-
-        def template_for(layout_stacked: bool) -> dict:
-            if layout_stacked == stacked:
-                return template
-            return train.layout_template(
-                self.config, self.model, self.meshes, multi_process=False, stacked=layout_stacked
-            )
-
-        restored, _, _ = runs.restore_in_layout(self.checkpointer, step, template_for, stacked)
+        restored, _, _ = runs.restore_in_layout(
+            self.checkpointer,
+            step,
+            template,
+            stacked,
+            lambda: train.layout_template(
+                self.config, self.model, self.meshes, multi_process=False, stacked=not stacked
+            ),
+        )
         return runs.restored_state(restored)
 
     def close(self) -> None:

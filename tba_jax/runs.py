@@ -306,21 +306,25 @@ def convert_layout(tree: Any, stacked: bool) -> Any:
 
 
 def restore_in_layout(
-    checkpointer: Checkpointer, step: int, template_for: Callable[[bool], dict], stacked: bool
+    checkpointer: Checkpointer,
+    step: int,
+    template: dict,
+    stacked: bool,
+    other_layout_template: Callable[[], dict],
 ) -> tuple[dict, dict, dict]:
-    """(train state + π_ref, buffer state, metadata) of checkpoint `step`, its params in the
-    stacked layout or not (`stacked`) whatever layout it was saved in: restored into
-    `template_for(its layout)` (a checkpoint template, as `checkpoint_template` makes) and
-    converted onto the shardings of `template_for(stacked)`."""
+    """(train state + π_ref, buffer state, metadata) of checkpoint `step` in `template`
+    (a checkpoint template, as `checkpoint_template` makes, its params stacked or not:
+    `stacked`), whatever layout the checkpoint was saved in: one of the other layout is
+    restored into `other_layout_template()` and converted onto `template`'s shardings."""
     saved_stacked = checkpoint_stacked(checkpointer.read_metadata(step), checkpointer.workdir)
+    if saved_stacked == stacked:
+        return checkpointer.restore(train_state_template=template, step=step)
     restored, buffer_state, metadata = checkpointer.restore(
-        train_state_template=template_for(saved_stacked), step=step
+        train_state_template=other_layout_template(), step=step
     )
-    if saved_stacked != stacked:
-        shardings = jax.tree.map(lambda leaf: leaf.sharding, template_for(stacked))
-        convert = jax.jit(lambda tree: convert_layout(tree, stacked), out_shardings=shardings)
-        restored = convert(restored)
-    return restored, buffer_state, metadata
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, template)
+    convert = jax.jit(lambda tree: convert_layout(tree, stacked), out_shardings=shardings)
+    return convert(restored), buffer_state, metadata
 
 
 def restored_state(restored: dict) -> learner.TrainState:

@@ -558,22 +558,20 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     template = checkpoint_template(run.learner_parts, run.abstract_params, run.reference_shardings)
     stacked = run.model.config.scan_layers
 
-    def template_for(layout_stacked: bool) -> dict:
-        if layout_stacked == stacked:
-            return template
+    def other_layout_template() -> dict:
         return layout_template(
             run.config,
             run.model,
             run.meshes,
             multi_process=run.topology.multi_process,
-            stacked=layout_stacked,
+            stacked=not stacked,
         )
 
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
         try:
             restored, buffer_state, metadata = runs.restore_in_layout(
-                run.checkpointer, step, template_for, stacked
+                run.checkpointer, step, template, stacked, other_layout_template
             )
             if not bool(learner.all_finite(restored["train"]["params"])):
                 raise ValueError("its params hold NaN or infinite values")
