@@ -218,7 +218,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.search.slots = 0  # decode width; 0: the rows of one call (async) or batch (sync)
     config.search.chunk_steps = 16  # decode steps per host round trip (at most)
     # Prompts per prefill call (a fixed shape); 0: every waiting prompt the free slots
-    # hold, in one call of 4^i rows.
+    # hold, in one call of 4^i rows (or as many rows as slots).
     config.search.prefill_prompts = 0
     # A decode chunk returns for a refill once this share of the slots is free (and the
     # next prompt's samples fit); 0: as soon as they fit.
