@@ -1,0 +1,33 @@
+"""Test-session setup: one persistent XLA compilation cache for the whole session.
+
+Many tests train the same smoke configs more than once (straight and resumed, one
+method after another), and every run builds its jitted functions anew, so XLA would
+compile the same programs again. JAX's persistent cache (keyed by the program, the
+compile options, the XLA flags and the versions) lets a later run, another xdist
+worker or a test's subprocess load them instead. Each session gets its own empty
+directory (named after the pytest process, which xdist workers see as their parent),
+removed at the end; a JAX_COMPILATION_CACHE_DIR already set is used and left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+_SESSION_CACHE = os.path.join(
+    tempfile.gettempdir(), f"tba_jax_tests_xla_cache_{os.getppid() if _WORKER else os.getpid()}"
+)
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:  # set before anything imports jax; test subprocesses inherit it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
+    # every program, however quick to compile: the smoke runs' programs are small
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    del session, exitstatus
+    if _OWN_CACHE and not _WORKER:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
