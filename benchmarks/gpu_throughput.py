@@ -8,8 +8,12 @@ transformers' `min_new_tokens` forces in ../shared/bench/hf_generate_baseline.py
 figure to run in the same command). Scoring is the searcher's π_ref pass; the learner step
 is a full TB step (forward, backward over `--microbatches`, AdamW) on B×K sequences.
 Prints one JSON line per measurement: the median of `--repeats` timed runs after a
-compiling warm-up, with tokens/s and, for the learner, model FLOP utilisation against
-`--peak_tflops` (dense bf16).
+compiling warm-up, with tokens/s; for decode, the memory-bound roofline at `--hbm_tb_s`
+(`tba_jax.roofline`: the weights and each row's KV cache read once a step) and the share
+of it reached; for the learner, model FLOP utilisation against `--peak_tflops` (dense
+bf16), with the FLOPs per token written out. `--layers` changes the preset's depth, and
+`--scan_layers` / `--scan_decode` set those execution knobs (decode reports its compile
+seconds, `compile_s`, lowered and compiled ahead of the first run).
 """
 
 from __future__ import annotations
@@ -23,14 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax import learner, losses
+from tba_jax import learner, losses, roofline
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, init_model, preset
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
 TEMPERATURE = 0.7
-H100_DENSE_BF16_TFLOPS = 989.0
+BFLOAT16_BYTES = 2
 
 
 def timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -72,7 +76,13 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--score_rows_per_chunk", type=int, default=0, help="0: all rows")
-    parser.add_argument("--peak_tflops", type=float, default=H100_DENSE_BF16_TFLOPS)
+    parser.add_argument("--peak_tflops", type=float, default=roofline.H100_DENSE_BF16_FLOPS / 1e12)
+    parser.add_argument(
+        "--hbm_tb_s", type=float, default=roofline.H100_HBM_BYTES_PER_S / 1e12, help="HBM TB/s"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="the preset's depth if unset")
+    parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
+    parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--skip", default="", help="comma list of decode,score,train")
     parser.add_argument("--vocab", type=int, default=None, help="for presets without one")
     args = parser.parse_args()
@@ -82,7 +92,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     total = args.prompt + args.new
     sizes = dict(max_seq_len=total, vocab_size=args.vocab)
-    bf16 = preset(args.shape, dtype="bfloat16", param_dtype="bfloat16", **sizes)
+    if args.layers:
+        sizes["num_layers"] = args.layers
+    execution = dict(scan_layers=args.scan_layers or args.scan_decode, scan_decode=args.scan_decode)
+    bf16 = preset(args.shape, dtype="bfloat16", param_dtype="bfloat16", **sizes, **execution)
     vocab = bf16.vocab_size
     model, params = init_model(bf16, seed=0)
     params = jax.device_put(params)
@@ -98,19 +111,32 @@ def main() -> None:
         )
         generate = make_generate_fn(model, sampling, eos_id=vocab - 1, pad_id=0)
         key = jax.random.key(0)
+        began = time.perf_counter()
+        generate = generate.lower(params, prompts, prompt_mask, key).compile()
+        compile_s = time.perf_counter() - began
         first, times = timed(lambda: generate(params, prompts, prompt_mask, key), args.repeats)
         out = generate(params, prompts, prompt_mask, key)
         assert int(out.lengths.min()) == args.new, "a row stopped early"
+        tokens_per_s = args.batch * args.new / statistics.median(times)
+        shape = (bf16, args.batch, args.prompt, args.new, BFLOAT16_BYTES, BFLOAT16_BYTES)
+        ceiling = roofline.decode_roofline_tokens_per_s(*shape, args.hbm_tb_s * 1e12)
         report(
             "decode",
             first,
             times,
             shape=args.shape,
             params=num_params,
+            layers=bf16.num_layers,
+            scan_layers=bf16.scan_layers,
+            scan_decode=bf16.scan_decode,
             batch=args.batch,
             prompt=args.prompt,
             new=args.new,
-            tokens_per_s=args.batch * args.new / statistics.median(times),
+            compile_s=compile_s,
+            tokens_per_s=tokens_per_s,
+            step_bytes=roofline.decode_step_bytes(*shape),
+            roofline_tokens_per_s=ceiling,
+            roofline_percent=100 * tokens_per_s / ceiling,
         )
 
     responses = jnp.asarray(random_prompts(rng, args.batch, args.new, vocab - 1))
@@ -133,7 +159,7 @@ def main() -> None:
     del params
 
     if "train" not in skip:
-        mixed = preset(args.shape, dtype="bfloat16", param_dtype="float32", **sizes)
+        mixed = preset(args.shape, dtype="bfloat16", param_dtype="float32", **sizes, **execution)
         model, abstract = abstract_model(mixed)
         mesh = mesh_lib.make_mesh(jax.devices()[:1], {"fsdp": -1})
         shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
@@ -172,11 +198,8 @@ def main() -> None:
 
         first, times = timed(run_step, args.repeats)
         tokens = n * total
-        # 6 FLOPs per parameter per token (forward + backward) plus attention's
-        # 12 · layers · d_model · seq per token (causal halves it: 6).
-        cfg = mixed
-        attention = 6 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * total
-        flops = tokens * (6 * num_params + attention)
+        flops_per_token = roofline.train_flops_per_token(mixed, total)  # 6·params + attention
+        flops = tokens * flops_per_token
         median = statistics.median(times)
         report(
             "train_step",
@@ -186,6 +209,7 @@ def main() -> None:
             seq_len=total,
             microbatches=args.microbatches,
             tokens_per_s=tokens / median,
+            flops_per_token=flops_per_token,
             model_tflops_per_s=flops / median / 1e12,
             mfu_percent=100 * flops / median / 1e12 / args.peak_tflops,
         )

@@ -180,6 +180,7 @@ RANGES: dict[str, Allowed] = {
     "model.dtype": one_of(sorted(DTYPES)),
     "model.param_dtype": one_of(sorted(DTYPES)),
     "model.scan_layers": BOOLEAN,
+    "model.scan_decode": BOOLEAN,
     "model.remat": one_of(REMAT_POLICIES),
     "model.attention": one_of(ATTENTIONS),
     "model.logprob_chunk": integer_at_least(0),
@@ -320,6 +321,11 @@ def validate(
             f"record_learner_batches is not built for runs over several processes (this one "
             f"has {num_processes}): its replay needs the whole global batch in one process. "
             "Record a single-process run, or leave it False."
+        )
+    if config.model.get("scan_decode") and not config.model.get("scan_layers"):
+        raise ConfigError(
+            "model.scan_decode=True scans the stacked blocks of model.scan_layers=True; set "
+            "model.scan_layers=True too (or leave scan_decode off)."
         )
     if config.method not in registered_losses():
         raise ConfigError(f"method={config.method!r} is not one of {registered_losses()}.")

@@ -77,7 +77,7 @@ def run_tokenizer(config: ml_collections.ConfigDict, workdir: str):
 
 
 # config.model keys that set how the policy is computed (`ModelConfig`'s execution fields).
-EXECUTION_KEYS = ("scan_layers", "remat", "attention", "logprob_chunk")
+EXECUTION_KEYS = ("scan_layers", "scan_decode", "remat", "attention", "logprob_chunk")
 
 
 def execution_fields(config: ml_collections.ConfigDict) -> dict:
@@ -374,7 +374,7 @@ def restore_run(
     layout = stored_experiment(workdir).get(PROCESSES_KEY)  # any run's policy loads here
     checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg, layout))
     stacked = checkpoint_stacked(checkpointer.read_metadata(step), workdir)
-    model, abstract_params = abstract_model(dataclasses.replace(model_cfg, scan_layers=stacked))
+    model, abstract_params = abstract_model(model_cfg.in_layout(stacked))
     mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])
     optimizer = learner.make_optimizer(optim_config(config))

@@ -543,7 +543,7 @@ def layout_template(
 ) -> dict:
     """The checkpoint template of the run `config` of `model` with its params stacked
     (`scan_layers`) or not: the layout a checkpoint of another segment may have."""
-    model, abstract_params = abstract_model(dataclasses.replace(model.config, scan_layers=stacked))
+    model, abstract_params = abstract_model(model.config.in_layout(stacked))
     learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
     parts = make_learner(config, model, abstract_params, learner_shardings, meshes.learner)
     reference_shardings = learner_shardings if multi_process else sampler_shardings

@@ -8,13 +8,15 @@ independent check that every slot reads its own cache at its own offsets).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import SMALL_DECODER as CFG
 
-from tba_jax.models import abstract_model
+from tba_jax.models import abstract_model, stack_layers
 from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -128,6 +130,22 @@ def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, g
     assert engine.counters.prefills < 20  # the prompts that fit go in one call
     for (row, _), item in finished.items():
         np.testing.assert_array_equal(item.tokens, greedy_reference[row][0])
+
+
+def test_a_scanned_decoder_runs_the_engine_on_its_stacked_cache(setup, greedy_reference):
+    """With `scan_decode` the cache is stacked ([L, W, ...]: rows on its second axis); the
+    prefill's copies into slots, the decode chunks and the compactions keep every sample's
+    own cache rows, so the responses are the batch generator's."""
+    model, _ = abstract_model(dataclasses.replace(CFG, scan_layers=True, scan_decode=True))
+    stacked = {**setup, "model": model, "params": stack_layers(setup["params"])}
+    engine = engine_for(stacked, GREEDY, slots=16, chunk_steps=2, min_width=2, compact_min_steps=0)
+    finished = run_engine(stacked, engine, samples=2)
+    assert sorted(finished) == [(row, s) for row in range(20) for s in range(2)]
+    assert engine.counters.compactions > 0 and engine.counters.prefills > 1
+    for (row, _), item in finished.items():
+        tokens, token_logp = greedy_reference[row]
+        np.testing.assert_array_equal(item.tokens, tokens, err_msg=f"row {row}")
+        np.testing.assert_allclose(item.token_logp, token_logp, atol=TOL)
 
 
 def test_sampled_behaviour_logp_equals_teacher_forced_scoring(setup):

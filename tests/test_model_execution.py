@@ -169,16 +169,23 @@ def test_the_features_path_matches_the_full_logits(plain):
     np.testing.assert_allclose(logp, expected, atol=TOL)
 
 
-def test_decode_on_scanned_params_matches(plain):
-    """generate() unstacks scanned params once (`Model.per_layer`) and samples greedily what
-    the plain model's full forward pass predicts; a cached pass straight on the stacked
-    params (static slices) gives that pass's logits too."""
+@pytest.mark.parametrize("scan_decode", [False, True], ids=["unstacked_once", "scanned"])
+def test_decode_on_scanned_params_matches(plain, scan_decode):
+    """generate() on scanned params samples greedily what the plain model's full forward
+    pass predicts, whether it unstacks them once (`Model.for_decoding`) or scans the
+    stacked blocks over a stacked cache (`scan_decode`); a cached pass straight on the
+    stacked params (static slices, or the scan) gives that pass's logits too."""
     *_, params = plain
-    scanned_model, _ = abstract_model(SCANNED)
+    scanned_model, _ = abstract_model(dataclasses.replace(SCANNED, scan_decode=scan_decode))
     scanned = stack_layers(params)
-    per_layer_model, per_layer = scanned_model.per_layer(scanned)
-    assert per_layer_model.config == PLAIN
-    assert_trees_close(per_layer, params, atol=0)
+    decoding_model, decoding = scanned_model.for_decoding(scanned)
+    if scan_decode:  # the stacked weights themselves, no per-layer copy
+        assert decoding_model is scanned_model and decoding is scanned
+        assert scanned_model.init_cache(2, 3)["k"].shape == (PLAIN.num_layers, 2, 3, 2, 4)
+    else:
+        assert decoding_model.config == PLAIN
+        assert_trees_close(decoding, params, atol=0)
+    per_layer_model, _ = abstract_model(PLAIN)
     prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
     sampling = SamplingConfig(max_new_tokens=4, greedy=True)
     generated = make_generate_fn(scanned_model, sampling, eos_id=1, pad_id=0)(

@@ -252,7 +252,9 @@ def test_a_run_resumes_in_the_other_params_layout(tmp_path, straight_sync_params
 
     switched = str(tmp_path / "switched")
     train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=2"), switched)
-    train_and_evaluate(get_config(SYNC_CONSTANT_LR + ",steps=4,model.scan_layers=True"), switched)
+    # stacked, and decoding with the scanned blocks over a stacked cache (`scan_decode`)
+    stacked = ",steps=4,model.scan_layers=True,model.scan_decode=True"
+    train_and_evaluate(get_config(SYNC_CONSTANT_LR + stacked), switched)
     model, params_switched, metadata = restore_policy(get_config(SYNC_CONSTANT_LR), switched)
     assert model.config.scan_layers and metadata[PARAMS_STACKED_KEY]
     unstacked = unstack_layers(params_switched)

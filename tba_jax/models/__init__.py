@@ -23,6 +23,7 @@ from tba_jax.models.config import FAMILIES, PRESETS, PUBLISHED_NUM_PARAMS, Model
 from tba_jax.models.transformer import (
     Decoder,
     KVCache,
+    cache_batch_axis,
     init_cache,
     last_valid_index,
     positions_from_mask,
@@ -39,6 +40,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "abstract_model",
+    "cache_batch_axis",
     "init_cache",
     "init_model",
     "last_valid_index",
@@ -87,12 +89,18 @@ class Model:
     def init_cache(self, batch: int, length: int) -> KVCache:
         return init_cache(self.config, batch, length)
 
-    def per_layer(self, params: Params) -> tuple[Model, Params]:
-        """This model and `params` in the per-layer layout: as they are, or with
-        `scan_layers` the same model unscanned and `params` unstacked (copies). A decode
-        loop calls it once before the loop: the stacked model would slice every layer's
-        weights inside each step, and XLA keeps those copies in the loop."""
-        if not self.config.scan_layers:
+    @property
+    def cache_batch_axis(self) -> int:
+        """The axis of this model's KV cache leaves that holds the rows (1 with
+        `scan_decode`: [L, B, ...])."""
+        return cache_batch_axis(self.config)
+
+    def for_decoding(self, params: Params) -> tuple[Model, Params]:
+        """The model and params a decode loop runs, called once before the loop: as they
+        are (per-layer params, or `scan_decode`, which scans the stacked blocks), or with
+        `scan_layers` alone the same model unscanned and `params` unstacked (copies), since
+        static slices of the stacked weights inside each step would be copied every step."""
+        if not self.config.scan_layers or self.config.scan_decode:
             return self, params
         return _per_layer_model(self.config), unstack_layers(params)
 
@@ -114,7 +122,7 @@ def _split(module: Decoder, cfg: ModelConfig) -> tuple[Model, Params]:
 @functools.cache
 def _per_layer_model(cfg: ModelConfig) -> Model:
     """The model of `cfg` without scan_layers (built once per config)."""
-    return abstract_model(dataclasses.replace(cfg, scan_layers=False))[0]
+    return abstract_model(cfg.in_layout(False))[0]
 
 
 def init_model(cfg: ModelConfig, seed: int) -> tuple[Model, Params]:

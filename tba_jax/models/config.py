@@ -46,7 +46,7 @@ ATTENTIONS = ("einsum", "dot_product", "cudnn")
 HALF_DTYPES = ("bfloat16", "float16")
 # Fields that change how the model runs but neither its outputs (up to float rounding) nor
 # its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
-EXECUTION_FIELDS = ("remat", "attention", "logprob_chunk")
+EXECUTION_FIELDS = ("scan_decode", "remat", "attention", "logprob_chunk")
 
 # Values the architecture switches take when a config leaves them as None.
 _LLAMA_SWITCHES = dict(
@@ -115,8 +115,12 @@ class ModelConfig:
       (`params["blocks"]` is one block's tree with [num_layers, ...] leaves instead of
       {0: ..., 1: ...}) and the cache-free pass (learner, scoring) runs them with one
       `jax.lax.scan`, so compile time does not grow with depth. Passes with a KV cache
-      (decode) still run layer by layer on static slices. `models.stack_layers` /
-      `unstack_layers` convert params between the layouts exactly.
+      (prefill, decode) run layer by layer: decode loops unstack the params once per call
+      (`Model.for_decoding`). `models.stack_layers` / `unstack_layers` convert params
+      between the layouts exactly.
+    - `scan_decode` (with `scan_layers`): passes with a KV cache scan the stacked blocks
+      too, over a stacked cache ([L, B, S_kv, KV, hd]), so decode programs compile in a
+      time that does not grow with depth and no per-layer copy of the weights is made.
     - `remat`: a rematerialisation policy (`REMAT_POLICIES`) applied to each block of the
       cache-free pass: what the backward pass recomputes instead of keeping.
     - `attention`: the cache-free pass's attention kernel (`ATTENTIONS`).
@@ -161,6 +165,7 @@ class ModelConfig:
     num_labels: int = 1
     # Execution (see the docstring).
     scan_layers: bool = False
+    scan_decode: bool = False
     remat: str = "none"
     attention: str = "einsum"
     logprob_chunk: int = 0
@@ -241,6 +246,11 @@ class ModelConfig:
                 f"{list(HALF_DTYPES)}, got model.dtype={self.dtype!r}; use "
                 "attention='dot_product' for float32."
             )
+        if self.scan_decode and not self.scan_layers:
+            raise ValueError(
+                "model.scan_decode=True scans the stacked blocks of model.scan_layers=True; "
+                "set model.scan_layers=True too (or leave scan_decode off)."
+            )
         if not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 0:
             raise ValueError(
                 f"model.logprob_chunk={self.logprob_chunk!r} must be an integer >= 0 (0: no "
@@ -290,6 +300,12 @@ class ModelConfig:
         else:
             head = self.vocab_size * d if self.has_lm_head else 0
         return self.num_layers * (attn + mlp + 2 * norm) + embed + head + norm
+
+    def in_layout(self, stacked: bool) -> ModelConfig:
+        """This config with `scan_layers=stacked` (and `scan_decode` only where stacked)."""
+        return dataclasses.replace(
+            self, scan_layers=stacked, scan_decode=self.scan_decode and stacked
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that say what the params are: what a run's checkpoints are matched

@@ -15,15 +15,18 @@ position (the count of real tokens before it; rotary angle or row of the
 learned table), and `key_valid` marks which slots hold real tokens, so left
 padding is invisible to attention.
 
-The KV cache is a plain pytree (a tuple of per-layer dicts of arrays) passed in
-and returned, so jitted decode loops can carry and donate it.
+The KV cache is a plain pytree (a tuple of per-layer dicts of arrays, or one dict of
+stacked arrays with `scan_decode`) passed in and returned, so jitted decode loops can
+carry and donate it.
 
 With `cfg.scan_layers` the decoder holds one `Block` whose params carry every layer's on
 a leading `layers` axis; the cache-free pass (`features`, what the learner and scoring
-run) scans it with `jax.lax.scan`, and a pass with a cache runs the layers one by one on
-static slices of it, so the cache keeps its per-layer layout in both cases. `cfg.remat`
-wraps each block of the cache-free pass in `jax.checkpoint`, and `cfg.attention` picks
-that pass's attention kernel.
+run) scans it with `jax.lax.scan`. A pass with a cache runs the layers one by one on
+static slices of it (the cache keeps its per-layer layout), or with `cfg.scan_decode`
+scans them too, over a stacked cache {"k", "v"}: [L, B, S_kv, KV, hd] whose layer slice
+each step reads and whose new keys it writes in place (`cache_batch_axis` says where a
+cache's rows are). `cfg.remat` wraps each block of the cache-free pass in
+`jax.checkpoint`, and `cfg.attention` picks that pass's attention kernel.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from flax import nnx
 
 from tba_jax.models.config import REMAT_POLICIES, ModelConfig
 
-KVCache = tuple[dict[str, jax.Array], ...]
+# per layer {"k", "v"}, or with scan_decode one {"k", "v"} of stacked [L, ...] arrays
+KVCache = tuple[dict[str, jax.Array], ...] | dict[str, jax.Array]
 LAYERS_AXIS = "layers"  # logical name of the stacked blocks' leading axis (scan_layers)
 
 CHECKPOINT_POLICIES = {
@@ -174,13 +178,16 @@ class Attention(nnx.Module):
             return x
         return rotary_embedding(x, positions, rotary_inv_freq(self.cfg))
 
-    def __call__(self, x, positions, key_valid, cache_layer, cache_offset):
+    def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None):
         """x: [B, S, D]; positions: [B, S]; key_valid: [B, S_kv] bool.
 
         Without a cache S_kv == S and the queries sit in slots 0..S-1. With a
         cache (`cache_layer` = {"k","v"}: [B, S_kv, KV, hd]) the new keys and
         values are written at slots cache_offset..cache_offset+S-1: `cache_offset` is
         one offset for every row (a scalar) or one per row ([B], the slot engine's).
+        With `layer` (an index, traced inside a scan) `cache_layer` is every layer's
+        stacked cache ([L, B, S_kv, KV, hd]): this layer's new keys are written into it
+        and its slice `layer` is attended over.
         """
         cfg = self.cfg
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
@@ -192,9 +199,19 @@ class Attention(nnx.Module):
             query_slots = jnp.arange(x.shape[1])[None]  # [1, S]
             if cache_layer is not None:
                 offsets = jnp.asarray(cache_offset)
-                k = write_cache(cache_layer["k"], k, offsets)
-                v = write_cache(cache_layer["v"], v, offsets)
-                cache_layer = {"k": k, "v": v}
+                if layer is None:
+                    k = write_cache(cache_layer["k"], k, offsets)
+                    v = write_cache(cache_layer["v"], v, offsets)
+                    cache_layer = {"k": k, "v": v}
+                else:
+                    cache_layer = {
+                        "k": write_layer_cache(cache_layer["k"], k, layer, offsets),
+                        "v": write_layer_cache(cache_layer["v"], v, layer, offsets),
+                    }
+                    k, v = (
+                        jax.lax.dynamic_index_in_dim(cache_layer[name], layer, keepdims=False)
+                        for name in ("k", "v")
+                    )
                 # [1, S] with one offset for every row, [B, S] with one per row
                 query_slots = offsets.reshape(-1, 1) + query_slots
             key_slots = jnp.arange(k.shape[1])
@@ -255,6 +272,18 @@ def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
     return jax.vmap(one_row)(cache, new, offsets)
 
 
+def write_layer_cache(
+    cache: jax.Array, new: jax.Array, layer: jax.Array, offsets: jax.Array
+) -> jax.Array:
+    """`new` [B, S, KV, hd] written into layer `layer` of a stacked cache [L, B, S_kv, KV,
+    hd] from slot `offsets` (a scalar, or [B]: one per row); only those slots are
+    written, so inside a jitted loop the cache is updated in place."""
+    batch, length = new.shape[:2]
+    slots = jnp.broadcast_to(offsets, (batch,))[:, None] + jnp.arange(length)[None, :]
+    rows = jnp.arange(batch)[:, None]
+    return cache.at[layer, rows, slots].set(new.astype(cache.dtype))
+
+
 class MLP(nnx.Module):
     """`cfg.mlp="gated"`: act(x W_gate) * (x W_up) W_down (SwiGLU with silu);
     `"dense"`: act(x W_up) W_down. Biases on every matrix if `cfg.mlp_bias`."""
@@ -294,9 +323,9 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, key_valid, cache_layer, cache_offset):
+    def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None):
         attn_out, cache_layer = self.attn(
-            self.attn_norm(x), positions, key_valid, cache_layer, cache_offset
+            self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer
         )
         if self.parallel_residual:  # GPT-NeoX: both branches read the block's input.
             return x + attn_out + self.mlp(self.mlp_norm(x)), cache_layer
@@ -423,9 +452,22 @@ class Decoder(nnx.Module):
         return list(self.blocks)
 
     def _cached_trunk(self, tokens, positions, key_valid, cache, cache_offset):
-        """Embedding, blocks (layer by layer) and final norm with a KV cache: hidden states
-        [B, S, d_model] and the updated cache."""
+        """Embedding, blocks and final norm with a KV cache: hidden states [B, S, d_model]
+        and the updated cache. The blocks run layer by layer, or in one scan over the
+        stacked params and cache with `cfg.scan_decode`."""
         x = self._embed(tokens, positions)
+        if self.cfg.scan_decode:
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def step(carry, layer_input):
+                x, cache = carry
+                layer_state, layer = layer_input
+                block = nnx.merge(graphdef, layer_state)
+                return block(x, positions, key_valid, cache, cache_offset, layer), None
+
+            layers = jnp.arange(self.cfg.num_layers)
+            (x, cache), _ = jax.lax.scan(step, (x, cache), (stacked, layers))
+            return self.final_norm(x), cache
         new_cache = []
         for layer, layer_cache in zip(self._layers(), cache, strict=True):
             x, layer_cache = layer(x, positions, key_valid, layer_cache, cache_offset)
@@ -434,12 +476,21 @@ class Decoder(nnx.Module):
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-    """Zeroed KV cache: per layer k, v of shape [B, length, KV, head_dim]."""
+    """Zeroed KV cache: per layer k, v of shape [B, length, KV, head_dim], or with
+    `cfg.scan_decode` one {"k", "v"} of [L, B, length, KV, head_dim]."""
     dtype = cfg.compute_dtype if dtype is None else dtype
     shape = (batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+    if cfg.scan_decode:
+        stacked = (cfg.num_layers, *shape)
+        return {"k": jnp.zeros(stacked, dtype), "v": jnp.zeros(stacked, dtype)}
     return tuple(
         {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)
     )
+
+
+def cache_batch_axis(cfg: ModelConfig) -> int:
+    """The axis of a KV cache's leaves (`init_cache`) that holds its rows."""
+    return 1 if cfg.scan_decode else 0
 
 
 def positions_from_mask(valid: jax.Array) -> jax.Array:

@@ -176,11 +176,11 @@ class EngineConfig:
 class SlotState(NamedTuple):
     """The device state of `W` decode slots; C = P + T (prompt + new tokens).
 
-    cache: per layer {"k", "v"}: [W, C, KV, hd]; key_valid: [W, C] bool; next_logits:
-    [W, V] float32 (the logits the slot samples from next); position: [W] int32 (the
-    position id of the next token); step: [W] int32 (tokens generated so far); live: [W]
-    bool (still generating); tokens: [W, T] int32 (pad after the end); token_logp: [W, T]
-    float32 (0 after the end)."""
+    cache: per layer {"k", "v"}: [W, C, KV, hd] (one stacked [L, W, C, KV, hd] with
+    scan_decode); key_valid: [W, C] bool; next_logits: [W, V] float32 (the logits the slot
+    samples from next); position: [W] int32 (the position id of the next token); step: [W]
+    int32 (tokens generated so far); live: [W] bool (still generating); tokens: [W, T]
+    int32 (pad after the end); token_logp: [W, T] float32 (0 after the end)."""
 
     cache: KVCache
     key_valid: jax.Array
@@ -253,13 +253,14 @@ def prefill_slots(
     cache = model.init_cache(rows, length)
     logits, cache = model.apply(params, prompt_tokens, positions, prompt_mask, cache, 0)
     ids = slot_ids.reshape(-1)
+    cache_rows = (slice(None),) * model.cache_batch_axis  # leading axes before the rows
 
-    def spread(x: jax.Array) -> jax.Array:  # [R, ...] -> [R * S, ...], prompt-major
-        return jnp.repeat(x, copies, axis=0)
+    def spread(x: jax.Array, axis: int = 0) -> jax.Array:  # R rows -> R * S, prompt-major
+        return jnp.repeat(x, copies, axis=axis)
 
     def put_prompt_cache(slots: jax.Array, prompt_cache: jax.Array) -> jax.Array:
-        prompt_cache = spread(prompt_cache).astype(slots.dtype)
-        return slots.at[ids, start:prompt_len].set(prompt_cache, mode="drop")
+        prompt_cache = spread(prompt_cache, len(cache_rows)).astype(slots.dtype)
+        return slots.at[(*cache_rows, ids, slice(start, prompt_len))].set(prompt_cache, mode="drop")
 
     hidden = jnp.zeros((rows, start), bool)  # a previous occupant's keys stay masked off
     key_valid = jnp.concatenate([hidden, prompt_mask, jnp.ones((rows, max_new), bool)], axis=1)
@@ -292,7 +293,7 @@ def decode_chunk(
     live or `stop_when_free` slots are free (a refill can start, or a compaction) while the
     live samples may still run `min_steps_left` steps (0 for a refill). Returns the new
     state and the number of steps run and the slot-steps spent on live samples."""
-    model, params = model.per_layer(params)  # scan_layers: unstacked once, not per step
+    model, params = model.for_decoding(params)  # scan_layers: unstacked once, not per step
     width, max_new = state.tokens.shape
     prompt_len = state.key_valid.shape[1] - max_new
     rows = jnp.arange(width)
@@ -343,9 +344,12 @@ def take_rows(state: SlotState, ids: jax.Array) -> tuple[jax.Array, jax.Array, j
     return state.tokens[ids], state.token_logp[ids], state.step[ids]
 
 
-def compact(state: SlotState, keep: jax.Array) -> SlotState:
-    """The state of slots `keep` [w] only (w < W): slot i of the result is slot keep[i]."""
-    return jax.tree.map(lambda x: x[keep], state)
+def compact(state: SlotState, keep: jax.Array, *, cache_batch_axis: int = 0) -> SlotState:
+    """The state of slots `keep` [w] only (w < W): slot i of the result is slot keep[i].
+    The cache's rows are on `cache_batch_axis` (`Model.cache_batch_axis`)."""
+    rows = jax.tree.map(lambda x: x[keep], state._replace(cache=None))
+    cache = jax.tree.map(lambda x: jnp.take(x, keep, axis=cache_batch_axis), state.cache)
+    return rows._replace(cache=cache)
 
 
 class SlotEngine:
@@ -380,7 +384,7 @@ class SlotEngine:
             donate_argnums=1,
         )
         self._take = jax.jit(take_rows)
-        self._compact = jax.jit(compact)
+        self._compact = jax.jit(functools.partial(compact, cache_batch_axis=model.cache_batch_axis))
         self.counters = EngineCounters()
 
     def run(

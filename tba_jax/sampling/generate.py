@@ -127,7 +127,7 @@ def generate(
     pad_id: int,
 ) -> Generation:
     """Samples one response per prompt row. prompt_tokens, prompt_mask: [B, P] (left-padded)."""
-    model, params = model.per_layer(params)  # scan_layers: unstacked once, not per step
+    model, params = model.for_decoding(params)  # scan_layers: unstacked once, not per step
     batch, prompt_len = prompt_tokens.shape
     max_new = sampling.max_new_tokens
     prompt_mask = prompt_mask.astype(bool)

@@ -1,0 +1,77 @@
+"""What the hardware allows: the bytes a decode step must move and the FLOPs a learner step
+must compute, from a model's shapes alone (`benchmarks/gpu_throughput.py` prints measured
+figures as fractions of these).
+
+Decode is memory-bound: each step reads every weight the step multiplies by once and
+each row's KV cache up to its position, so at HBM bandwidth `hbm_bytes_per_s`
+
+    tokens/s ≤ batch × hbm_bytes_per_s / (weight bytes + batch × cached tokens × bytes per token)
+
+averaged over the response (the cache grows from `prompt` to `prompt + new` tokens). The
+input embedding is a gather of `batch` rows, not a read of the table, unless the output
+head is tied to it.
+
+A learner step (forward and backward) computes 6 FLOPs per parameter per token that
+multiplies (the embedding gather is not a matmul) plus causal attention's
+6 · layers · heads · head_dim · sequence per token (12 for full attention, halved by the
+mask); model FLOP utilisation (MFU) divides by the device's dense peak.
+"""
+
+from __future__ import annotations
+
+from tba_jax.models import ModelConfig
+
+# H100 SXM: HBM3 bandwidth and dense bf16 tensor-core peak (NVIDIA's datasheet).
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_DENSE_BF16_FLOPS = 989e12
+
+
+def kv_bytes_per_token(cfg: ModelConfig, cache_bytes: int) -> int:
+    """Bytes of one token's keys and values over every layer."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * cache_bytes
+
+
+def input_table_params(cfg: ModelConfig) -> int:
+    """Params of the lookup tables a step gathers rows from instead of reading whole: the
+    token embedding (unless the head is tied to it) and a learned position table."""
+    gathered = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    if cfg.position_embedding == "learned":
+        gathered += cfg.max_seq_len * cfg.d_model
+    return gathered
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Params every token multiplies by (all but the gathered tables)."""
+    return cfg.num_params() - input_table_params(cfg)
+
+
+def decode_step_bytes(
+    cfg: ModelConfig, batch: int, prompt: int, new: int, param_bytes: int, cache_bytes: int
+) -> float:
+    """Mean bytes one decode step of `batch` rows must read: the weights once and each
+    row's cache at its mean length over the `new` steps (prompt + (new - 1) / 2 tokens)."""
+    mean_cached = prompt + (new - 1) / 2
+    weights = matmul_params(cfg) * param_bytes
+    return weights + batch * mean_cached * kv_bytes_per_token(cfg, cache_bytes)
+
+
+def decode_roofline_tokens_per_s(
+    cfg: ModelConfig,
+    batch: int,
+    prompt: int,
+    new: int,
+    param_bytes: int,
+    cache_bytes: int,
+    hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S,
+) -> float:
+    """The most tokens/s a memory-bound decode of this shape can make."""
+    step_seconds = decode_step_bytes(cfg, batch, prompt, new, param_bytes, cache_bytes) / (
+        hbm_bytes_per_s
+    )
+    return batch / step_seconds
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of a learner step on sequences of `seq_len`."""
+    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
+    return 6 * matmul_params(cfg) + attention

@@ -1,0 +1,53 @@
+"""The roofline arithmetic `benchmarks/gpu_throughput.py` reports against, checked by hand
+on the shape issue 14 quotes (qwen2.5-0.5b, 256 rows of 256 + 256 tokens: "about 2.2 GB"
+a step, "about 390k tokens/s" at 3.35 TB/s) and on an untied model with learned positions,
+whose lookup tables a step gathers from rather than reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tba_jax import roofline
+from tba_jax.models import ModelConfig, preset
+
+
+def test_qwen_half_billion_decode_roofline_by_hand():
+    cfg = preset("qwen2.5-0.5b")
+    assert cfg.tie_embeddings  # the head reads the embedding table: every param is read
+    weights = cfg.num_params() * 2  # bfloat16
+    per_token = 24 * 2 * 2 * 64 * 2  # layers × (k, v) × kv heads × head_dim × bfloat16
+    cache = 256 * (256 + 255 / 2) * per_token  # each row's mean cached tokens over 256 steps
+    step = roofline.decode_step_bytes(cfg, 256, 256, 256, param_bytes=2, cache_bytes=2)
+    assert step == pytest.approx(weights + cache)
+    assert step == pytest.approx(2.19e9, rel=0.01)
+    tokens_per_s = roofline.decode_roofline_tokens_per_s(cfg, 256, 256, 256, 2, 2)
+    assert tokens_per_s == pytest.approx(256 / (step / 3.35e12))
+    assert tokens_per_s == pytest.approx(391e3, rel=0.01)
+
+
+def test_gathered_tables_are_not_read_whole():
+    tied = ModelConfig(
+        vocab_size=100,
+        d_model=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        d_ff=16,
+        max_seq_len=50,
+        family="gpt2",
+    )
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    # gpt2: learned positions (gathered); the tied token table is the head's matmul
+    assert roofline.matmul_params(tied) == tied.num_params() - 50 * 8
+    # untied: the token table is a gather too, the separate head a matmul
+    assert roofline.matmul_params(untied) == untied.num_params() - 50 * 8 - 100 * 8
+    assert untied.num_params() - tied.num_params() == 100 * 8
+
+
+def test_learner_flops_per_token_by_hand():
+    cfg = preset("qwen2.5-0.5b")
+    # 6 per multiplying param (forward 2, backward 4), causal attention 6·L·H·hd·S
+    expected = 6 * cfg.num_params() + 6 * 24 * 14 * 64 * 1024
+    assert roofline.train_flops_per_token(cfg, 1024) == pytest.approx(expected)
