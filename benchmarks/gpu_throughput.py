@@ -2,7 +2,9 @@ r"""Decode, scoring and learner-step throughput of tba_jax on one accelerator.
 
     python benchmarks/gpu_throughput.py --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256
 
-Random weights with a real architecture's shape (a preset), bfloat16. Decoding samples
+Random weights with a real architecture's shape (a preset), bfloat16 (`--dtype`: the
+compute dtype, and the decode and scoring params'; the learner keeps float32 params and
+Adam state). Decoding samples
 exactly `--new` tokens per row at temperature 0.7 (EOS is an id that is never drawn, as
 transformers' `min_new_tokens` forces in ../shared/bench/hf_generate_baseline.py, the peer
 figure to run in the same command). Scoring is the searcher's π_ref pass; the learner step
@@ -34,7 +36,6 @@ from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
 TEMPERATURE = 0.7
-BFLOAT16_BYTES = 2
 
 
 def timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument(
         "--hbm_tb_s", type=float, default=roofline.H100_HBM_BYTES_PER_S / 1e12, help="HBM TB/s"
     )
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--layers", type=int, default=None, help="the preset's depth if unset")
     parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
@@ -95,9 +97,10 @@ def main() -> None:
     if args.layers:
         sizes["num_layers"] = args.layers
     execution = dict(scan_layers=args.scan_layers or args.scan_decode, scan_decode=args.scan_decode)
-    bf16 = preset(args.shape, dtype="bfloat16", param_dtype="bfloat16", **sizes, **execution)
-    vocab = bf16.vocab_size
-    model, params = init_model(bf16, seed=0)
+    decoder = preset(args.shape, dtype=args.dtype, param_dtype=args.dtype, **sizes, **execution)
+    dtype_bytes = jnp.dtype(args.dtype).itemsize
+    vocab = decoder.vocab_size
+    model, params = init_model(decoder, seed=0)
     params = jax.device_put(params)
     num_params = sum(x.size for x in jax.tree.leaves(params))
     prompts = jnp.asarray(random_prompts(rng, args.batch, args.prompt, vocab - 1))
@@ -118,7 +121,7 @@ def main() -> None:
         out = generate(params, prompts, prompt_mask, key)
         assert int(out.lengths.min()) == args.new, "a row stopped early"
         tokens_per_s = args.batch * args.new / statistics.median(times)
-        shape = (bf16, args.batch, args.prompt, args.new, BFLOAT16_BYTES, BFLOAT16_BYTES)
+        shape = (decoder, args.batch, args.prompt, args.new, dtype_bytes, dtype_bytes)
         ceiling = roofline.decode_roofline_tokens_per_s(*shape, args.hbm_tb_s * 1e12)
         report(
             "decode",
@@ -126,9 +129,9 @@ def main() -> None:
             times,
             shape=args.shape,
             params=num_params,
-            layers=bf16.num_layers,
-            scan_layers=bf16.scan_layers,
-            scan_decode=bf16.scan_decode,
+            layers=decoder.num_layers,
+            scan_layers=decoder.scan_layers,
+            scan_decode=decoder.scan_decode,
             batch=args.batch,
             prompt=args.prompt,
             new=args.new,
@@ -159,7 +162,7 @@ def main() -> None:
     del params
 
     if "train" not in skip:
-        mixed = preset(args.shape, dtype="bfloat16", param_dtype="float32", **sizes, **execution)
+        mixed = preset(args.shape, dtype=args.dtype, param_dtype="float32", **sizes, **execution)
         model, abstract = abstract_model(mixed)
         mesh = mesh_lib.make_mesh(jax.devices()[:1], {"fsdp": -1})
         shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])

@@ -107,9 +107,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # How the policy is computed (README, "Accelerator throughput"): blocks stacked and run
     # in one lax.scan (compile time flat in depth; changes the checkpoint's params layout),
     # decode scanning them too over a stacked KV cache (needs scan_layers; off: decode
-    # unstacks the params once per call), a jax.checkpoint policy per block (none | nothing_saveable | dots_saveable |
-    # dots_with_no_batch_dims_saveable), the attention kernel (einsum | dot_product |
-    # cudnn), and how many response slots the log-probs' head runs on at a time (0: all).
+    # unstacks the params once per call), a jax.checkpoint policy per block (none |
+    # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable), the attention
+    # kernel (einsum | dot_product | cudnn), and how many response slots the log-probs'
+    # head runs on at a time (0: all).
     config.model.scan_layers = False
     config.model.scan_decode = False
     config.model.remat = "none"

@@ -277,11 +277,16 @@ def write_layer_cache(
 ) -> jax.Array:
     """`new` [B, S, KV, hd] written into layer `layer` of a stacked cache [L, B, S_kv, KV,
     hd] from slot `offsets` (a scalar, or [B]: one per row); only those slots are
-    written, so inside a jitted loop the cache is updated in place."""
+    written, so inside a jitted loop the cache is updated in place (one offset: a
+    dynamic_update_slice; one per row: a scatter). XLA's CPU backend writes into a
+    bfloat16 cache by converting all of it to float32 and back, every layer of every step:
+    on a CPU, decode a stacked cache in float32."""
+    new = new.astype(cache.dtype)
+    if offsets.ndim == 0:
+        return jax.lax.dynamic_update_slice(cache, new[None], (layer, 0, offsets, 0, 0))
     batch, length = new.shape[:2]
-    slots = jnp.broadcast_to(offsets, (batch,))[:, None] + jnp.arange(length)[None, :]
-    rows = jnp.arange(batch)[:, None]
-    return cache.at[layer, rows, slots].set(new.astype(cache.dtype))
+    slots = offsets[:, None] + jnp.arange(length)[None, :]
+    return cache.at[layer, jnp.arange(batch)[:, None], slots].set(new)
 
 
 class MLP(nnx.Module):

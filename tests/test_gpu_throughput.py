@@ -1,0 +1,61 @@
+"""benchmarks/gpu_throughput.py at micro size on the CPU: every measurement prints its JSON
+line with the figures the README quotes (decode's compile seconds and share of the HBM
+roofline, the learner's FLOPs per token and MFU). The figures themselves are not checked:
+they are wall-clock times of tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tba_jax import roofline
+from tba_jax.models import preset
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "gpu_throughput.py")
+SHAPE = dict(batch=2, prompt=4, new=4)
+ARGS = [
+    "--shape=micro",
+    "--vocab=64",
+    "--dtype=float32",
+    "--layers=2",
+    "--scan_decode",
+    "--train_prompts=2",
+    "--train_k=2",
+    "--microbatches=1",
+    "--repeats=1",
+    *(f"--{name}={value}" for name, value in SHAPE.items()),
+]
+
+
+def test_micro_run_prints_decode_score_and_learner_lines():
+    done = subprocess.run(
+        [sys.executable, SCRIPT, *ARGS],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {
+        line["bench"]: line for line in map(json.loads, done.stdout.splitlines()) if "bench" in line
+    }
+    assert set(lines) == {"decode", "score", "train_step"}
+    decode = lines["decode"]
+    assert decode["layers"] == 2 and decode["scan_layers"] and decode["scan_decode"]
+    assert decode["compile_s"] > 0 and decode["tokens_per_s"] > 0
+    cfg = preset("micro", vocab_size=64, num_layers=2, max_seq_len=8)
+    ceiling = roofline.decode_roofline_tokens_per_s(cfg, *SHAPE.values(), 4, 4)
+    assert decode["roofline_tokens_per_s"] == pytest.approx(ceiling, rel=1e-3)
+    share = 100 * decode["tokens_per_s"] / ceiling
+    assert decode["roofline_percent"] == pytest.approx(share, abs=0.051)  # printed to 0.1
+    train = lines["train_step"]
+    assert train["flops_per_token"] == pytest.approx(roofline.train_flops_per_token(cfg, 8))
+    peak = roofline.H100_DENSE_BF16_FLOPS
+    mfu = 100 * train["tokens_per_s"] * train["flops_per_token"] / peak
+    assert train["mfu_percent"] == pytest.approx(mfu, abs=0.051)
