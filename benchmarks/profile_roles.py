@@ -19,7 +19,8 @@ untimed compiling warm-up, `--steps` repetitions of:
 - a publish: `mesh.publish` of the learner's params onto the sampler's shardings, blocked
   until the copy is done.
 
-It writes the medians (seconds), the samples per call and their mean response tokens, the
+It writes the medians (seconds), a publish as a share of a learner step
+(`publish_share_of_step`), the samples per call and their mean response tokens, the
 config's B, K, S, k, prompts_per_call and replay settings, and the devices each role used
 to `--out` as JSON, and prints the same object as one JSON line on stdout.
 
@@ -283,6 +284,7 @@ def measure_profile(
         **search,
         **learning,
         **publishing,
+        "publish_share_of_step": publishing["publish_seconds"] / learning["learner_step_seconds"],
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
     }

@@ -671,6 +671,8 @@ def test_profile_roles_measures_the_smoke_config_end_to_end(tmp_path):
     for name in ("search_call", "generating", "scoring", "learner_step", "publish"):
         assert written[f"{name}_seconds"] > 0, name
     assert written["batch_draw_seconds"] >= 0
+    share = written["publish_seconds"] / written["learner_step_seconds"]
+    assert written["publish_share_of_step"] == pytest.approx(share)
     split = written["generating_seconds"] + written["scoring_seconds"]
     assert split <= written["search_call_seconds"] * 1.5  # medians of per-call parts
     profile = sizing.load_profile(str(out))
