@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 
+CACHE_READ_WARNING = "Error reading persistent compilation cache entry"
 _WORKER = "PYTEST_XDIST_WORKER" in os.environ
 _SESSION_CACHE = os.path.join(
     tempfile.gettempdir(), f"tba_jax_tests_xla_cache_{os.getppid() if _WORKER else os.getpid()}"
@@ -25,6 +26,12 @@ if _OWN_CACHE:  # set before anything imports jax; test subprocesses inherit it
     # every program, however quick to compile: the smoke runs' programs are small
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # JAX writes an entry in place, so a process may read one another is still writing;
+    # it then warns and compiles the program itself. That is no test's business: quiet it
+    # in the subprocesses (whose consoles some tests read) as pyproject.toml does here.
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        filter(None, [os.environ.get("PYTHONWARNINGS"), f"ignore:{CACHE_READ_WARNING}"])
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):
