@@ -718,11 +718,21 @@ def make_value_stage(run: Setup, meters) -> vineppo.MonteCarloValues | None:
 
 
 def with_rollout_advantages(
-    run: Setup, value_stage: vineppo.MonteCarloValues, params: Params, batch, step: int
+    run: Setup,
+    value_stage: vineppo.MonteCarloValues,
+    source: sources.BatchSource,
+    params: Params,
+    batch,
+    step: int,
 ) -> SampledBatch:
-    """`batch` with VinePPO's per-token advantages from rollouts of `params` (the learner's
-    newest, published to the sampler for them)."""
-    sampler_params = run.group.publish(params, run.sampler_shardings)
+    """`batch` with VinePPO's per-token advantages from rollouts of `params`, the learner's
+    newest after `step` steps: the sampler's copy when the source has published them (a sync
+    source publishes after every step), else published to the sampler for the rollouts."""
+    published, version = source.store.get()  # VinePPO runs on sources with a policy store
+    if version == step:
+        sampler_params = published
+    else:
+        sampler_params = run.group.publish(params, run.sampler_shardings)
     rng = jax.random.fold_in(
         jax.random.fold_in(jax.random.key(run.config.seed), VALUE_STAGE_STREAM), step
     )
@@ -904,7 +914,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
         while step < config.learner_steps and not source.agreed_stop(stop_signal.requested):
             batch = source.next_batch(step)
             if value_stage is not None:  # VinePPO: advantages from the current policy's rollouts
-                batch = with_rollout_advantages(run, value_stage, state.params, batch, step)
+                batch = with_rollout_advantages(run, value_stage, source, state.params, batch, step)
             with segment.meters.time_split.measure("training"):
                 fields = batch_arrays(config, batch)
                 state, metrics = run.train_step(

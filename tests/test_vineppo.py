@@ -1,6 +1,9 @@
 """VinePPO (tba_jax.vineppo): step splitting, Monte Carlo values from rollouts and the
 advantages they give, against hand-worked cases and loops; its loss against GRPO's."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +194,32 @@ def test_an_async_vineppo_run_trains_on_rollout_advantages(tmp_path):
     scalars = read_scalars(str(tmp_path / "tensorboard"))
     assert {"advantage_std", "clip_fraction", "kl_mean"} <= set(scalars)
     assert any(value > 0 for _, value in scalars["advantage_std"])  # the stage ran
+
+
+def test_rollouts_reuse_the_params_a_sync_source_just_published():
+    """A sync source publishes after every step, so the value stage's rollouts take the
+    sampler's copy (no second publish); params newer than the source's (async, k > 1) are
+    published for them."""
+    from tba_jax.train import with_rollout_advantages
+
+    @dataclasses.dataclass
+    class Batch:
+        token_advantage: object = None
+
+    published_copies, rolled_out_with = [], []
+    run = types.SimpleNamespace(
+        group=types.SimpleNamespace(
+            publish=lambda params, shardings: published_copies.append(params) or "copy"
+        ),
+        sampler_shardings=None,
+        config=types.SimpleNamespace(seed=0),
+    )
+    value_stage = types.SimpleNamespace(
+        advantages=lambda params, batch, rng: rolled_out_with.append(params) or "advantages"
+    )
+    source = types.SimpleNamespace(store=types.SimpleNamespace(get=lambda: ("on sampler", 6)))
+    batch = with_rollout_advantages(run, value_stage, source, "learner's", Batch(), step=6)
+    assert batch.token_advantage == "advantages"
+    assert rolled_out_with == ["on sampler"] and published_copies == []
+    with_rollout_advantages(run, value_stage, source, "learner's", Batch(), step=7)
+    assert rolled_out_with[-1] == "copy" and published_copies == ["learner's"]
