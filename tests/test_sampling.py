@@ -11,6 +11,7 @@ from tba_jax.models import abstract_model, positions_from_mask
 from tba_jax.sampling.generate import (
     SamplingConfig,
     make_generate_fn,
+    order_keys,
     response_mask,
     truncate_logits,
 )
@@ -306,6 +307,32 @@ def test_truncate_logits_matches_numpy(top_k, top_p):
         smallest_kept = np.where(kept, probs, np.inf).min(-1)
         assert np.all(mass.sum(-1) - smallest_kept < top_p)
     assert kept.sum() < kept.size  # something was truncated
+
+
+@pytest.mark.parametrize("top_k, top_p", [(7, 1.0), (0, 0.5), (0, 0.9)])
+def test_truncate_logits_keeps_every_tie_at_its_threshold_as_a_sort_would(top_k, top_p):
+    """Logits on a coarse grid (many ties, both signs, ±0.0, the float's min as a masked
+    id): the sort-free thresholds keep what the sorted reference keeps, ties at the
+    threshold included."""
+    rng = np.random.default_rng(top_k + int(10 * top_p))
+    logits = (rng.integers(-6, 7, size=(12, 300)) * 0.5).astype(np.float32)
+    logits[0, :3] = [0.0, -0.0, np.finfo(np.float32).min]
+    out = np.asarray(truncate_logits(jnp.asarray(logits), top_k, top_p))
+    kept = out > np.finfo(np.float32).min
+    reference = np_truncate(logits, top_k, top_p)
+    for row in range(len(logits)):  # np_truncate keeps a tie group whole only by chance
+        threshold = logits[row][reference[row]].min()
+        np.testing.assert_array_equal(kept[row], logits[row] >= threshold, err_msg=f"{row}")
+
+
+def test_order_keys_sort_like_the_floats():
+    values = np.array(
+        [np.finfo(np.float32).min, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, np.inf], np.float32
+    )
+    keys = np.asarray(order_keys(jnp.asarray(values))).astype(np.int64)
+    steps = np.diff(keys)
+    assert steps[3] == 0  # -0.0 == 0.0
+    assert np.all(np.delete(steps, 3) > 0)
 
 
 def test_truncate_logits_off_is_identity():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -66,6 +66,10 @@ class Generation(NamedTuple):
     token_logp: jax.Array
 
 
+# Bits of the order-preserving keys of float32 logits (`order_keys`).
+KEY_BITS = 32
+
+
 def mask_padded_vocab(logits: jax.Array, vocab_limit: int) -> jax.Array:
     """Sets the logits of ids >= vocab_limit to -inf (no-op for 0). logits: [B, V]."""
     if vocab_limit <= 0 or vocab_limit >= logits.shape[-1]:
@@ -74,20 +78,47 @@ def mask_padded_vocab(logits: jax.Array, vocab_limit: int) -> jax.Array:
     return jnp.where(ids < vocab_limit, logits, jnp.finfo(logits.dtype).min)
 
 
+def order_keys(values: jax.Array) -> jax.Array:
+    """uint32 keys in the order of float32 `values`: a < b exactly when key(a) < key(b),
+    and a == b when key(a) == key(b) (-0.0 is read as +0.0). The sign bit is flipped for
+    positives, every bit for negatives."""
+    values = values.astype(jnp.float32)
+    values = jnp.where(values == 0, jnp.float32(0), values)
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    ordered = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jax.lax.bitcast_convert_type(ordered, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def largest_key_where(keys: jax.Array, enough: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Per row of `keys` [B, V] uint32, the largest t for which `enough(keys >= t)` ([B, V]
+    bool -> [B] bool) holds: decided bit by bit from the most significant, 32 passes over
+    the row and no sort. `enough` must hold at t = 0 and whenever it holds at a larger t."""
+
+    def decide_bit(index, found):
+        candidate = found | (jnp.uint32(1) << (KEY_BITS - 1 - index).astype(jnp.uint32))
+        return jnp.where(enough(keys >= candidate[:, None]), candidate, found)
+
+    return jax.lax.fori_loop(0, KEY_BITS, decide_bit, jnp.zeros(keys.shape[0], jnp.uint32))
+
+
 def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Sets logits outside the top-k / nucleus to -inf. logits: [B, V] float32."""
+    """Sets logits outside the top-k, then outside the nucleus of what is left, to the
+    float's min. logits: [B, V] float32. Ties at a threshold are all kept. Both thresholds
+    are found without sorting the vocabulary (`largest_key_where`): top-k keeps the keys
+    >= the largest key that k of them reach, the nucleus those >= the largest key whose
+    tokens hold top_p of the mass — the smallest prefix of the sorted vocabulary that
+    reaches top_p, ties at its last logit included."""
     neg_inf = jnp.finfo(logits.dtype).min
     if top_k > 0:
-        kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth_largest, neg_inf, logits)
+        keys = order_keys(logits)
+        kth_largest = largest_key_where(keys, lambda kept: jnp.sum(kept, axis=-1) >= top_k)
+        logits = jnp.where(keys >= kth_largest[:, None], logits, neg_inf)
     if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token if the mass strictly before it is < top_p (always keeps the top one).
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        kept = mass_before < top_p
-        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, neg_inf, logits)
+        keys, probs = order_keys(logits), jax.nn.softmax(logits, axis=-1)
+        threshold = largest_key_where(
+            keys, lambda kept: jnp.sum(jnp.where(kept, probs, 0.0), axis=-1) >= top_p
+        )
+        logits = jnp.where(keys >= threshold[:, None], logits, neg_inf)
     return logits
 
 
