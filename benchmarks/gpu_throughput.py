@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="the preset's depth if unset")
     parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
+    parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
     parser.add_argument("--skip", default="", help="comma list of decode,score,train")
     parser.add_argument("--vocab", type=int, default=None, help="for presets without one")
     args = parser.parse_args()
@@ -110,7 +111,10 @@ def main() -> None:
         # EOS = the last id, which vocab_limit keeps from ever being drawn: every row decodes
         # exactly --new tokens.
         sampling = SamplingConfig(
-            max_new_tokens=args.new, temperature=TEMPERATURE, vocab_limit=vocab - 1
+            max_new_tokens=args.new,
+            temperature=TEMPERATURE,
+            vocab_limit=vocab - 1,
+            decode_segments=args.decode_segments,
         )
         generate = make_generate_fn(model, sampling, eos_id=vocab - 1, pad_id=0)
         key = jax.random.key(0)
@@ -132,6 +136,7 @@ def main() -> None:
             layers=decoder.num_layers,
             scan_layers=decoder.scan_layers,
             scan_decode=decoder.scan_decode,
+            decode_segments=args.decode_segments,
             batch=args.batch,
             prompt=args.prompt,
             new=args.new,

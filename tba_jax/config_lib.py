@@ -191,6 +191,7 @@ RANGES: dict[str, Allowed] = {
     "sampling.temperature": number_above(0),
     "sampling.top_k": integer_at_least(0),
     "sampling.top_p": number_in(0, 1, low_open=True),
+    "sampling.decode_segments": integer_at_least(1),
     "loss.beta_schedule": one_of(BETA_SCHEDULE_KINDS),
     "loss.beta_start": number_above(0),
     "loss.beta_end": number_above(0),
@@ -326,6 +327,11 @@ def validate(
         raise ConfigError(
             "model.scan_decode=True scans the stacked blocks of model.scan_layers=True; set "
             "model.scan_layers=True too (or leave scan_decode off)."
+        )
+    if config.sampling.get("decode_segments", 1) > config.max_response_len:
+        raise ConfigError(
+            f"sampling.decode_segments={config.sampling.decode_segments} is more than "
+            f"max_response_len={config.max_response_len} decode steps; lower it."
         )
     if config.method not in registered_losses():
         raise ConfigError(f"method={config.method!r} is not one of {registered_losses()}.")

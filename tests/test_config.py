@@ -98,6 +98,8 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("optim.schedule=cosine", 1, r"optim\.schedule='cosine' must be one of"),
         ("model.dtype=float8", 1, r"model\.dtype='float8' must be one of"),
         ("model.scan_decode=True", 1, r"model\.scan_decode=True scans the stacked blocks"),
+        ("sampling.decode_segments=13", 1, r"decode_segments=13 is more than max_response_len"),
+        ("sampling.decode_segments=0", 1, r"sampling\.decode_segments=0 must be an integer >= 1"),
         ("loss.beta_anneal_steps=0", 1, r"beta_anneal_steps=0 must be >= 1 for a linear"),
         ("max_nonfinite_steps=0", 1, r"max_nonfinite_steps=0 must be an integer >= 1"),
         ("method=ppo,loss.ppo.critic=twin", 1, r"loss\.ppo\.critic='twin' must be one of"),

@@ -1,6 +1,8 @@
 """The sampler (prefill + KV-cache decode loop) against teacher-forced scoring, greedy
 step-by-step decoding, NumPy truncation and the tempered softmax it should draw from."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,6 +260,38 @@ def test_greedy_equals_step_by_step_argmax(setup, greedy_reference):
     np.testing.assert_allclose(gen.token_logp, ref_logp, rtol=TOL, atol=TOL)
     # Greedy ignores the key.
     np.testing.assert_array_equal(generate(setup, GREEDY, "some_eos", seed=5).tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("segments", [2, 4])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED_10], ids=["greedy", "sampled"])
+def test_decode_segments_attend_over_less_and_sample_the_same(setup, sampling, segments):
+    """Segments attend over only the cache slots their steps can have filled; the slots
+    left out are masked off anyway, so the samples and log-probs are those of one loop."""
+    segmented = dataclasses.replace(sampling, decode_segments=segments)
+    assert segmented.segment_ends()[-1] == T and len(segmented.segment_ends()) == segments
+    for params_name in ("no_eos", "some_eos"):
+        want = generate(setup, sampling, params_name, seed=3)
+        got = generate(setup, segmented, params_name, seed=3)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.token_logp, want.token_logp, atol=1e-5)  # summation order
+
+
+def test_a_key_valid_shorter_than_the_cache_attends_over_its_first_slots(setup):
+    """A cached pass given key_valid [B, S_att] reads only the first S_att cache slots: a
+    cache whose later slots hold NaN (which a masked read would still spread: its
+    attention weight is 0, and 0 × NaN is NaN) gives the logits of a clean one."""
+    model, params = setup["model"], setup["params"]["some_eos"]
+    tokens, mask = setup["prompt_tokens"], setup["prompt_mask"]
+    positions = positions_from_mask(jnp.asarray(mask))
+    clean = model.init_cache(B, P + T)
+    garbage = jax.tree.map(lambda x: x.at[:, P:].set(jnp.nan), clean)
+    want, _ = setup["apply"](params, tokens, positions, jnp.asarray(mask), clean, 0)
+    got, cache = setup["apply"](params, tokens, positions, jnp.asarray(mask), garbage, 0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    assert bool(jnp.all(jnp.isnan(cache[0]["v"][:, P:])))  # left as they were
+    full_valid = jnp.concatenate([jnp.asarray(mask), jnp.ones((B, T), bool)], axis=1)
+    spread, _ = setup["apply"](params, tokens, positions, full_valid, garbage, 0)
+    assert bool(jnp.any(jnp.isnan(spread)))  # read over every slot, the NaN gets through
 
 
 def test_top_k_one_is_greedy(setup, greedy_reference):

@@ -187,7 +187,10 @@ class Attention(nnx.Module):
         one offset for every row (a scalar) or one per row ([B], the slot engine's).
         With `layer` (an index, traced inside a scan) `cache_layer` is every layer's
         stacked cache ([L, B, S_kv, KV, hd]): this layer's new keys are written into it
-        and its slice `layer` is attended over.
+        and its slice `layer` is attended over. A `key_valid` shorter than the cache
+        ([B, S_att], S_att <= S_kv, the new slots inside it) attends over the cache's
+        first S_att slots only: a decode step whose later slots are all still empty need
+        not read them.
         """
         cfg = self.cfg
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
@@ -214,6 +217,8 @@ class Attention(nnx.Module):
                     )
                 # [1, S] with one offset for every row, [B, S] with one per row
                 query_slots = offsets.reshape(-1, 1) + query_slots
+                attended = key_valid.shape[1]
+                k, v = k[:, :attended], v[:, :attended]
             key_slots = jnp.arange(k.shape[1])
             causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
             out = einsum_attention(q, k, v, causal & key_valid[:, None, :], cfg)

@@ -39,6 +39,12 @@ class SamplingConfig:
     # Ids >= vocab_limit are never drawn (models whose embedding is padded past the
     # tokenizer's vocabulary, e.g. Pythia); 0: no limit.
     vocab_limit: int = 0
+    # The batch generator's decode loop runs in this many segments of max_new_tokens / N
+    # steps, each attending over only the cache slots its steps can have filled (the
+    # prompt and the segment's end): fewer cache reads on long responses, one more
+    # compiled loop body per segment. The slot engine (rows at different positions)
+    # ignores it.
+    decode_segments: int = 1
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
@@ -53,6 +59,16 @@ class SamplingConfig:
             raise ValueError(f"vocab_limit={self.vocab_limit} must be >= 0 (0: no limit).")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 turns it off).")
+        if not 1 <= self.decode_segments <= self.max_new_tokens:
+            raise ValueError(
+                f"decode_segments={self.decode_segments} must be in [1, max_new_tokens="
+                f"{self.max_new_tokens}]."
+            )
+
+    def segment_ends(self) -> list[int]:
+        """The step each decode segment ends at: max_new_tokens × i / decode_segments."""
+        segments, steps = self.decode_segments, self.max_new_tokens
+        return sorted({-(-steps * i // segments) for i in range(1, segments + 1)})
 
 
 class Generation(NamedTuple):
@@ -177,10 +193,7 @@ def generate(
         done: jax.Array
         rng: jax.Array
 
-    def keep_going(carry: Carry):
-        return (carry.step < max_new) & ~jnp.all(carry.done)
-
-    def decode_step(carry: Carry) -> Carry:
+    def decode_step(carry: Carry, attended: int) -> Carry:
         rng, step_rng = jax.random.split(carry.rng)
         token, logp = sample_token(carry.next_logits, step_rng, sampling)
         token = jnp.where(carry.done, pad_id, token)
@@ -192,7 +205,7 @@ def generate(
             params,
             token[:, None],
             carry.position[:, None],
-            key_valid,
+            key_valid[:, :attended],  # the cache slots this segment's steps can see
             carry.cache,
             prompt_len + carry.step,
         )
@@ -217,7 +230,14 @@ def generate(
         done=jnp.zeros((batch,), bool),
         rng=rng,
     )
-    final = jax.lax.while_loop(keep_going, decode_step, initial)
+    final = initial
+    for end in sampling.segment_ends():  # one loop per segment, up to step `end`
+
+        def keep_going(carry: Carry, end=end):
+            return (carry.step < end) & ~jnp.all(carry.done)
+
+        step = functools.partial(decode_step, attended=prompt_len + end)
+        final = jax.lax.while_loop(keep_going, step, final)
     mask = response_mask(final.tokens, eos_id)
     return Generation(
         tokens=final.tokens,
