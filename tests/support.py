@@ -1,5 +1,8 @@
 """Helpers shared by several test files (not collected: the name has no test_ prefix)."""
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -14,6 +17,21 @@ requires_gsm8k = pytest.mark.skipif(
     not all((GSM8K_DIR / name).is_file() for name in ("train.jsonl", "test.jsonl")),
     reason=f"the GSM8K files (train.jsonl, test.jsonl) are not in {GSM8K_DIR}",
 )
+
+
+def run_repo_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python <script> <args>` (a path relative to the repository, e.g. a benchmark) from
+    the repository root with it on PYTHONPATH, as the README runs it; stdout and stderr
+    captured as text."""
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
+
 
 # Python source that hides TensorFlow from every import finder: afterwards `import tensorflow`
 # raises ModuleNotFoundError and find_spec returns None, exactly as if it were not installed.

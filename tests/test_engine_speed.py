@@ -5,12 +5,11 @@ they are wall-clock times of tiny shapes)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "engine_speed.py")
+from support import run_repo_script
+
+SCRIPT = "benchmarks/engine_speed.py"
 SMOKE_SECONDS = 120  # ~13 s on 2 CPU cores, most of it imports and compiling
 
 PATH_FIELDS = {
@@ -30,14 +29,7 @@ ENGINE_FIELDS = {"chunks", "prefills", "compactions"}
 
 
 def run_benchmark(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        cwd=REPO_ROOT,
-        timeout=SMOKE_SECONDS,
-    )
+    return run_repo_script(SCRIPT, *args, timeout=SMOKE_SECONDS)
 
 
 def test_smoke_run_reports_both_paths_on_both_mixes():

@@ -6,17 +6,13 @@ they are wall-clock times of tiny shapes."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from support import run_repo_script
 
 from tba_jax import roofline
 from tba_jax.models import preset
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "gpu_throughput.py")
 SHAPE = dict(batch=2, prompt=4, new=4)
 ARGS = [
     "--shape=micro",
@@ -33,14 +29,7 @@ ARGS = [
 
 
 def test_micro_run_prints_decode_score_and_learner_lines():
-    done = subprocess.run(
-        [sys.executable, SCRIPT, *ARGS],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        cwd=REPO_ROOT,
-        timeout=300,
-    )
+    done = run_repo_script("benchmarks/gpu_throughput.py", *ARGS, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {
         line["bench"]: line for line in map(json.loads, done.stdout.splitlines()) if "bench" in line

@@ -4,23 +4,15 @@ clear error for an unknown rule (the figures themselves are wall-clock times, un
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "sampling_step.py")
+from support import run_repo_script
+
+TINY = ("--rows=2", "--vocab=50", "--repeats=1")
 
 
 def run_benchmark(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SCRIPT, "--rows=2", "--vocab=50", "--repeats=1", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        cwd=REPO_ROOT,
-        timeout=120,
-    )
+    return run_repo_script("benchmarks/sampling_step.py", *TINY, *args, timeout=120)
 
 
 def test_every_rule_prints_its_line():

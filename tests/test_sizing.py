@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from support import run_repo_script
 
 from benchmarks import sizing_check
 from configs import arithmetic
@@ -23,7 +24,6 @@ from tba_jax.replay import ReplayBuffer
 from tba_jax.trajectories import Trajectory
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROFILE_SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "profile_roles.py")
 SMOKE = os.path.join(REPO_ROOT, "configs", "arithmetic.py") + ":smoke"
 CLI_SECONDS = 60
 PROFILE_SECONDS = 120  # the smoke profile takes ~12 s on 2 cores, most of it imports
@@ -643,14 +643,7 @@ def test_sizing_check_a_profile_mistake_is_one_error_line(tmp_path, capsys):
 
 
 def run_profile(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, PROFILE_SCRIPT, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        cwd=REPO_ROOT,
-        timeout=PROFILE_SECONDS,
-    )
+    return run_repo_script("benchmarks/profile_roles.py", *args, timeout=PROFILE_SECONDS)
 
 
 def test_profile_roles_measures_the_smoke_config_end_to_end(tmp_path):
