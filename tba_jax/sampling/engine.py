@@ -253,14 +253,15 @@ def prefill_slots(
     cache = model.init_cache(rows, length)
     logits, cache = model.apply(params, prompt_tokens, positions, prompt_mask, cache, 0)
     ids = slot_ids.reshape(-1)
-    cache_rows = (slice(None),) * model.cache_batch_axis  # leading axes before the rows
+    rows_axis = model.cache_batch_axis  # of the cache's leaves ([L, R, ...] with scan_decode)
 
     def spread(x: jax.Array, axis: int = 0) -> jax.Array:  # R rows -> R * S, prompt-major
         return jnp.repeat(x, copies, axis=axis)
 
     def put_prompt_cache(slots: jax.Array, prompt_cache: jax.Array) -> jax.Array:
-        prompt_cache = spread(prompt_cache, len(cache_rows)).astype(slots.dtype)
-        return slots.at[(*cache_rows, ids, slice(start, prompt_len))].set(prompt_cache, mode="drop")
+        prompt_cache = spread(prompt_cache, rows_axis).astype(slots.dtype)
+        index = (slice(None),) * rows_axis + (ids, slice(start, prompt_len))
+        return slots.at[index].set(prompt_cache, mode="drop")
 
     hidden = jnp.zeros((rows, start), bool)  # a previous occupant's keys stay masked off
     key_valid = jnp.concatenate([hidden, prompt_mask, jnp.ones((rows, max_new), bool)], axis=1)
