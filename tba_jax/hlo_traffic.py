@@ -1,0 +1,395 @@
+"""Device-memory traffic of a compiled XLA program, read from its optimized HLO text: a
+static profile of what each instruction reads and writes, per iteration of each loop.
+
+Each top-level instruction of a computation (a fusion, a library matmul, a copy, …) is
+one kernel that reads its operands from device memory and writes its result there; what
+happens inside a fusion stays in registers. Two kinds of fusion touch only part of an
+operand and are counted at that size:
+
+- a fusion that only slices an operand (`dynamic-slice`, `slice`, `gather`, possibly
+  through bitcasts) reads the slices, not the operand;
+- a fusion whose root is a `dynamic-update-slice` of one of its operands updates that
+  buffer in place (XLA aliases them): it writes the update, not the whole buffer.
+
+`while` loops are expanded into a tree: a loop's traffic per iteration is its body's
+instructions plus each nested loop's per-iteration traffic times that loop's known trip
+count. A decode loop (stopped when every row has ended) has no known trip count, so its
+figure is the bytes of one decode step.
+
+This is what the compiler's program moves, not what the hardware achieves: comparing it
+with `roofline.decode_step_bytes` says how much of the gap to the memory roofline is
+extra traffic, and the rest is time lost to small kernels, launches and latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+
+# Bytes per element of HLO's array types (pred is stored as a byte).
+ELEMENT_BYTES = {
+    "pred": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_ARRAY = re.compile(r"\b(" + "|".join(ELEMENT_BYTES) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
+# Instructions that move no data of their own: tuple plumbing, aliases, constants.
+_FREE = frozenset(
+    {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "iota"}
+)
+_SLICES = frozenset({"dynamic-slice", "slice", "gather"})
+# What a kernel does, as `Access.kind` names it.
+CATEGORIES = (
+    "matmul",  # a library or Triton matmul, with whatever XLA fused into it
+    "reduction",  # a reduce (max, sum, argmax, norms) with its fused producers
+    "update in place",  # writes a slice into a buffer it aliases (a KV cache write)
+    "slice copy",  # copies a slice out of a larger buffer (a layer out of a stack)
+    "elementwise",  # a loop fusion: converts, adds, multiplies, concatenations
+    "copy",  # a layout change or a buffer copy
+    "other",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: `name = shape opcode(operands), attributes`."""
+
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+    is_root: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """A top-level instruction's device-memory traffic, in bytes, per execution."""
+
+    name: str
+    kind: str  # what the kernel does: one of CATEGORIES
+    read_bytes: int
+    written_bytes: int
+    shape: str
+
+    @property
+    def bytes(self) -> int:
+        return self.read_bytes + self.written_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A while loop: its body's accesses and nested loops; trip_count None if unknown."""
+
+    name: str
+    trip_count: int | None
+    accesses: tuple[Access, ...]
+    loops: tuple[Loop, ...]
+
+    def bytes_per_iteration(self) -> int:
+        """Bytes one iteration moves: its own instructions, and nested loops times their
+        known trip counts (once, if unknown)."""
+        nested = sum(loop.bytes_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
+        return sum(access.bytes for access in self.accesses) + nested
+
+    def kernels_per_iteration(self) -> int:
+        nested = sum(loop.kernels_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
+        return len(self.accesses) + nested
+
+    def all_accesses(self) -> Iterator[tuple[Access, int]]:
+        """(access, executions per iteration of this loop), nested loops included."""
+        for access in self.accesses:
+            yield access, 1
+        for loop in self.loops:
+            for access, times in loop.all_accesses():
+                yield access, times * (loop.trip_count or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    computations: dict[str, tuple[Instruction, ...]]
+    entry: str
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape (a tuple's elements summed); layouts ignored."""
+    total = 0
+    for element, dims in _ARRAY.findall(shape):
+        total += ELEMENT_BYTES[element] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index of the bracket closing the one opened at text[start]."""
+    depth = 0
+    for index in range(start, len(text)):
+        if text[index] in "([{":
+            depth += 1
+        elif text[index] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return index
+    raise ValueError(f"unbalanced brackets in HLO: {text[start : start + 80]!r}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Splits at the commas that are outside every bracket."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(char)
+    if "".join(current).strip():
+        parts.append("".join(current).strip())
+    return parts
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if not match:
+        return None
+    is_root, name, rest = bool(match.group(1)), match.group(2), match.group(3)
+    if rest.startswith("("):  # a tuple shape
+        end = _balanced_end(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+    else:
+        shape, rest = rest.split(" ", 1)
+    opcode = re.match(r"([a-z][\w\-]*)\(", rest)
+    if opcode is None:
+        return None
+    open_at = opcode.end() - 1
+    close_at = _balanced_end(rest, open_at)
+    operands = tuple(
+        part.split()[-1].lstrip("%") for part in _split_top_level(rest[open_at + 1 : close_at])
+    )
+    return Instruction(name, shape, opcode.group(1), operands, rest[close_at + 1 :], is_root)
+
+
+def parse_module(text: str) -> Module:
+    """The computations of an optimized HLO module (`compiled.as_text()`)."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            instruction = parse_instruction(line)
+            if instruction is not None:
+                computations[current].append(instruction)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
+    return Module({name: tuple(body) for name, body in computations.items()}, entry)
+
+
+def _attribute(instruction: Instruction, key: str) -> str | None:
+    match = re.search(key + r"=%?([\w.\-]+)", instruction.attributes)
+    return match.group(1) if match else None
+
+
+def _trip_count(instruction: Instruction) -> int | None:
+    match = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
+    return int(match.group(1)) if match else None
+
+
+class _FusionBody:
+    """A fused computation, to count what its parameters and root really touch."""
+
+    def __init__(self, body: tuple[Instruction, ...]):
+        self.by_name = {instruction.name: instruction for instruction in body}
+        self.parameters = {
+            instruction.name: int(instruction.operands[0])
+            for instruction in body
+            if instruction.opcode == "parameter"
+        }
+        self.users: dict[str, list[Instruction]] = {name: [] for name in self.by_name}
+        for instruction in body:
+            for operand in instruction.operands:
+                self.users.setdefault(operand, []).append(instruction)
+        self.root = next(instruction for instruction in body if instruction.is_root)
+
+    def through_bitcasts(self, name: str) -> str:
+        while name in self.by_name and self.by_name[name].opcode == "bitcast":
+            name = self.by_name[name].operands[0]
+        return name
+
+    def sliced_bytes(self, name: str) -> int | None:
+        """Bytes read of `name` if every use reads only slices of it (through bitcasts
+        and in-place updates), else None."""
+        total = 0
+        for user in self.users.get(name, []):
+            if user.opcode == "bitcast":
+                part = self.sliced_bytes(user.name)
+            elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+                part = 0 if user.is_root else self.sliced_bytes(user.name)
+            elif user.opcode in _SLICES and user.operands[0] == name:
+                part = array_bytes(user.shape)
+            elif user.opcode == "tuple":
+                part = 0
+            else:
+                return None
+            if part is None:
+                return None
+            total += part
+        return total
+
+    def outputs(self) -> list[Instruction]:
+        if self.root.opcode == "tuple":
+            return [self.by_name[name] for name in self.root.operands]
+        return [self.root]
+
+
+def _fusion_traffic(body: _FusionBody, operand_shapes: list[str]) -> tuple[int, int]:
+    """(read, written) bytes of one fusion over operands of these shapes."""
+    written, updated_in_place = 0, set()
+    for output in body.outputs():
+        if output.opcode == "dynamic-update-slice":
+            written += array_bytes(body.by_name[output.operands[1]].shape)
+            updated_in_place.add(body.through_bitcasts(output.operands[0]))
+        else:
+            written += array_bytes(output.shape)
+    read = 0
+    for parameter, index in body.parameters.items():
+        if parameter in updated_in_place or index >= len(operand_shapes):
+            continue
+        whole = array_bytes(operand_shapes[index])
+        sliced = body.sliced_bytes(parameter)
+        read += whole if sliced is None else min(sliced, whole)
+    return read, written
+
+
+def _fusion_category(body: _FusionBody, fusion_kind: str | None, called: str) -> str:
+    roots = {output.opcode for output in body.outputs()}
+    if "gemm" in called or "dot" in roots or "convolution" in roots:
+        return "matmul"
+    if fusion_kind == "kInput" or "reduce" in roots:
+        return "reduction"
+    if roots == {"dynamic-update-slice"}:
+        return "update in place"
+    if roots <= _SLICES | {"copy"} and any(
+        body.sliced_bytes(parameter) is not None for parameter in body.parameters
+    ):
+        return "slice copy"
+    return "elementwise"
+
+
+def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) -> Access:
+    operand_shapes = [shapes.get(operand, "") for operand in instruction.operands]
+    if instruction.opcode == "fusion":
+        called = _attribute(instruction, "calls")
+        body = _FusionBody(module.computations[called])
+        read, written = _fusion_traffic(body, operand_shapes)
+        kind = _fusion_category(body, _attribute(instruction, "kind"), called)
+    elif instruction.opcode == "dynamic-update-slice":  # in place: the update both ways
+        read = written = array_bytes(operand_shapes[1])
+        kind = "update in place"
+    else:
+        read = sum(array_bytes(shape) for shape in operand_shapes)
+        written = array_bytes(instruction.shape)
+        target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
+        if instruction.opcode in ("dot", "convolution") or (
+            target and re.search("gemm|matmul|cublas", target.group(1), re.IGNORECASE)
+        ):
+            kind = "matmul"
+        elif instruction.opcode in ("reduce", "reduce-window"):
+            kind = "reduction"
+        elif instruction.opcode in _SLICES:
+            kind = "slice copy"
+        elif instruction.opcode in ("copy", "transpose"):
+            kind = "copy"
+        else:
+            kind = "other"
+    return Access(instruction.name, kind, read, written, instruction.shape)
+
+
+def computation_traffic(module: Module, name: str, trip_count: int | None = 1) -> Loop:
+    """The traffic of computation `name` (one execution), its while loops nested."""
+    body = module.computations[name]
+    shapes = {instruction.name: instruction.shape for instruction in body}
+    accesses, loops = [], []
+    for instruction in body:
+        if instruction.opcode == "while":
+            loop_body = _attribute(instruction, "body")
+            nested = computation_traffic(module, loop_body, _trip_count(instruction))
+            loops.append(dataclasses.replace(nested, name=instruction.name))
+        elif instruction.opcode not in _FREE:
+            accesses.append(_access(module, instruction, shapes))
+    return Loop(name, trip_count, tuple(accesses), tuple(loops))
+
+
+def program_traffic(hlo_text: str) -> Loop:
+    """The entry computation's traffic, every while loop nested in it."""
+    module = parse_module(hlo_text)
+    return computation_traffic(module, module.entry)
+
+
+def loops_without_trip_count(loop: Loop) -> list[Loop]:
+    """The outermost loops whose trip count is not known at compile time (decode loops
+    that stop when every row has ended), in program order."""
+    found = []
+    for nested in loop.loops:
+        if nested.trip_count is None:
+            found.append(nested)
+        else:
+            found.extend(loops_without_trip_count(nested))
+    return found
+
+
+def bytes_by_kind(loop: Loop) -> dict[str, int]:
+    """Bytes per iteration of `loop`, summed by what the kernels do, largest first."""
+    totals: dict[str, int] = {}
+    for access, times in loop.all_accesses():
+        totals[access.kind] = totals.get(access.kind, 0) + access.bytes * times
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class AccessGroup:
+    """Kernels of one kind and output shape (a layer's repeats): how many, bytes together."""
+
+    kind: str
+    shape: str
+    count: int
+    bytes: int
+
+
+def largest_groups(loop: Loop, count: int) -> list[AccessGroup]:
+    """The `count` groups of kernels (same kind and output shape) that move the most bytes
+    per iteration of `loop`."""
+    groups: dict[tuple[str, str], tuple[int, int]] = {}
+    for access, times in loop.all_accesses():
+        kernels, moved = groups.get((access.kind, access.shape), (0, 0))
+        groups[access.kind, access.shape] = (kernels + times, moved + access.bytes * times)
+    ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:count]
+    return [AccessGroup(kind, shape, kernels, moved) for (kind, shape), (kernels, moved) in ranked]

@@ -1,0 +1,193 @@
+"""tba_jax.hlo_traffic: bytes read and written per kernel and per loop iteration, from
+optimized HLO, checked against hand counts: on small HLO modules written out here (the
+text XLA prints) and on programs this machine's XLA compiles; and
+benchmarks/decode_traffic.py at micro size."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from support import run_repo_script
+
+from tba_jax import hlo_traffic
+
+# A decode-like loop in optimized-HLO form: each iteration reads one row of an [8, 1024]
+# f32 table with a dynamic slice, writes one row into an [8, 1024] cache in place, and runs
+# an inner loop of known trip count 3 whose body adds two [1024] vectors.
+LOOP_MODULE = """
+HloModule decode_like, entry_computation_layout={()->f32[8,1024]{1,0}}
+
+%fused_slice (param_0: f32[8,1024], param_1: s32[]) -> f32[1,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %row = f32[1,1024] dynamic-slice(%param_0, %param_1, %zero), dynamic_slice_sizes={1,1024}
+}
+
+%fused_update (param_0.1: f32[8,1024], param_1.1: f32[1,1024], param_2: s32[]) -> f32[8,1024] {
+  %param_0.1 = f32[8,1024]{1,0} parameter(0)
+  %bitcast.1 = f32[8,1024]{1,0} bitcast(%param_0.1)
+  %param_1.1 = f32[1,1024]{1,0} parameter(1)
+  %twice = f32[1,1024]{1,0} add(%param_1.1, %param_1.1)
+  %param_2 = s32[] parameter(2)
+  %zero.1 = s32[] constant(0)
+  ROOT %written = f32[8,1024]{1,0} dynamic-update-slice(%bitcast.1, %twice, %param_2, %zero.1)
+}
+
+%fused_add (param_0.2: f32[1024], param_1.2: f32[1024]) -> f32[1024] {
+  %param_0.2 = f32[1024]{0} parameter(0)
+  %param_1.2 = f32[1024]{0} parameter(1)
+  ROOT %sum = f32[1024]{0} add(%param_0.2, %param_1.2)
+}
+
+%ib (inner: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %inner = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%inner), index=0
+  %v = f32[1024]{0} get-tuple-element(%inner), index=1
+  %added = f32[1024]{0} fusion(%v, %v), kind=kLoop, calls=%fused_add
+  ROOT %next = (s32[], f32[1024]{0}) tuple(%i, %added)
+}
+
+%ic (inner.1: (s32[], f32[1024])) -> pred[] {
+  %inner.1 = (s32[], f32[1024]{0}) parameter(0)
+  ROOT %true = pred[] constant(true)
+}
+
+%outer_body (carry: (s32[], f32[8,1024], f32[8,1024])) -> (s32[], f32[8,1024], f32[8,1024]) {
+  %carry = (s32[], f32[8,1024]{1,0}, f32[8,1024]{1,0}) parameter(0)
+  %step = s32[] get-tuple-element(%carry), index=0
+  %table = f32[8,1024]{1,0} get-tuple-element(%carry), index=1
+  %cache = f32[8,1024]{1,0} get-tuple-element(%carry), index=2
+  %row.1 = f32[1,1024]{1,0} fusion(%table, %step), kind=kLoop, calls=%fused_slice
+  %cache.1 = f32[8,1024]{1,0} fusion(%cache, %row.1, %step), kind=kLoop, calls=%fused_update
+  %flat = f32[1024]{0} bitcast(%row.1)
+  %start = (s32[], f32[1024]{0}) tuple(%step, %flat)
+  %inner_loop = (s32[], f32[1024]) while(%start), condition=%ic, body=%ib, TRIP_COUNT
+  ROOT %next.1 = (s32[], f32[8,1024]{1,0}, f32[8,1024]{1,0}) tuple(%step, %table, %cache.1)
+}
+
+%outer_cond (carry.1: (s32[], f32[8,1024], f32[8,1024])) -> pred[] {
+  %carry.1 = (s32[], f32[8,1024]{1,0}, f32[8,1024]{1,0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main () -> f32[8,1024] {
+  %zero.2 = s32[] constant(0)
+  %table.1 = f32[8,1024]{1,0} constant({...})
+  %cache.2 = f32[8,1024]{1,0} constant({...})
+  %init = (s32[], f32[8,1024]{1,0}, f32[8,1024]{1,0}) tuple(%zero.2, %table.1, %cache.2)
+  %loop = (s32[], f32[8,1024], f32[8,1024]) while(%init), condition=%outer_cond, body=%outer_body
+  ROOT %out = f32[8,1024]{1,0} get-tuple-element(%loop), index=2
+}
+""".replace("TRIP_COUNT", 'backend_config={"known_trip_count":{"n":"3"}}')
+ROW = 1024 * 4  # bytes of one f32 row
+INDEX = 4  # bytes of the s32 step index a slice or an update reads
+
+
+def test_array_bytes_sums_a_tuples_arrays_and_ignores_layouts():
+    assert hlo_traffic.array_bytes("bf16[256,2,64,512]{3,2,1,0}") == 256 * 2 * 64 * 512 * 2
+    assert hlo_traffic.array_bytes("(f32[4,3]{1,0}, (s32[4]{0}, pred[2]{0}))") == 48 + 16 + 2
+    assert hlo_traffic.array_bytes("f32[]") == 4
+
+
+def test_a_decode_like_loop_counts_slices_in_place_updates_and_nested_trips():
+    program = hlo_traffic.program_traffic(LOOP_MODULE)
+    (loop,) = hlo_traffic.loops_without_trip_count(program)
+    accesses = {access.name: access for access in loop.accesses}
+    # The slice reads one row of the table (not the table) and its index, and writes the row.
+    assert (accesses["row.1"].read_bytes, accesses["row.1"].written_bytes) == (ROW + INDEX, ROW)
+    assert accesses["row.1"].kind == "slice copy"
+    # The update reads the row and writes it into the aliased cache: one row each way.
+    assert (accesses["cache.1"].read_bytes, accesses["cache.1"].written_bytes) == (
+        ROW + INDEX,
+        ROW,
+    )
+    assert accesses["cache.1"].kind == "update in place"
+    (inner,) = loop.loops
+    assert inner.trip_count == 3 and inner.bytes_per_iteration() == 3 * ROW  # 2 in, 1 out
+    assert loop.bytes_per_iteration() == 4 * ROW + 2 * INDEX + 3 * 3 * ROW
+    assert loop.kernels_per_iteration() == 2 + 3
+    assert hlo_traffic.bytes_by_kind(loop) == {
+        "elementwise": 9 * ROW,
+        "slice copy": 2 * ROW + INDEX,
+        "update in place": 2 * ROW + INDEX,
+    }
+    (largest,) = hlo_traffic.largest_groups(loop, 1)
+    assert (largest.kind, largest.count, largest.bytes) == ("elementwise", 3, 9 * ROW)
+
+
+def test_a_module_without_an_entry_is_refused():
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        hlo_traffic.parse_module("HloModule empty\n")
+
+
+def compiled_text(function, *args) -> str:
+    return jax.jit(function).lower(*args).compile().as_text()
+
+
+def test_a_compiled_matmul_reads_both_operands_and_writes_its_product():
+    lhs, rhs = jnp.ones((64, 32)), jnp.ones((32, 16))
+    program = hlo_traffic.program_traffic(compiled_text(jnp.matmul, lhs, rhs))
+    assert sum(access.bytes for access in program.accesses) == (64 * 32 + 32 * 16 + 64 * 16) * 4
+    assert "matmul" in hlo_traffic.bytes_by_kind(program)
+
+
+def test_a_compiled_cache_write_in_a_decode_loop_moves_the_row_not_the_cache():
+    """A while loop that stops on a runtime condition (as generate's does) and writes one
+    row of a [512, 256] cache per step: a step moves a few rows, not the 512 kB cache."""
+
+    def decode(cache, row, stop):
+        def step(carry):
+            index, cache = carry
+            cache = jax.lax.dynamic_update_slice(cache, row[None] * index, (index, 0))
+            return index + 1, cache
+
+        return jax.lax.while_loop(lambda carry: carry[0] < stop, step, (0, cache))[1]
+
+    cache, row = jnp.zeros((512, 256)), jnp.ones((256,))
+    program = hlo_traffic.program_traffic(compiled_text(decode, cache, row, 7))
+    (loop,) = hlo_traffic.loops_without_trip_count(program)
+    assert 0 < loop.bytes_per_iteration() <= 4 * 256 * 4
+    assert "update in place" in hlo_traffic.bytes_by_kind(loop)
+
+
+MICRO = ("--shape=micro", "--vocab=64", "--dtype=float32", "--layers=2", "--top=3")
+MICRO_ROWS = ("--batch=2", "--prompt=4", "--new=8")
+
+
+def test_decode_traffic_benchmark_at_micro_size_on_this_machine():
+    done = run_repo_script(
+        "benchmarks/decode_traffic.py", *MICRO, *MICRO_ROWS, "--decode_segments=2", timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout.splitlines()[-1])
+    assert line["benchmark"] == "decode_traffic" and line["target"] == "local"
+    assert len(line["segment_step_bytes"]) == 2
+    assert line["segment_step_bytes"][0] < line["segment_step_bytes"][1]  # a shorter cache
+    assert line["static_step_bytes"] >= line["roofline_step_bytes"] > 0
+    assert line["static_over_roofline"] == pytest.approx(
+        line["static_step_bytes"] / line["roofline_step_bytes"], abs=1e-3
+    )
+    assert sum(line["by_kind"].values()) == line["segment_step_bytes"][1]
+    assert len(line["largest"]) == 3
+
+
+def cuda_plugin_installed() -> bool:
+    return importlib.util.find_spec("jax_plugins") is not None and (
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    )
+
+
+@pytest.mark.skipif(
+    cuda_plugin_installed(),
+    reason="JAX's CUDA plugin is installed: the H100 target compiles",
+)
+def test_the_h100_target_without_the_cuda_plugin_says_what_to_install():
+    done = run_repo_script("benchmarks/decode_traffic.py", *MICRO, "--target=h100", timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    message = done.stderr.strip().splitlines()[-1]
+    assert f"pip install jax-cuda12-plugin=={jax.__version__}" in message
