@@ -58,6 +58,17 @@ _FREE = frozenset(
     {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "iota"}
 )
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
+# Elementwise opcodes: an element of the result needs only the same element of operands.
+_ELEMENTWISE = frozenset(
+    {
+        "abs", "add", "and", "atan2", "bitcast-convert", "cbrt", "ceil", "clamp", "compare",
+        "convert", "cosine", "divide", "exponential", "exponential-minus-one", "floor",
+        "is-finite", "log", "log-plus-one", "logistic", "maximum", "minimum", "multiply",
+        "negate", "not", "or", "popcnt", "power", "remainder", "round-nearest-afz",
+        "round-nearest-even", "rsqrt", "select", "shift-left", "shift-right-arithmetic",
+        "shift-right-logical", "sign", "sine", "sqrt", "subtract", "tan", "tanh", "xor",
+    }
+)  # fmt: skip
 # What a kernel does, as `Access.kind` names it.
 CATEGORIES = (
     "matmul",  # a library or Triton matmul, with whatever XLA fused into it
@@ -129,6 +140,11 @@ class Loop:
 class Module:
     computations: dict[str, tuple[Instruction, ...]]
     entry: str
+
+
+def array_elements(shape: str) -> int:
+    """Elements of every array in an HLO shape (a tuple's elements summed)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape))
 
 
 def array_bytes(shape: str) -> int:
@@ -238,23 +254,27 @@ class _FusionBody:
             for operand in instruction.operands:
                 self.users.setdefault(operand, []).append(instruction)
         self.root = next(instruction for instruction in body if instruction.is_root)
+        self.output_names = {output.name for output in self.outputs()}
 
     def through_bitcasts(self, name: str) -> str:
         while name in self.by_name and self.by_name[name].opcode == "bitcast":
             name = self.by_name[name].operands[0]
         return name
 
-    def sliced_bytes(self, name: str) -> int | None:
-        """Bytes read of `name` if every use reads only slices of it (through bitcasts
-        and in-place updates), else None."""
+    def sliced_elements(self, name: str) -> int | None:
+        """Elements read of `name` if every use reads only slices of it, else None. A
+        slice may be taken of the value itself, of a bitcast, of an in-place update, or of
+        elementwise results computed from it (XLA computes those only where sliced)."""
+        if name in self.output_names:  # written out whole
+            return None
         total = 0
         for user in self.users.get(name, []):
-            if user.opcode == "bitcast":
-                part = self.sliced_bytes(user.name)
+            if user.opcode in _ELEMENTWISE or user.opcode == "bitcast":
+                part = self.sliced_elements(user.name)
             elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
-                part = 0 if user.is_root else self.sliced_bytes(user.name)
+                part = 0 if user.is_root else self.sliced_elements(user.name)
             elif user.opcode in _SLICES and user.operands[0] == name:
-                part = array_bytes(user.shape)
+                part = array_elements(user.shape)
             elif user.opcode == "tuple":
                 part = 0
             else:
@@ -284,8 +304,12 @@ def _fusion_traffic(body: _FusionBody, operand_shapes: list[str]) -> tuple[int, 
         if parameter in updated_in_place or index >= len(operand_shapes):
             continue
         whole = array_bytes(operand_shapes[index])
-        sliced = body.sliced_bytes(parameter)
-        read += whole if sliced is None else min(sliced, whole)
+        sliced = body.sliced_elements(parameter)
+        if sliced is None:
+            read += whole
+        else:
+            elements = array_elements(operand_shapes[index])
+            read += whole * min(sliced, elements) // max(elements, 1)
     return read, written
 
 
@@ -298,7 +322,7 @@ def _fusion_category(body: _FusionBody, fusion_kind: str | None, called: str) ->
     if roots == {"dynamic-update-slice"}:
         return "update in place"
     if roots <= _SLICES | {"copy"} and any(
-        body.sliced_bytes(parameter) is not None for parameter in body.parameters
+        body.sliced_elements(parameter) is not None for parameter in body.parameters
     ):
         return "slice copy"
     return "elementwise"

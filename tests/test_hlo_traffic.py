@@ -120,6 +120,47 @@ def test_a_decode_like_loop_counts_slices_in_place_updates_and_nested_trips():
     assert (largest.kind, largest.count, largest.bytes) == ("elementwise", 3, 9 * ROW)
 
 
+# A log-prob lookup as XLA fuses it: the logits are scaled and masked elementwise, then
+# one id per row is gathered; only those elements are read. The scale is also written out
+# whole by a second fusion, which reads every element.
+GATHER_MODULE = """
+HloModule lookup, entry_computation_layout={(f32[4,1000]{1,0}, s32[])->f32[4,1]{1,0}}
+
+%fused_lookup (param_0: f32[4,1000], param_1: s32[]) -> f32[4,1] {
+  %param_0 = f32[4,1000]{1,0} parameter(0)
+  %half = f32[] constant(0.5)
+  %halves = f32[4,1000]{1,0} broadcast(%half), dimensions={}
+  %scaled = f32[4,1000]{1,0} multiply(%param_0, %halves)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %picked = f32[4,1]{1,0} dynamic-slice(%scaled, %zero, %param_1), dynamic_slice_sizes={4,1}
+}
+
+%fused_scale (param_0.1: f32[4,1000]) -> f32[4,1000] {
+  %param_0.1 = f32[4,1000]{1,0} parameter(0)
+  %two = f32[] constant(2)
+  %twos = f32[4,1000]{1,0} broadcast(%two), dimensions={}
+  ROOT %doubled = f32[4,1000]{1,0} multiply(%param_0.1, %twos)
+}
+
+ENTRY %main (logits: f32[4,1000], id: s32[]) -> (f32[4,1], f32[4,1000]) {
+  %logits = f32[4,1000]{1,0} parameter(0)
+  %id = s32[] parameter(1)
+  %lookup = f32[4,1]{1,0} fusion(%logits, %id), kind=kLoop, calls=%fused_lookup
+  %scale = f32[4,1000]{1,0} fusion(%logits), kind=kLoop, calls=%fused_scale
+  ROOT %out = (f32[4,1]{1,0}, f32[4,1000]{1,0}) tuple(%lookup, %scale)
+}
+"""
+
+
+def test_elements_sliced_out_of_elementwise_results_are_the_only_ones_read():
+    accesses = {
+        access.name: access for access in hlo_traffic.program_traffic(GATHER_MODULE).accesses
+    }
+    assert (accesses["lookup"].read_bytes, accesses["lookup"].written_bytes) == (16 + INDEX, 16)
+    assert (accesses["scale"].read_bytes, accesses["scale"].written_bytes) == (16000, 16000)
+
+
 def test_a_module_without_an_entry_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         hlo_traffic.parse_module("HloModule empty\n")
