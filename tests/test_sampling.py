@@ -12,6 +12,9 @@ from support import SMALL_DECODER as CFG
 from tba_jax.models import abstract_model, positions_from_mask
 from tba_jax.sampling.generate import (
     SamplingConfig,
+    draw_with_logp,
+    draw_with_logp_one_pass,
+    draw_with_logp_passes,
     make_generate_fn,
     order_keys,
     response_mask,
@@ -367,6 +370,23 @@ def test_order_keys_sort_like_the_floats():
     steps = np.diff(keys)
     assert steps[3] == 0  # -0.0 == 0.0
     assert np.all(np.delete(steps, 3) > 0)
+
+
+@pytest.mark.parametrize("draw", [draw_with_logp_one_pass, draw_with_logp_passes, draw_with_logp])
+def test_draw_with_logp_takes_the_first_argmax_and_the_log_softmax_there(draw):
+    """Both ways of drawing (the one-pass reduce accelerators compile, the separate passes
+    a CPU compiles) against NumPy: scores with many ties (the first wins), masked ids at
+    the float's min, a row whose best score sits after its largest logit."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0.0, 4.0, size=(16, 257)).astype(np.float32)
+    scores = (rng.integers(-4, 5, size=logits.shape) * 0.5).astype(np.float32)
+    logits[1, 100:] = scores[1, 100:] = np.finfo(np.float32).min
+    scores[2] = logits[2] - 100.0 * (np.arange(257) < 200)  # the best score is after id 200
+    token, logp = jax.jit(draw)(jnp.asarray(logits), jnp.asarray(scores))
+    expected = np.argmax(scores, axis=-1)
+    np.testing.assert_array_equal(np.asarray(token), expected)
+    reference = np_log_softmax(logits.astype(np.float64))[np.arange(16), expected]
+    np.testing.assert_allclose(np.asarray(logp), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_truncate_logits_off_is_identity():

@@ -138,21 +138,74 @@ def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
+def _combine_draws(left: tuple, right: tuple) -> tuple:
+    """Merges two partial draws (max logit, sum of exp(logit - max), best score, its id):
+    the online log-sum-exp and the first argmax, associative so XLA can reduce in any
+    order."""
+    left_max, left_sum, left_best, left_id = left
+    right_max, right_sum, right_best, right_id = right
+    top = jnp.maximum(left_max, right_max)
+    smaller = jnp.exp(jnp.minimum(left_max, right_max) - top)  # one exp: the other is 1
+    left_tops = left_max >= right_max
+    total = jnp.where(left_tops, left_sum + right_sum * smaller, left_sum * smaller + right_sum)
+    right_wins = (right_best > left_best) | ((right_best == left_best) & (right_id < left_id))
+    return (
+        top,
+        total,
+        jnp.where(right_wins, right_best, left_best),
+        jnp.where(right_wins, right_id, left_id),
+    )
+
+
+def draw_with_logp_one_pass(logits: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`draw_with_logp` in one pass over the vocabulary: a variadic reduce of the online
+    log-sum-exp and the first argmax. Reads the logits once instead of three times (the
+    max, the sum of exponentials, the argmax), which counts where a step is memory-bound:
+    156 MB a pass at 256 rows × 151,936 ids. On a CPU, where XLA runs such a reduce as
+    scalar code, it is slower."""
+    lowest = jnp.finfo(jnp.float32).min
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    top, total, _, token = jax.lax.reduce(
+        (logits, jnp.ones_like(logits), scores, ids),
+        (jnp.float32(lowest), jnp.float32(0), jnp.float32(lowest), jnp.int32(logits.shape[1])),
+        _combine_draws,
+        (1,),
+    )
+    chosen = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+    return token, chosen - top - jnp.log(total)
+
+
+def draw_with_logp_passes(logits: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`draw_with_logp` as a softmax and an argmax written apart (vectorised reduces)."""
+    token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    return token, jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
+
+
+def draw_with_logp(logits: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The id of each row's largest score (the first, at ties) and `log_softmax(logits)`
+    there. logits, scores: [B, V] float32. Returns [B] int32, [B]. One pass over the
+    vocabulary on accelerators, separate vectorised passes on a CPU (the platform the
+    program is compiled for decides)."""
+    logits, scores = logits.astype(jnp.float32), scores.astype(jnp.float32)
+    return jax.lax.platform_dependent(
+        logits, scores, cpu=draw_with_logp_passes, default=draw_with_logp_one_pass
+    )
+
+
 def sample_token(
     logits: jax.Array, rng: jax.Array, sampling: SamplingConfig
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]."""
-    logits = mask_padded_vocab(logits, sampling.vocab_limit)
+    """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]: the
+    Gumbel-max draw of `jax.random.categorical` over the (truncated) tempered logits, and
+    the full tempered log-softmax at it."""
+    logits = mask_padded_vocab(logits, sampling.vocab_limit).astype(jnp.float32)
     if sampling.greedy:
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
-    else:
-        tempered = logits / sampling.temperature
-        logp_all = jax.nn.log_softmax(tempered, axis=-1)
-        drawable = truncate_logits(tempered, sampling.top_k, sampling.top_p)
-        token = jax.random.categorical(rng, drawable, axis=-1).astype(jnp.int32)
-    logp = jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
-    return token, logp
+        return draw_with_logp(logits, logits)
+    tempered = logits / sampling.temperature
+    drawable = truncate_logits(tempered, sampling.top_k, sampling.top_p)
+    noise = jax.random.gumbel(rng, drawable.shape, drawable.dtype)
+    return draw_with_logp(tempered, drawable + noise)
 
 
 def response_mask(tokens: jax.Array, eos_id: int) -> jax.Array:
