@@ -102,10 +102,16 @@ class Access:
     read_bytes: int
     written_bytes: int
     shape: str
+    flops: int = 0  # of its matmuls (2 per multiply-add); elementwise work is not counted
 
     @property
     def bytes(self) -> int:
         return self.read_bytes + self.written_bytes
+
+    def seconds_at_least(self, bytes_per_s: float, flops_per_s: float) -> float:
+        """The kernel's roofline time: its bytes at full bandwidth or its matmul FLOPs at
+        the dense peak, whichever is longer."""
+        return max(self.bytes / bytes_per_s, self.flops / flops_per_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +128,17 @@ class Loop:
         known trip counts (once, if unknown)."""
         nested = sum(loop.bytes_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
         return sum(access.bytes for access in self.accesses) + nested
+
+    def flops_per_iteration(self) -> int:
+        nested = sum(loop.flops_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
+        return sum(access.flops for access in self.accesses) + nested
+
+    def seconds_at_least(self, bytes_per_s: float, flops_per_s: float) -> float:
+        """One iteration's roofline time: every kernel at its own bound, one after another."""
+        return sum(
+            access.seconds_at_least(bytes_per_s, flops_per_s) * times
+            for access, times in self.all_accesses()
+        )
 
     def kernels_per_iteration(self) -> int:
         nested = sum(loop.kernels_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
@@ -201,9 +218,8 @@ def parse_instruction(line: str) -> Instruction | None:
         return None
     open_at = opcode.end() - 1
     close_at = _balanced_end(rest, open_at)
-    operands = tuple(
-        part.split()[-1].lstrip("%") for part in _split_top_level(rest[open_at + 1 : close_at])
-    )
+    listed = re.sub(r"/\*.*?\*/", "", rest[open_at + 1 : close_at])  # /*index=5*/ marks
+    operands = tuple(part.split()[-1].lstrip("%") for part in _split_top_level(listed))
     return Instruction(name, shape, opcode.group(1), operands, rest[close_at + 1 :], is_root)
 
 
@@ -227,6 +243,29 @@ def parse_module(text: str) -> Module:
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
     return Module({name: tuple(body) for name, body in computations.items()}, entry)
+
+
+def _dims(text: str | None) -> list[int]:
+    return [int(d) for d in re.findall(r"\d+", text or "")]
+
+
+def dot_flops(instruction: Instruction, shapes: dict[str, str]) -> int:
+    """2 × output elements × contracted size of a `dot`, or of a library matmul call
+    (cuBLAS's custom call names the contracting dims in its backend config)."""
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
+    if contracting is None:
+        contracting = re.search(
+            r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes
+        )
+    if contracting is None or not instruction.operands:
+        return 0
+    lhs = _ARRAY.search(shapes.get(instruction.operands[0], ""))
+    if lhs is None:
+        return 0
+    lhs_dims = _dims(lhs.group(2))
+    contracted = math.prod(lhs_dims[d] for d in _dims(contracting.group(1)))
+    output = _ARRAY.search(instruction.shape)  # a library call's first output is the product
+    return 2 * array_elements(output.group(0)) * contracted if output else 0
 
 
 def _attribute(instruction: Instruction, key: str) -> str | None:
@@ -284,6 +323,14 @@ class _FusionBody:
             total += part
         return total
 
+    def matmul_flops(self) -> int:
+        shapes = {name: instruction.shape for name, instruction in self.by_name.items()}
+        return sum(
+            dot_flops(instruction, shapes)
+            for instruction in self.by_name.values()
+            if instruction.opcode == "dot"
+        )
+
     def outputs(self) -> list[Instruction]:
         if self.root.opcode == "tuple":
             return [self.by_name[name] for name in self.root.operands]
@@ -335,17 +382,21 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
         body = _FusionBody(module.computations[called])
         read, written = _fusion_traffic(body, operand_shapes)
         kind = _fusion_category(body, _attribute(instruction, "kind"), called)
+        flops = body.matmul_flops()
     elif instruction.opcode == "dynamic-update-slice":  # in place: the update both ways
         read = written = array_bytes(operand_shapes[1])
         kind = "update in place"
+        flops = 0
     else:
         read = sum(array_bytes(shape) for shape in operand_shapes)
         written = array_bytes(instruction.shape)
+        flops = 0
         target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
         if instruction.opcode in ("dot", "convolution") or (
             target and re.search("gemm|matmul|cublas", target.group(1), re.IGNORECASE)
         ):
             kind = "matmul"
+            flops = dot_flops(instruction, shapes)
         elif instruction.opcode in ("reduce", "reduce-window"):
             kind = "reduction"
         elif instruction.opcode in _SLICES:
@@ -354,7 +405,7 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
             kind = "copy"
         else:
             kind = "other"
-    return Access(instruction.name, kind, read, written, instruction.shape)
+    return Access(instruction.name, kind, read, written, instruction.shape, flops)
 
 
 def computation_traffic(module: Module, name: str, trip_count: int | None = 1) -> Loop:
@@ -395,6 +446,15 @@ def bytes_by_kind(loop: Loop) -> dict[str, int]:
     totals: dict[str, int] = {}
     for access, times in loop.all_accesses():
         totals[access.kind] = totals.get(access.kind, 0) + access.bytes * times
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def seconds_by_kind(loop: Loop, bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
+    """Roofline seconds per iteration of `loop`, summed by what the kernels do."""
+    totals: dict[str, float] = {}
+    for access, times in loop.all_accesses():
+        seconds = access.seconds_at_least(bytes_per_s, flops_per_s) * times
+        totals[access.kind] = totals.get(access.kind, 0.0) + seconds
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 

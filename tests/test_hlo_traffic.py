@@ -1,7 +1,7 @@
 """tba_jax.hlo_traffic: bytes read and written per kernel and per loop iteration, from
 optimized HLO, checked against hand counts: on small HLO modules written out here (the
 text XLA prints) and on programs this machine's XLA compiles; and
-benchmarks/decode_traffic.py at micro size."""
+benchmarks/static_profile.py at micro size."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from support import run_repo_script
 
-from tba_jax import hlo_traffic
+from tba_jax import hlo_traffic, roofline
 
 # A decode-like loop in optimized-HLO form: each iteration reads one row of an [8, 1024]
 # f32 table with a dynamic slice, writes one row into an [8, 1024] cache in place, and runs
@@ -174,6 +174,7 @@ def test_a_compiled_matmul_reads_both_operands_and_writes_its_product():
     lhs, rhs = jnp.ones((64, 32)), jnp.ones((32, 16))
     program = hlo_traffic.program_traffic(compiled_text(jnp.matmul, lhs, rhs))
     assert sum(access.bytes for access in program.accesses) == (64 * 32 + 32 * 16 + 64 * 16) * 4
+    assert program.flops_per_iteration() == 2 * 64 * 32 * 16
     assert "matmul" in hlo_traffic.bytes_by_kind(program)
 
 
@@ -200,13 +201,16 @@ MICRO = ("--shape=micro", "--vocab=64", "--dtype=float32", "--layers=2", "--top=
 MICRO_ROWS = ("--batch=2", "--prompt=4", "--new=8")
 
 
-def test_decode_traffic_benchmark_at_micro_size_on_this_machine():
-    done = run_repo_script(
-        "benchmarks/decode_traffic.py", *MICRO, *MICRO_ROWS, "--decode_segments=2", timeout=300
-    )
+def run_profile(*args: str):
+    done = run_repo_script("benchmarks/static_profile.py", *MICRO, *args, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = json.loads(done.stdout.splitlines()[-1])
-    assert line["benchmark"] == "decode_traffic" and line["target"] == "local"
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_decode_profile_at_micro_size_on_this_machine():
+    line = run_profile(*MICRO_ROWS, "--decode_segments=2")
+    assert line["benchmark"] == "static_profile" and line["program"] == "decode"
+    assert line["target"] == "local"
     assert len(line["segment_step_bytes"]) == 2
     assert line["segment_step_bytes"][0] < line["segment_step_bytes"][1]  # a shorter cache
     assert line["static_step_bytes"] >= line["roofline_step_bytes"] > 0
@@ -215,6 +219,27 @@ def test_decode_traffic_benchmark_at_micro_size_on_this_machine():
     )
     assert sum(line["by_kind"].values()) == line["segment_step_bytes"][1]
     assert len(line["largest"]) == 3
+
+
+def test_train_profile_at_micro_size_counts_the_model_flops_it_computes():
+    """The learner step's matmul FLOPs are the model FLOPs MFU counts (the backward pass
+    included), and its roofline time is at least theirs at the peak."""
+    line = run_profile(
+        "--program=train",
+        "--prompt=4",
+        "--new=4",
+        "--train_prompts=2",
+        "--train_k=2",
+        "--microbatches=1",
+    )
+    assert line["program"] == "train" and line["sequences"] == 4 and line["seq_len"] == 8
+    # The model FLOPs count the output head on every token, the step runs it on the
+    # response's only, and the einsum attention computes full (not causal-halved) scores.
+    assert 0.9 * line["model_flops"] <= line["step_matmul_flops"] <= 1.2 * line["model_flops"]
+    assert line["roofline_seconds"] >= line["model_flops"] / roofline.H100_DENSE_BF16_FLOPS
+    assert sum(line["seconds_by_kind"].values()) == pytest.approx(
+        line["roofline_seconds"], rel=1e-3
+    )
 
 
 def cuda_plugin_installed() -> bool:
@@ -228,7 +253,7 @@ def cuda_plugin_installed() -> bool:
     reason="JAX's CUDA plugin is installed: the H100 target compiles",
 )
 def test_the_h100_target_without_the_cuda_plugin_says_what_to_install():
-    done = run_repo_script("benchmarks/decode_traffic.py", *MICRO, "--target=h100", timeout=120)
+    done = run_repo_script("benchmarks/static_profile.py", *MICRO, "--target=h100", timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     message = done.stderr.strip().splitlines()[-1]
     assert f"pip install jax-cuda12-plugin=={jax.__version__}" in message

@@ -1,0 +1,304 @@
+r"""What a compiled decode step or learner step moves and computes, against what the
+hardware allows: a static profile made from the optimized program, without running it.
+
+    python benchmarks/static_profile.py                          # this machine's backend
+    python benchmarks/static_profile.py --target=h100            # an H100 program, no GPU
+    python benchmarks/static_profile.py --target=h100 --program=train --remat=dots_saveable
+
+`--target=h100` compiles for an H100 without one (XLA's deviceless GPU compilation, from
+`benchmarks/targets/h100_sxm.txtpb`); it needs JAX's CUDA plugin at the installed JAX's
+version (`pip install jax-cuda12-plugin==<jax version>`, about 180 MB, no CUDA libraries),
+and no GPU. XLA does not autotune its matmuls there, so their tiling (split-K partial sums
+included) is the compiler's default, which a GPU's autotuner may change.
+
+Random-weight shapes of a preset (`--shape`), as `benchmarks/gpu_throughput.py` measures
+them. The program is read with `tba_jax.hlo_traffic`: per kernel, the bytes it reads and
+writes in device memory and its matmul FLOPs; a kernel's roofline time is the longer of
+its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
+
+- `--program=decode`: `generate` on `--batch` rows of `--prompt` + `--new` tokens. One
+  decode step's bytes (the mean over the response's steps, segment by segment with
+  `--decode_segments`) against `roofline.decode_step_bytes`: `static_step_bytes`,
+  `roofline_step_bytes`, `static_over_roofline`, and `static_ceiling_percent`, the share of
+  the memory roofline a decode moving these bytes at full bandwidth reaches.
+- `--program=train`: one TB learner step on `--train_prompts` × `--train_k` sequences of
+  prompt + new tokens in `--microbatches`, float32 params and Adam state, the execution
+  knobs `--scan_layers`, `--remat`, `--attention`, `--logprob_chunk`. The step's bytes, its
+  matmul FLOPs, the model FLOPs MFU counts (`roofline.train_flops_per_token`), the sum of
+  its kernels' roofline times and `mfu_ceiling_percent`: the MFU of a step whose every
+  kernel ran at its roofline (cuDNN's attention kernel is counted by its bytes only).
+
+Both print the largest kernels (grouped by kind and output shape), and one JSON object as
+the last line, with `by_kind` and `largest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from tba_jax import cli, hlo_traffic, learner, losses, roofline
+from tba_jax import mesh as mesh_lib
+from tba_jax.models import abstract_model, preset
+from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
+from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+
+TEMPERATURE = 0.7
+TARGETS = {"h100": Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"}
+PLUGIN_HINT = (
+    "compiling for {target} without its GPU needs JAX's CUDA plugin at JAX's version: "
+    "pip install jax-cuda12-plugin=={version} (no GPU or CUDA libraries needed)"
+)
+
+_PROGRAM = flags.DEFINE_enum("program", "decode", ["decode", "train"], "Program to profile.")
+_TARGET = flags.DEFINE_enum("target", "local", ["local", *TARGETS], "Device to compile for.")
+_SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset.")
+_BATCH = flags.DEFINE_integer("batch", 256, "Decode: rows decoded at once.", lower_bound=1)
+_PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt tokens per row.", lower_bound=1)
+_NEW = flags.DEFINE_integer("new", 256, "New (response) tokens per row.", lower_bound=1)
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
+_LAYERS = flags.DEFINE_integer("layers", None, "The preset's depth if unset.", lower_bound=1)
+_VOCAB = flags.DEFINE_integer("vocab", None, "For presets without a vocabulary size.")
+_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "model.scan_layers.")
+_SCAN_DECODE = flags.DEFINE_bool("scan_decode", False, "model.scan_decode (and scan_layers).")
+_SEGMENTS = flags.DEFINE_integer("decode_segments", 1, "sampling.decode_segments.", lower_bound=1)
+_TRAIN_PROMPTS = flags.DEFINE_integer("train_prompts", 8, "Train: B.", lower_bound=1)
+_TRAIN_K = flags.DEFINE_integer("train_k", 20, "Train: K samples per prompt.", lower_bound=1)
+_MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Train: micro-batches.", lower_bound=1)
+_REMAT = flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "model.remat.")
+_ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
+_LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
+_HBM_TB_S = flags.DEFINE_float("hbm_tb_s", roofline.H100_HBM_BYTES_PER_S / 1e12, "HBM TB/s.")
+_PEAK_TFLOPS = flags.DEFINE_float(
+    "peak_tflops", roofline.H100_DENSE_BF16_FLOPS / 1e12, "Dense bf16 TFLOP/s."
+)
+_TOP = flags.DEFINE_integer("top", 12, "Largest kernel groups to list.", lower_bound=0)
+flags.adopt_module_key_flags(cli)
+
+
+def target_device(target: str) -> jax.Device:
+    """The device to compile for: this process's first, or a compile-only GPU."""
+    if target == "local":
+        return jax.devices()[0]
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            target, "cuda", target_config=TARGETS[target].read_text(), topology="1x1x1"
+        )
+    except (NotImplementedError, RuntimeError) as error:
+        hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
+        raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
+    return topology.devices[0]
+
+
+def lowering_platforms() -> tuple[str, ...] | None:
+    return ("cuda",) if _TARGET.value in TARGETS else None
+
+
+def model_config(param_dtype: str):
+    sizes = dict(max_seq_len=_PROMPT.value + _NEW.value, vocab_size=_VOCAB.value)
+    if _LAYERS.value:
+        sizes["num_layers"] = _LAYERS.value
+    return preset(
+        _SHAPE.value,
+        dtype=_DTYPE.value,
+        param_dtype=param_dtype,
+        scan_layers=_SCAN_LAYERS.value or _SCAN_DECODE.value,
+        scan_decode=_SCAN_DECODE.value,
+        remat=_REMAT.value,
+        attention=_ATTENTION.value,
+        logprob_chunk=_LOGPROB_CHUNK.value,
+        **sizes,
+    )
+
+
+def on_device(device: jax.Device, shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def compile_decode(device: jax.Device):
+    """generate() compiled for `device` on abstract params and prompts."""
+    decoder = model_config(_DTYPE.value)
+    model, abstract = abstract_model(decoder)
+    params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
+    vocab = decoder.vocab_size
+    sampling = SamplingConfig(
+        max_new_tokens=_NEW.value,
+        temperature=TEMPERATURE,
+        vocab_limit=vocab - 1,  # EOS (the last id) is never drawn: every row runs --new steps
+        decode_segments=_SEGMENTS.value,
+    )
+    generate = make_generate_fn(model, sampling, eos_id=vocab - 1, pad_id=0)
+    rows = (_BATCH.value, _PROMPT.value)
+    lowered = generate.trace(
+        params,
+        on_device(device, rows, jnp.int32),
+        on_device(device, rows, jnp.bool_),
+        on_device(device, (), jax.random.key(0).dtype),
+    ).lower(lowering_platforms=lowering_platforms())
+    return lowered.compile().as_text(), decoder, sampling
+
+
+def compile_train_step(device: jax.Device):
+    """A TB learner step compiled for `device` on an abstract train state and batch."""
+    mixed = model_config("float32")
+    model, abstract = abstract_model(mixed)
+    mesh = mesh_lib.make_mesh([device], {"fsdp": -1})
+    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
+    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=1e-6))
+    state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
+    state = learner.abstract_train_state(optimizer, abstract, state_sharding)
+    step = learner.make_train_step(
+        model,
+        losses.get_loss("tb"),
+        optimizer,
+        losses.make_beta_schedule("constant", 0.05, 0.05, 1),
+        samples_per_prompt=_TRAIN_K.value,
+        num_microbatches=_MICROBATCHES.value,
+        temperature=TEMPERATURE,
+        state_sharding=state_sharding,
+        mesh=mesh,
+    )
+    rows = _TRAIN_PROMPTS.value * _TRAIN_K.value
+    shapes = {
+        "prompt_tokens": ((rows, _PROMPT.value), np.int32),
+        "prompt_mask": ((rows, _PROMPT.value), np.bool_),
+        "response_tokens": ((rows, _NEW.value), np.int32),
+        "response_mask": ((rows, _NEW.value), np.float32),
+        "reward": ((rows,), np.float32),
+        "logp_ref": ((rows,), np.float32),
+        "logp_behaviour": ((rows,), np.float32),
+    }
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    batch = {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
+        for name, (shape, dtype) in shapes.items()
+    }
+    lowered = step.trace(state, batch).lower(lowering_platforms=lowering_platforms())
+    return lowered.compile().as_text(), mixed, rows
+
+
+def readable(size: float, units=(("GB", 1e9), ("MB", 1e6), ("kB", 1e3)), base: str = "B") -> str:
+    """A size in the largest decimal unit that keeps the figure at 1 or more."""
+    for unit, scale in units:
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size:.0f} {base}"
+
+
+def print_kernels(loop: hlo_traffic.Loop, title: str) -> list[hlo_traffic.AccessGroup]:
+    """The loop's bytes by kind and its largest kernel groups, on the console."""
+    print(title)
+    for kind, moved in hlo_traffic.bytes_by_kind(loop).items():
+        print(f"  {readable(moved):>10s}  {kind}")
+    largest = hlo_traffic.largest_groups(loop, _TOP.value)
+    for group in largest:
+        print(f"  {readable(group.bytes):>10s}  {group.count:4d} × {group.kind:16s} {group.shape}")
+    return largest
+
+
+def segment_steps(sampling: SamplingConfig) -> list[int]:
+    """Decode steps each of generate's loops runs when every row runs to the limit."""
+    ends = sampling.segment_ends()
+    return [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def decode_profile(device: jax.Device) -> dict:
+    hlo_text, decoder, sampling = compile_decode(device)
+    loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(hlo_text))
+    steps = segment_steps(sampling)
+    if len(loops) != len(steps):
+        raise RuntimeError(
+            f"expected {len(steps)} decode loops in the compiled program, found {len(loops)}"
+        )
+    moved = sum(loop.bytes_per_iteration() * n for loop, n in zip(loops, steps, strict=True))
+    static = moved / sum(steps)
+    dtype_bytes = jnp.dtype(_DTYPE.value).itemsize
+    shape = (decoder, _BATCH.value, _PROMPT.value, _NEW.value, dtype_bytes, dtype_bytes)
+    ideal = roofline.decode_step_bytes(*shape)
+    last = loops[-1]  # the last segment attends over the whole cache
+    largest = print_kernels(
+        last,
+        f"decode step on {device.device_kind}: {readable(static)} moved, roofline "
+        f"{readable(ideal)}; the last segment's {last.kernels_per_iteration()} kernels:",
+    )
+    return {
+        "batch": _BATCH.value,
+        "scan_decode": _SCAN_DECODE.value,
+        "decode_segments": _SEGMENTS.value,
+        "static_step_bytes": round(static),
+        "segment_step_bytes": [loop.bytes_per_iteration() for loop in loops],
+        "roofline_step_bytes": round(ideal),
+        "static_over_roofline": round(static / ideal, 3),
+        "static_ceiling_percent": round(100 * ideal / static, 1),
+        "kernels_per_step": last.kernels_per_iteration(),
+        "by_kind": hlo_traffic.bytes_by_kind(last),
+        "largest": [dataclasses.asdict(group) for group in largest],
+    }
+
+
+def train_profile(device: jax.Device) -> dict:
+    hlo_text, mixed, rows = compile_train_step(device)
+    step = hlo_traffic.program_traffic(hlo_text)
+    hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
+    seconds = step.seconds_at_least(hbm, peak)
+    seq_len = _PROMPT.value + _NEW.value
+    model_flops = rows * seq_len * roofline.train_flops_per_token(mixed, seq_len)
+    largest = print_kernels(
+        step,
+        f"learner step on {device.device_kind}: {readable(step.bytes_per_iteration())} moved, "
+        f"{step.flops_per_iteration() / 1e12:.1f} TFLOP in matmuls, at least "
+        f"{1e3 * seconds:.1f} ms; {step.kernels_per_iteration()} kernels:",
+    )
+    return {
+        "sequences": rows,
+        "seq_len": seq_len,
+        "microbatches": _MICROBATCHES.value,
+        "scan_layers": mixed.scan_layers,
+        "remat": mixed.remat,
+        "attention": mixed.attention,
+        "logprob_chunk": mixed.logprob_chunk,
+        "step_bytes": step.bytes_per_iteration(),
+        "step_matmul_flops": step.flops_per_iteration(),
+        "model_flops": model_flops,
+        "roofline_seconds": seconds,
+        "mfu_ceiling_percent": round(100 * model_flops / seconds / peak, 1),
+        "kernels": step.kernels_per_iteration(),
+        "by_kind": hlo_traffic.bytes_by_kind(step),
+        "seconds_by_kind": hlo_traffic.seconds_by_kind(step, hbm, peak),
+        "largest": [dataclasses.asdict(group) for group in largest],
+    }
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if _TARGET.value != "local":
+        # A compile-only target needs no accelerator backend: keep JAX from looking for one.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        jax.config.update("jax_platforms", "cpu")
+    device = target_device(_TARGET.value)
+    profile = decode_profile if _PROGRAM.value == "decode" else train_profile
+    line = {
+        "benchmark": "static_profile",
+        "program": _PROGRAM.value,
+        "target": _TARGET.value,
+        "device_kind": device.device_kind,
+        "shape": _SHAPE.value,
+        "dtype": _DTYPE.value,
+        "prompt": _PROMPT.value,
+        "new": _NEW.value,
+        **profile(device),
+    }
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    cli.run(main)
