@@ -248,16 +248,18 @@ def fused_attention(
 ) -> jax.Array:
     """Causal attention of a cache-free pass (queries in slots 0..S-1) through
     `jax.nn.dot_product_attention`: q [B, S, H, hd]; k, v [B, S, KV, hd]; key_valid [B, S]
-    bool, broadcast over queries as a [B, 1, 1, S] mask (cuDNN takes it as a bias without a
-    query axis). Returns [B, S, H, hd] in the compute dtype, zero at padding slots: a query
-    that sees no key is left to the kernel (a flash kernel may give NaN there), and a NaN
-    value at a padding slot would reach every query through its zero attention weight."""
+    bool, broadcast to a [B, 1, S, S] mask (cuDNN takes a mask as a bias, which must span
+    both sequence axes; left padding is not a sequence length it could take instead).
+    Returns [B, S, H, hd] in the compute dtype, zero at padding slots: a query that sees no
+    key is left to the kernel (a flash kernel may give NaN there), and a NaN value at a
+    padding slot would reach every query through its zero attention weight."""
     dt = cfg.compute_dtype
+    batch, seq_len = key_valid.shape
     out = jax.nn.dot_product_attention(
         q.astype(dt),
         k.astype(dt),
         v.astype(dt),
-        mask=key_valid[:, None, None, :],
+        mask=jnp.broadcast_to(key_valid[:, None, None, :], (batch, 1, seq_len, seq_len)),
         is_causal=True,
         implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
     )
