@@ -191,6 +191,27 @@ def test_nothing_recompiles_as_prompts_come_and_go(setup, prefill_prompts, most_
     assert engine._prefill._cache_size() <= 3 * most_prefill_rows
 
 
+def test_params_on_a_mesh_compile_each_prefill_shape_once(setup):
+    # Params placed on a mesh (as the searchers' are) leave the slot state placed there;
+    # a run's fresh slots must already be, or its first prefill compiles a second program.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    on_mesh = jax.device_put(setup["params"], replicated)
+    engine = engine_for(
+        setup,
+        SAMPLED,
+        slots=8,
+        chunk_steps=2,
+        prefill_prompts=1,
+        prefill_buckets=1,
+        compact_below=0.0,
+    )
+    for rng in (1, 2):
+        run_engine({**setup, "params": on_mesh}, engine, samples=2, rng=rng)
+    assert engine._prefill._cache_size() == 1  # [1 prompt, P] into 2 slots
+    assert engine._decode._cache_size() == 1  # width 8
+
+
 def test_in_flight_updates_record_the_first_and_last_versions(setup):
     engine = engine_for(setup, SAMPLED, slots=4, chunk_steps=2)
     calls = iter(range(1000))

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tba_jax.mesh import replicated
 from tba_jax.models import KVCache, Model, Params, positions_from_mask
 from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
 
@@ -405,7 +406,7 @@ class SlotEngine:
         width = config.slots
         widths = config.widths()
         params, version = params_fn()
-        state = self._init(width)
+        state = self._empty_slots(width, params)
         slots = _SlotTable(width)
         pending = iter(requests)
         waiting: Request | None = None  # a request read but not yet placed
@@ -479,6 +480,12 @@ class SlotEngine:
         if harvest is not None:
             yield _collect(harvest)
 
+    def _empty_slots(self, width: int, params: Params) -> SlotState:
+        """`width` empty slots where the prefill and decode programs leave the state when
+        they run on `params`, so that a run's first prefill is the program every later
+        prefill of its shape runs (with fresh, uncommitted slots JAX compiles it twice)."""
+        return _placed_like(self._init(width), params)
+
     def _prefill_requests(
         self, params, state: SlotState, slots: _SlotTable, batch: list[Request], version: int
     ) -> SlotState:
@@ -497,6 +504,22 @@ class SlotEngine:
         self.counters.prefills += 1
         self.counters.prefilled_prompts += len(batch)
         return self._prefill(params, state, prompt_tokens, prompt_mask, slot_ids)
+
+
+def _placed_like(state: SlotState, params: Params) -> SlotState:
+    """`state` committed where programs running on `params` put their outputs: replicated
+    over the mesh of mesh-placed params, on the device of device-placed ones; as it is for
+    uncommitted params. (On a mesh of several devices XLA may shard the cache of a
+    program's output instead, so there the first prefill still compiles once more.)"""
+    leaf = jax.tree.leaves(params)[0]
+    if not getattr(leaf, "committed", False):
+        return state
+    sharding = leaf.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = replicated(sharding.mesh)
+    elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return state
+    return jax.device_put(state, sharding)
 
 
 def _check_request(request: Request, config: EngineConfig, max_prompt_len: int) -> None:
