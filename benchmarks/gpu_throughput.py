@@ -14,8 +14,9 @@ compiling warm-up, with tokens/s; for decode, the memory-bound roofline at `--hb
 (`tba_jax.roofline`: the weights and each row's KV cache read once a step) and the share
 of it reached; for the learner, model FLOP utilisation against `--peak_tflops` (dense
 bf16), with the FLOPs per token written out. `--layers` changes the preset's depth, and
-`--scan_layers` / `--scan_decode` set those execution knobs (decode reports its compile
-seconds, `compile_s`, lowered and compiled ahead of the first run).
+`--scan_layers`, `--scan_decode`, `--remat`, `--attention` and `--logprob_chunk` set those
+execution knobs (`benchmarks/static_profile.py` gives each one's MFU ceiling; decode
+reports its compile seconds, `compile_s`, lowered and compiled ahead of the first run).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from tba_jax import learner, losses, roofline
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, init_model, preset
+from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
@@ -84,6 +86,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--layers", type=int, default=None, help="the preset's depth if unset")
     parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
+    parser.add_argument("--remat", default="none", choices=REMAT_POLICIES, help="model.remat")
+    parser.add_argument("--attention", default="einsum", choices=ATTENTIONS, help="model.attention")
+    parser.add_argument("--logprob_chunk", type=int, default=0, help="model.logprob_chunk")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
     parser.add_argument("--skip", default="", help="comma list of decode,score,train")
@@ -97,7 +102,13 @@ def main() -> None:
     sizes = dict(max_seq_len=total, vocab_size=args.vocab)
     if args.layers:
         sizes["num_layers"] = args.layers
-    execution = dict(scan_layers=args.scan_layers or args.scan_decode, scan_decode=args.scan_decode)
+    execution = dict(
+        scan_layers=args.scan_layers or args.scan_decode,
+        scan_decode=args.scan_decode,
+        remat=args.remat,
+        attention=args.attention,
+        logprob_chunk=args.logprob_chunk,
+    )
     decoder = preset(args.shape, dtype=args.dtype, param_dtype=args.dtype, **sizes, **execution)
     dtype_bytes = jnp.dtype(args.dtype).itemsize
     vocab = decoder.vocab_size
@@ -216,6 +227,10 @@ def main() -> None:
             sequences=n,
             seq_len=total,
             microbatches=args.microbatches,
+            scan_layers=mixed.scan_layers,
+            remat=mixed.remat,
+            attention=mixed.attention,
+            logprob_chunk=mixed.logprob_chunk,
             tokens_per_s=tokens / median,
             flops_per_token=flops_per_token,
             model_tflops_per_s=flops / median / 1e12,

@@ -20,6 +20,9 @@ ARGS = [
     "--dtype=float32",
     "--layers=2",
     "--scan_decode",
+    "--remat=dots_saveable",
+    "--attention=dot_product",
+    "--logprob_chunk=2",
     "--train_prompts=2",
     "--train_k=2",
     "--microbatches=1",
@@ -44,6 +47,11 @@ def test_micro_run_prints_decode_score_and_learner_lines():
     share = 100 * decode["tokens_per_s"] / ceiling
     assert decode["roofline_percent"] == pytest.approx(share, abs=0.051)  # printed to 0.1
     train = lines["train_step"]
+    assert (train["remat"], train["attention"], train["logprob_chunk"]) == (
+        "dots_saveable",
+        "dot_product",
+        2,
+    )
     assert train["flops_per_token"] == pytest.approx(roofline.train_flops_per_token(cfg, 8))
     peak = roofline.H100_DENSE_BF16_FLOPS
     mfu = 100 * train["tokens_per_s"] * train["flops_per_token"] / peak
