@@ -3,7 +3,7 @@ hardware allows: a static profile made from the optimized program, without runni
 
     python benchmarks/static_profile.py                          # this machine's backend
     python benchmarks/static_profile.py --target=h100            # an H100 program, no GPU
-    python benchmarks/static_profile.py --target=h100 --program=train --remat=dots_saveable
+    python benchmarks/static_profile.py --target=h100 --program=train --attention=cudnn
 
 `--target=h100` compiles for an H100 without one (XLA's deviceless GPU compilation, from
 `benchmarks/targets/h100_sxm.txtpb`); it needs JAX's CUDA plugin at the installed JAX's
@@ -21,6 +21,10 @@ its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
   `--decode_segments`) against `roofline.decode_step_bytes`: `static_step_bytes`,
   `roofline_step_bytes`, `static_over_roofline`, and `static_ceiling_percent`, the share of
   the memory roofline a decode moving these bytes at full bandwidth reaches.
+- `--program=score`: π_ref scoring (one forward pass and the log-probs) of `--batch`
+  rows, params in the compute dtype: its bytes, matmul FLOPs, roofline time, the tokens/s
+  that allows (`roofline_tokens_per_s`) and its MFU ceiling against the forward FLOPs
+  (`roofline.forward_flops_per_token`).
 - `--program=train`: one TB learner step on `--train_prompts` × `--train_k` sequences of
   prompt + new tokens in `--microbatches`, float32 params and Adam state, the execution
   knobs `--scan_layers`, `--remat`, `--attention`, `--logprob_chunk`. The step's bytes, its
@@ -49,6 +53,7 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+from tba_jax.sampling.scoring import make_score_fn
 
 TEMPERATURE = 0.7
 TARGETS = {"h100": Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"}
@@ -57,7 +62,9 @@ PLUGIN_HINT = (
     "pip install jax-cuda12-plugin=={version} (no GPU or CUDA libraries needed)"
 )
 
-_PROGRAM = flags.DEFINE_enum("program", "decode", ["decode", "train"], "Program to profile.")
+_PROGRAM = flags.DEFINE_enum(
+    "program", "decode", ["decode", "score", "train"], "Program to profile."
+)
 _TARGET = flags.DEFINE_enum("target", "local", ["local", *TARGETS], "Device to compile for.")
 _SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset.")
 _BATCH = flags.DEFINE_integer("batch", 256, "Decode: rows decoded at once.", lower_bound=1)
@@ -145,6 +152,23 @@ def compile_decode(device: jax.Device):
         on_device(device, (), jax.random.key(0).dtype),
     ).lower(lowering_platforms=lowering_platforms())
     return lowered.compile().as_text(), decoder, sampling
+
+
+def compile_score(device: jax.Device):
+    """π_ref scoring (`make_score_fn`) of --batch rows compiled for `device`."""
+    scorer = model_config(_DTYPE.value)
+    model, abstract = abstract_model(scorer)
+    params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
+    score = make_score_fn(model, temperature=TEMPERATURE)
+    prompts, responses = (_BATCH.value, _PROMPT.value), (_BATCH.value, _NEW.value)
+    lowered = score.trace(
+        params,
+        on_device(device, prompts, jnp.int32),
+        on_device(device, prompts, jnp.bool_),
+        on_device(device, responses, jnp.int32),
+        on_device(device, responses, jnp.float32),
+    ).lower(lowering_platforms=lowering_platforms())
+    return lowered.compile().as_text(), scorer
 
 
 def compile_train_step(device: jax.Device):
@@ -245,6 +269,36 @@ def decode_profile(device: jax.Device) -> dict:
     }
 
 
+def score_profile(device: jax.Device) -> dict:
+    hlo_text, scorer = compile_score(device)
+    program = hlo_traffic.program_traffic(hlo_text)
+    hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
+    seconds = program.seconds_at_least(hbm, peak)
+    seq_len = _PROMPT.value + _NEW.value
+    tokens = _BATCH.value * seq_len
+    model_flops = tokens * roofline.forward_flops_per_token(scorer, seq_len)
+    largest = print_kernels(
+        program,
+        f"π_ref scoring on {device.device_kind}: {readable(program.bytes_per_iteration())} "
+        f"moved, {program.flops_per_iteration() / 1e12:.1f} TFLOP in matmuls, at least "
+        f"{1e3 * seconds:.1f} ms; {program.kernels_per_iteration()} kernels:",
+    )
+    return {
+        "batch": _BATCH.value,
+        "attention": scorer.attention,
+        "bytes": program.bytes_per_iteration(),
+        "matmul_flops": program.flops_per_iteration(),
+        "model_flops": model_flops,
+        "roofline_seconds": seconds,
+        "roofline_tokens_per_s": tokens / seconds,
+        "mfu_ceiling_percent": round(100 * model_flops / seconds / peak, 1),
+        "kernels": program.kernels_per_iteration(),
+        "by_kind": hlo_traffic.bytes_by_kind(program),
+        "seconds_by_kind": hlo_traffic.seconds_by_kind(program, hbm, peak),
+        "largest": [dataclasses.asdict(group) for group in largest],
+    }
+
+
 def train_profile(device: jax.Device) -> dict:
     hlo_text, mixed, rows = compile_train_step(device)
     step = hlo_traffic.program_traffic(hlo_text)
@@ -285,7 +339,9 @@ def main(argv: list[str]) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         jax.config.update("jax_platforms", "cpu")
     device = target_device(_TARGET.value)
-    profile = decode_profile if _PROGRAM.value == "decode" else train_profile
+    profile = {"decode": decode_profile, "score": score_profile, "train": train_profile}[
+        _PROGRAM.value
+    ]
     line = {
         "benchmark": "static_profile",
         "program": _PROGRAM.value,

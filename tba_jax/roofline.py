@@ -71,7 +71,14 @@ def decode_roofline_tokens_per_s(
     return batch / step_seconds
 
 
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token on sequences of `seq_len` (π_ref scoring's pass): 2 per
+    matmul parameter plus causal attention's 2 · layers · heads · head_dim · sequence."""
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
+    return 2 * matmul_params(cfg) + attention
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token of a learner step on sequences of `seq_len`."""
-    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
-    return 6 * matmul_params(cfg) + attention
+    """Forward + backward FLOPs per token of a learner step on sequences of `seq_len`:
+    three forward passes' worth (the backward pass computes two)."""
+    return 3 * forward_flops_per_token(cfg, seq_len)

@@ -242,6 +242,15 @@ def test_train_profile_at_micro_size_counts_the_model_flops_it_computes():
     )
 
 
+def test_score_profile_at_micro_size_counts_a_forward_pass():
+    line = run_profile("--program=score", *MICRO_ROWS)
+    assert line["program"] == "score" and line["batch"] == 2
+    # The forward FLOPs count the head on every token; scoring runs it on the response's.
+    assert 0.9 * line["model_flops"] <= line["matmul_flops"] <= 1.2 * line["model_flops"]
+    tokens = 2 * (4 + 8)
+    assert line["roofline_tokens_per_s"] == pytest.approx(tokens / line["roofline_seconds"])
+
+
 def cuda_plugin_installed() -> bool:
     return importlib.util.find_spec("jax_plugins") is not None and (
         importlib.util.find_spec("jax_plugins.xla_cuda12") is not None

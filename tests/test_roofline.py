@@ -51,3 +51,10 @@ def test_learner_flops_per_token_by_hand():
     # 6 per multiplying param (forward 2, backward 4), causal attention 6·L·H·hd·S
     expected = 6 * cfg.num_params() + 6 * 24 * 14 * 64 * 1024
     assert roofline.train_flops_per_token(cfg, 1024) == pytest.approx(expected)
+
+
+def test_scoring_flops_per_token_by_hand():
+    cfg = preset("qwen2.5-0.5b")
+    # 2 per multiplying param, causal attention 2·L·H·hd·S (one forward pass)
+    expected = 2 * cfg.num_params() + 2 * 24 * 14 * 64 * 512
+    assert roofline.forward_flops_per_token(cfg, 512) == pytest.approx(expected)
