@@ -27,7 +27,7 @@ from tba_jax.models import (
     stack_layers,
     unstack_layers,
 )
-from tba_jax.models.config import EXECUTION_FIELDS
+from tba_jax.models.config import ATTENTIONS, EXECUTION_FIELDS
 from tba_jax.sampling import scoring
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
@@ -146,6 +146,48 @@ def test_fused_attention_matches_the_einsum_one_with_padding(plain):
     fused_logp, fused_grads = logprobs_and_grads(execution(attention="dot_product"), params)
     np.testing.assert_allclose(fused_logp, logp, atol=TOL)
     assert_trees_close(fused_grads, grads, GRAD_TOL)
+
+
+def test_fused_attention_in_passes_with_a_cache_decodes_as_the_einsum_one(plain):
+    """With `attention=dot_product` prefill and decode steps (one offset for every row, or
+    one per row as the slot engine writes) attend through jax.nn.dot_product_attention:
+    greedy tokens equal the einsum model's, log-probs to float rounding, across a
+    left-padded prompt whose padding slots see no key, with decode segments too."""
+    *_, params = plain
+    models = {name: abstract_model(execution(attention=name))[0] for name in ATTENTIONS[:2]}
+    prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
+    sampling = SamplingConfig(max_new_tokens=4, greedy=True)
+    generated = {
+        name: make_generate_fn(model, sampling, eos_id=1, pad_id=0)(
+            params, prompt, prompt > 0, jax.random.key(SEED)
+        )
+        for name, model in models.items()
+    }
+    segmented = dataclasses.replace(sampling, decode_segments=2)  # a masked, unread tail
+    generated["segments"] = make_generate_fn(models["dot_product"], segmented, eos_id=1, pad_id=0)(
+        params, prompt, prompt > 0, jax.random.key(SEED)
+    )
+    einsum, fused = generated["einsum"], generated["dot_product"]
+    np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(einsum.tokens))
+    np.testing.assert_array_equal(
+        np.asarray(generated["segments"].tokens), np.asarray(einsum.tokens)
+    )
+    np.testing.assert_allclose(
+        np.asarray(fused.token_logp), np.asarray(einsum.token_logp), atol=TOL
+    )
+    tokens = jnp.concatenate([prompt, einsum.tokens], axis=1)
+    valid = jnp.concatenate([prompt > 0, einsum.mask > 0], axis=1)
+    positions = positions_from_mask(valid)
+    logits = {}
+    for name, offsets in (("einsum", 0), ("dot_product", 0), ("per_row", jnp.zeros(2, jnp.int32))):
+        model = models["einsum" if name == "einsum" else "dot_product"]
+        cache = model.init_cache(*tokens.shape)
+        logits[name], _ = jax.jit(model.apply)(params, tokens, positions, valid, cache, offsets)
+    valid = np.asarray(valid)
+    for name in ("dot_product", "per_row"):
+        np.testing.assert_allclose(
+            np.asarray(logits[name])[valid], np.asarray(logits["einsum"])[valid], atol=TOL
+        )
 
 
 @pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded

@@ -123,7 +123,8 @@ class ModelConfig:
       time that does not grow with depth and no per-layer copy of the weights is made.
     - `remat`: a rematerialisation policy (`REMAT_POLICIES`) applied to each block of the
       cache-free pass: what the backward pass recomputes instead of keeping.
-    - `attention`: the cache-free pass's attention kernel (`ATTENTIONS`).
+    - `attention`: the attention kernel (`ATTENTIONS`) of every pass, with a KV cache
+      (prefill, decode steps) or without (learner, scoring).
     - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
       and normalise this many response slots at a time, so [rows, length, vocab] float32
       logits never exist at once (0: all slots in one go).

@@ -190,7 +190,8 @@ class Attention(nnx.Module):
         and its slice `layer` is attended over. A `key_valid` shorter than the cache
         ([B, S_att], S_att <= S_kv, the new slots inside it) attends over the cache's
         first S_att slots only: a decode step whose later slots are all still empty need
-        not read them.
+        not read them (with a fused `cfg.attention` kernel they are masked instead: the
+        kernel reads the whole cache).
         """
         cfg = self.cfg
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
@@ -218,10 +219,19 @@ class Attention(nnx.Module):
                 # [1, S] with one offset for every row, [B, S] with one per row
                 query_slots = offsets.reshape(-1, 1) + query_slots
                 attended = key_valid.shape[1]
-                k, v = k[:, :attended], v[:, :attended]
+                if cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS:
+                    # A kernel reads whole buffers: a slice of the cache would be copied
+                    # first, so it attends over all of it, the unattended slots masked.
+                    key_valid = jnp.pad(key_valid, ((0, 0), (0, k.shape[1] - attended)))
+                else:
+                    k, v = k[:, :attended], v[:, :attended]
             key_slots = jnp.arange(k.shape[1])
             causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
-            out = einsum_attention(q, k, v, causal & key_valid[:, None, :], cfg)
+            visible = causal & key_valid[:, None, :]
+            if cache_layer is not None and cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS:
+                out = fused_cached_attention(q, k, v, visible, cfg)
+            else:
+                out = einsum_attention(q, k, v, visible, cfg)
         out = dense(out, self.wo.value.astype(cfg.compute_dtype), in_dims=2)
         return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
 
@@ -264,6 +274,28 @@ def fused_attention(
         implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
     )
     return jnp.where(key_valid[:, :, None, None], out, jnp.zeros((), dt))
+
+
+def fused_cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, cfg: ModelConfig
+) -> jax.Array:
+    """Attention of a pass with a KV cache (prefill, a decode step) through
+    `jax.nn.dot_product_attention`: q [B, S, H, hd]; k, v [B, S_kv, KV, hd] (the cache's
+    attended slots); visible [B, S, S_kv] bool (causal by slot and not padding), passed as
+    a [B, 1, S, S_kv] mask, which cuDNN takes as a bias. A decode step's query row is one
+    slot, so the kernel reads the cache once instead of writing and re-reading the scores.
+    Returns [B, S, H, hd] in the compute dtype, zero at a query that sees no key (a padded
+    prompt slot: its keys and values are written to the cache, its output is not used)."""
+    dt = cfg.compute_dtype
+    out = jax.nn.dot_product_attention(
+        q.astype(dt),
+        k.astype(dt),
+        v.astype(dt),
+        mask=visible[:, None],
+        implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
+    )
+    sees_a_key = visible.any(axis=-1)  # [B, S]
+    return jnp.where(sees_a_key[:, :, None, None], out, jnp.zeros((), dt))
 
 
 def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
