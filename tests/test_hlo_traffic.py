@@ -161,6 +161,17 @@ def test_elements_sliced_out_of_elementwise_results_are_the_only_ones_read():
     assert (accesses["scale"].read_bytes, accesses["scale"].written_bytes) == (16000, 16000)
 
 
+def test_operand_lists_with_index_marks_name_their_operands():
+    """XLA marks every fifth operand with its index (`/*index=5*/%x`)."""
+    line = (
+        "  %t = (f32[2]{0}, f32[2]{0}) tuple(%a, %b, %c, %d, %e, /*index=5*/%f, %g), "
+        'metadata={op_name="x"}'
+    )
+    instruction = hlo_traffic.parse_instruction(line)
+    assert instruction.operands == ("a", "b", "c", "d", "e", "f", "g")
+    assert instruction.opcode == "tuple" and instruction.shape == "(f32[2]{0}, f32[2]{0})"
+
+
 def test_a_module_without_an_entry_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         hlo_traffic.parse_module("HloModule empty\n")
