@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax import learner, losses, roofline
+from tba_jax import learner, roofline
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
@@ -38,6 +38,8 @@ from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
 TEMPERATURE = 0.7
+BETA = 0.05  # the TB loss's β, held constant
+LEARNING_RATE = 1e-6
 
 
 def timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -180,23 +182,20 @@ def main() -> None:
     if "train" not in skip:
         mixed = preset(args.shape, dtype=args.dtype, param_dtype="float32", **sizes, **execution)
         model, abstract = abstract_model(mixed)
-        mesh = mesh_lib.make_mesh(jax.devices()[:1], {"fsdp": -1})
-        shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
-        optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=1e-6))
-        state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
+        optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
+        state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer)
         _, params = init_model(mixed, seed=0)
         state = learner.init_train_state(params, optimizer, state_sharding)
         del params
-        step = learner.make_train_step(
+        step = learner.constant_beta_tb_step(
             model,
-            losses.get_loss("tb"),
             optimizer,
-            losses.make_beta_schedule("constant", 0.05, 0.05, 1),
+            state_sharding,
+            mesh,
+            beta=BETA,
             samples_per_prompt=args.train_k,
             num_microbatches=args.microbatches,
             temperature=TEMPERATURE,
-            state_sharding=state_sharding,
-            mesh=mesh,
         )
         n = args.train_prompts * args.train_k
         batch = {

@@ -48,7 +48,7 @@ import numpy as np
 import optax
 from absl import flags
 
-from tba_jax import cli, learner, losses
+from tba_jax import cli, learner
 from tba_jax.models import ModelConfig, init_model
 from tba_jax.models.config import REMAT_POLICIES
 
@@ -171,16 +171,15 @@ def measure(cfg: ModelConfig, shapes: Shapes, timing: Timing) -> dict[str, float
     model, params = init_model(cfg, shapes.seed)
     optimizer = optax.adamw(LEARNING_RATE)
     state, state_sharding, mesh = learner.one_device_train_state(model, params, optimizer)
-    step = learner.make_train_step(
+    step = learner.constant_beta_tb_step(
         model,
-        losses.get_loss("tb"),
         optimizer,
-        losses.make_beta_schedule("constant", BETA, BETA, 1),
+        state_sharding,
+        mesh,
+        beta=BETA,
         samples_per_prompt=shapes.samples_per_prompt,
         num_microbatches=1,
         temperature=TEMPERATURE,
-        state_sharding=state_sharding,
-        mesh=mesh,
     )
     batch = make_batch(shapes, cfg.vocab_size)
     began = time.perf_counter()

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from tba_jax import cli, hlo_traffic, learner, losses, roofline
+from tba_jax import cli, hlo_traffic, learner, roofline
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
@@ -56,6 +56,8 @@ from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
 TEMPERATURE = 0.7
+BETA = 0.05  # the TB loss's β, held constant
+LEARNING_RATE = 1e-6
 TARGETS = {"h100": Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"}
 PLUGIN_HINT = (
     "compiling for {target} without its GPU needs JAX's CUDA plugin at JAX's version: "
@@ -175,21 +177,18 @@ def compile_train_step(device: jax.Device):
     """A TB learner step compiled for `device` on an abstract train state and batch."""
     mixed = model_config("float32")
     model, abstract = abstract_model(mixed)
-    mesh = mesh_lib.make_mesh([device], {"fsdp": -1})
-    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
-    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=1e-6))
-    state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
+    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
+    state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer, device)
     state = learner.abstract_train_state(optimizer, abstract, state_sharding)
-    step = learner.make_train_step(
+    step = learner.constant_beta_tb_step(
         model,
-        losses.get_loss("tb"),
         optimizer,
-        losses.make_beta_schedule("constant", 0.05, 0.05, 1),
+        state_sharding,
+        mesh,
+        beta=BETA,
         samples_per_prompt=_TRAIN_K.value,
         num_microbatches=_MICROBATCHES.value,
         temperature=TEMPERATURE,
-        state_sharding=state_sharding,
-        mesh=mesh,
     )
     rows = _TRAIN_PROMPTS.value * _TRAIN_K.value
     shapes = {

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tba_jax import losses
 from tba_jax import mesh as mesh_lib
 from tba_jax.losses import LossSpec
 from tba_jax.models import Model, Params
@@ -160,16 +161,53 @@ def init_train_state(
     return TrainState(params, opt_state, step)
 
 
+def one_device_shardings(
+    model: Model,
+    abstract_params: Params,
+    optimizer: optax.GradientTransformation,
+    device: jax.Device | None = None,
+) -> tuple[TrainState, jax.sharding.Mesh]:
+    """(train-state shardings, the mesh) of a one-device learner mesh over `device` (the
+    default device if None; a compile-only device works too)."""
+    mesh = mesh_lib.make_mesh([device or jax.devices()[0]], {})
+    shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])
+    return train_state_shardings(optimizer, abstract_params, shardings, mesh), mesh
+
+
 def one_device_train_state(
     model: Model, params: Params, optimizer: optax.GradientTransformation
 ) -> tuple[TrainState, TrainState, jax.sharding.Mesh]:
     """(train state, its shardings, the mesh) of `params` on a one-device learner mesh
     (the default device): what a test, a benchmark or a notebook trains with."""
-    mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, [])
-    state_sharding = train_state_shardings(optimizer, abstract, shardings, mesh)
+    state_sharding, mesh = one_device_shardings(model, abstract, optimizer)
     return init_train_state(params, optimizer, state_sharding), state_sharding, mesh
+
+
+def constant_beta_tb_step(
+    model: Model,
+    optimizer: optax.GradientTransformation,
+    state_sharding: TrainState,
+    mesh: jax.sharding.Mesh,
+    *,
+    beta: float,
+    samples_per_prompt: int,
+    num_microbatches: int,
+    temperature: float,
+):
+    """`make_train_step` with the TB loss at a constant β: the step benchmarks time,
+    profile and compile."""
+    return make_train_step(
+        model,
+        losses.get_loss("tb"),
+        optimizer,
+        losses.make_beta_schedule("constant", beta, beta, 1),
+        samples_per_prompt=samples_per_prompt,
+        num_microbatches=num_microbatches,
+        temperature=temperature,
+        state_sharding=state_sharding,
+        mesh=mesh,
+    )
 
 
 def sequence_logp(
