@@ -32,8 +32,10 @@ its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
   its kernels' roofline times and `mfu_ceiling_percent`: the MFU of a step whose every
   kernel ran at its roofline (cuDNN's attention kernel is counted by its bytes only).
 
-Both print the largest kernels (grouped by kind and output shape), and one JSON object as
-the last line, with `by_kind` and `largest`.
+Each prints the largest kernels (grouped by kind and output shape), and one JSON object as
+the last line, with `by_kind`, `largest` and XLA's memory plan: `argument_bytes` (params,
+state, inputs), `temp_bytes` (scratch), `new_output_bytes` (outputs that reuse no donated
+argument) and their sum, `device_gib`, what the program needs on the device.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def compile_decode(device: jax.Device):
         on_device(device, rows, jnp.bool_),
         on_device(device, (), jax.random.key(0).dtype),
     ).lower(lowering_platforms=lowering_platforms())
-    return lowered.compile().as_text(), decoder, sampling
+    return lowered.compile(), decoder, sampling
 
 
 def compile_score(device: jax.Device):
@@ -170,7 +172,7 @@ def compile_score(device: jax.Device):
         on_device(device, responses, jnp.int32),
         on_device(device, responses, jnp.float32),
     ).lower(lowering_platforms=lowering_platforms())
-    return lowered.compile().as_text(), scorer
+    return lowered.compile(), scorer
 
 
 def compile_train_step(device: jax.Device):
@@ -206,7 +208,7 @@ def compile_train_step(device: jax.Device):
         for name, (shape, dtype) in shapes.items()
     }
     lowered = step.trace(state, batch).lower(lowering_platforms=lowering_platforms())
-    return lowered.compile().as_text(), mixed, rows
+    return lowered.compile(), mixed, rows
 
 
 def readable(size: float, units=(("GB", 1e9), ("MB", 1e6), ("kB", 1e3)), base: str = "B") -> str:
@@ -228,6 +230,23 @@ def print_kernels(loop: hlo_traffic.Loop, title: str) -> list[hlo_traffic.Access
     return largest
 
 
+def device_memory(compiled) -> dict:
+    """XLA's memory plan of the program: its arguments (params, state, inputs), its
+    scratch, and the outputs that do not reuse a donated argument; their sum is what the
+    program needs on the device while it runs."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    new_outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
+    needed = stats.argument_size_in_bytes + stats.temp_size_in_bytes + new_outputs
+    return {
+        "argument_bytes": stats.argument_size_in_bytes,
+        "temp_bytes": stats.temp_size_in_bytes,
+        "new_output_bytes": new_outputs,
+        "device_gib": round(needed / 2**30, 2),
+    }
+
+
 def segment_steps(sampling: SamplingConfig) -> list[int]:
     """Decode steps each of generate's loops runs when every row runs to the limit."""
     ends = sampling.segment_ends()
@@ -235,8 +254,8 @@ def segment_steps(sampling: SamplingConfig) -> list[int]:
 
 
 def decode_profile(device: jax.Device) -> dict:
-    hlo_text, decoder, sampling = compile_decode(device)
-    loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(hlo_text))
+    compiled, decoder, sampling = compile_decode(device)
+    loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(compiled.as_text()))
     steps = segment_steps(sampling)
     if len(loops) != len(steps):
         raise RuntimeError(
@@ -265,12 +284,13 @@ def decode_profile(device: jax.Device) -> dict:
         "kernels_per_step": last.kernels_per_iteration(),
         "by_kind": hlo_traffic.bytes_by_kind(last),
         "largest": [dataclasses.asdict(group) for group in largest],
+        **device_memory(compiled),
     }
 
 
 def score_profile(device: jax.Device) -> dict:
-    hlo_text, scorer = compile_score(device)
-    program = hlo_traffic.program_traffic(hlo_text)
+    compiled, scorer = compile_score(device)
+    program = hlo_traffic.program_traffic(compiled.as_text())
     hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
     seconds = program.seconds_at_least(hbm, peak)
     seq_len = _PROMPT.value + _NEW.value
@@ -295,12 +315,13 @@ def score_profile(device: jax.Device) -> dict:
         "by_kind": hlo_traffic.bytes_by_kind(program),
         "seconds_by_kind": hlo_traffic.seconds_by_kind(program, hbm, peak),
         "largest": [dataclasses.asdict(group) for group in largest],
+        **device_memory(compiled),
     }
 
 
 def train_profile(device: jax.Device) -> dict:
-    hlo_text, mixed, rows = compile_train_step(device)
-    step = hlo_traffic.program_traffic(hlo_text)
+    compiled, mixed, rows = compile_train_step(device)
+    step = hlo_traffic.program_traffic(compiled.as_text())
     hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
     seconds = step.seconds_at_least(hbm, peak)
     seq_len = _PROMPT.value + _NEW.value
@@ -328,6 +349,7 @@ def train_profile(device: jax.Device) -> dict:
         "by_kind": hlo_traffic.bytes_by_kind(step),
         "seconds_by_kind": hlo_traffic.seconds_by_kind(step, hbm, peak),
         "largest": [dataclasses.asdict(group) for group in largest],
+        **device_memory(compiled),
     }
 
 

@@ -260,6 +260,8 @@ def test_score_profile_at_micro_size_counts_a_forward_pass():
     assert 0.9 * line["model_flops"] <= line["matmul_flops"] <= 1.2 * line["model_flops"]
     tokens = 2 * (4 + 8)
     assert line["roofline_tokens_per_s"] == pytest.approx(tokens / line["roofline_seconds"])
+    needed = line["argument_bytes"] + line["temp_bytes"] + line["new_output_bytes"]
+    assert line["argument_bytes"] > 0 and line["device_gib"] == round(needed / 2**30, 2)
 
 
 def cuda_plugin_installed() -> bool:
