@@ -8,8 +8,9 @@ operand and are counted at that size:
 
 - a fusion that only slices an operand (`dynamic-slice`, `slice`, `gather`, possibly
   through bitcasts) reads the slices, not the operand;
-- a fusion whose root is a `dynamic-update-slice` of one of its operands updates that
-  buffer in place (XLA aliases them): it writes the update, not the whole buffer.
+- a fusion whose root is a `dynamic-update-slice` or a `scatter` into one of its
+  operands updates that buffer in place (XLA aliases them): it writes the update, not
+  the whole buffer.
 
 `while` loops are expanded into a tree: a loop's traffic per iteration is its body's
 instructions plus each nested loop's per-iteration traffic times that loop's known trip
@@ -58,6 +59,9 @@ _FREE = frozenset(
     {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "iota"}
 )
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
+# Ops that write into their first operand's buffer in place (XLA aliases it with the
+# result), and which operand holds what they write.
+_UPDATE_OPERAND = {"dynamic-update-slice": 1, "scatter": 2}
 # Elementwise opcodes: an element of the result needs only the same element of operands.
 _ELEMENTWISE = frozenset(
     {
@@ -310,7 +314,7 @@ class _FusionBody:
         for user in self.users.get(name, []):
             if user.opcode in _ELEMENTWISE or user.opcode == "bitcast":
                 part = self.sliced_elements(user.name)
-            elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+            elif user.opcode in _UPDATE_OPERAND and user.operands[0] == name:
                 part = 0 if user.is_root else self.sliced_elements(user.name)
             elif user.opcode in _SLICES and user.operands[0] == name:
                 part = array_elements(user.shape)
@@ -341,8 +345,9 @@ def _fusion_traffic(body: _FusionBody, operand_shapes: list[str]) -> tuple[int, 
     """(read, written) bytes of one fusion over operands of these shapes."""
     written, updated_in_place = 0, set()
     for output in body.outputs():
-        if output.opcode == "dynamic-update-slice":
-            written += array_bytes(body.by_name[output.operands[1]].shape)
+        if output.opcode in _UPDATE_OPERAND:
+            update = output.operands[_UPDATE_OPERAND[output.opcode]]
+            written += array_bytes(body.by_name[update].shape)
             updated_in_place.add(body.through_bitcasts(output.operands[0]))
         else:
             written += array_bytes(output.shape)
@@ -364,10 +369,10 @@ def _fusion_category(body: _FusionBody, fusion_kind: str | None, called: str) ->
     roots = {output.opcode for output in body.outputs()}
     if "gemm" in called or "dot" in roots or "convolution" in roots:
         return "matmul"
+    if roots <= set(_UPDATE_OPERAND):
+        return "update in place"
     if fusion_kind == "kInput" or "reduce" in roots:
         return "reduction"
-    if roots == {"dynamic-update-slice"}:
-        return "update in place"
     if roots <= _SLICES | {"copy"} and any(
         body.sliced_elements(parameter) is not None for parameter in body.parameters
     ):
@@ -383,8 +388,8 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
         read, written = _fusion_traffic(body, operand_shapes)
         kind = _fusion_category(body, _attribute(instruction, "kind"), called)
         flops = body.matmul_flops()
-    elif instruction.opcode == "dynamic-update-slice":  # in place: the update both ways
-        read = written = array_bytes(operand_shapes[1])
+    elif instruction.opcode in _UPDATE_OPERAND:  # in place: the update both ways
+        read = written = array_bytes(operand_shapes[_UPDATE_OPERAND[instruction.opcode]])
         kind = "update in place"
         flops = 0
     else:

@@ -161,6 +161,39 @@ def test_elements_sliced_out_of_elementwise_results_are_the_only_ones_read():
     assert (accesses["scale"].read_bytes, accesses["scale"].written_bytes) == (16000, 16000)
 
 
+# A per-row cache write as XLA's GPU backend fuses it (the slot engine's rows sit at
+# different offsets): a scatter into the cache, which it updates in place.
+SCATTER_MODULE = """
+HloModule rows
+
+%assign (old: f32[], new: f32[]) -> f32[] {
+  %old = f32[] parameter(0)
+  ROOT %new = f32[] parameter(1)
+}
+
+%fused_rows (param_0: f32[8,1024], param_1: s32[8,1], param_2: f32[8,1024]) -> f32[8,1024] {
+  %param_0 = f32[8,1024]{1,0} parameter(0)
+  %param_1 = s32[8,1]{1,0} parameter(1)
+  %param_2 = f32[8,1024]{1,0} parameter(2)
+  %rows = f32[8,1,1024]{2,1,0} bitcast(%param_2)
+  ROOT %written = f32[8,1024]{1,0} scatter(%param_0, %param_1, %rows), to_apply=%assign
+}
+
+ENTRY %main (cache: f32[8,1024], at: s32[8,1], new: f32[8,1024]) -> f32[8,1024] {
+  %cache = f32[8,1024]{1,0} parameter(0)
+  %at = s32[8,1]{1,0} parameter(1)
+  %new = f32[8,1024]{1,0} parameter(2)
+  ROOT %out = f32[8,1024]{1,0} fusion(%cache, %at, %new), kind=kInput, calls=%fused_rows
+}
+"""
+
+
+def test_a_scatter_into_a_buffer_writes_the_updates_in_place():
+    (access,) = hlo_traffic.program_traffic(SCATTER_MODULE).accesses
+    assert access.kind == "update in place"
+    assert (access.read_bytes, access.written_bytes) == (8 * INDEX + 8 * ROW, 8 * ROW)
+
+
 def test_operand_lists_with_index_marks_name_their_operands():
     """XLA marks every fifth operand with its index (`/*index=5*/%x`)."""
     line = (
