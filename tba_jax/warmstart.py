@@ -26,7 +26,7 @@ import optax
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import restore_pytree, save_pytree
 from tba_jax.config_lib import ConfigError
-from tba_jax.learner import OptimConfig, make_optimizer
+from tba_jax.learner import OptimConfig, TrainState, make_optimizer, train_state_shardings
 from tba_jax.metrics import write_json_atomically
 from tba_jax.models import Model, Params
 from tba_jax.models.tokenizers import Tokenizer
@@ -91,8 +91,31 @@ def encode_pairs(
     }
 
 
-def make_supervised_step(model: Model, optimizer: optax.GradientTransformation, mesh):
-    """Jitted `(params, opt_state, batch) -> (params, opt_state, loss)`: mean token NLL."""
+def warm_start_shardings(
+    optimizer: optax.GradientTransformation, params: Params, mesh
+) -> TrainState:
+    """Where the warm start keeps its params and optimiser state on `mesh`: each param
+    where the caller placed it on `mesh` (replicated there when it is elsewhere), its
+    optimiser moments alike, scalars replicated (`learner.train_state_shardings`)."""
+
+    def on_mesh(leaf) -> jax.sharding.Sharding:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh:
+            return sharding
+        return mesh_lib.replicated(mesh)
+
+    abstract_params = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), params
+    )
+    return train_state_shardings(optimizer, abstract_params, jax.tree.map(on_mesh, params), mesh)
+
+
+def make_supervised_step(
+    model: Model, optimizer: optax.GradientTransformation, mesh, shardings: TrainState
+):
+    """Jitted `(params, opt_state, batch) -> (params, opt_state, loss)`: mean token NLL.
+    Params and optimiser state come in and go out on `shardings`, so every step runs the
+    one program (inputs placed otherwise than a step's outputs would compile another)."""
 
     def loss_fn(params, batch):
         logp = batch_token_logprobs(model, params, batch, temperature=1.0)
@@ -104,7 +127,10 @@ def make_supervised_step(model: Model, optimizer: optax.GradientTransformation, 
         return optax.apply_updates(params, updates), opt_state, loss
 
     return jax.jit(
-        step, in_shardings=(None, None, mesh_lib.batch_sharding(mesh)), donate_argnums=(0, 1)
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, mesh_lib.batch_sharding(mesh)),
+        out_shardings=(shardings.params, shardings.opt_state, mesh_lib.replicated(mesh)),
+        donate_argnums=(0, 1),
     )
 
 
@@ -155,14 +181,18 @@ def warm_start(
         max_response_len,
     )
     rng = np.random.default_rng(seed)
+    shardings = warm_start_shardings(optimizer, params, mesh)
     if progress is None:
-        opt_state = jax.jit(optimizer.init)(params)
-        params = jax.tree.map(lambda x: x.copy(), params)  # the caller keeps its own buffers
+        # a copy: the steps donate their inputs, and the caller keeps its own buffers
+        params = jax.device_put(params, shardings.params, may_alias=False)
+        opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
         first_step = 0
     else:
-        params, opt_state, first_step = progress.params, progress.opt_state, progress.steps_done
+        params = jax.device_put(progress.params, shardings.params)
+        opt_state = jax.device_put(progress.opt_state, shardings.opt_state)
+        first_step = progress.steps_done
         rng.bit_generator.state = progress.rng_state
-    step_fn = make_supervised_step(model, optimizer, mesh)
+    step_fn = make_supervised_step(model, optimizer, mesh, shardings)
     step = first_step
     while step < cfg.steps and not should_stop():
         rows = rng.choice(len(examples), size=cfg.batch_size, replace=False)
