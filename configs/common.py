@@ -243,6 +243,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # π_ref scoring calls take score_rows × 4^i finished samples (the most that are
     # ready, up to the decode width); 0: samples per prompt.
     config.search.score_rows = 0
+    # ...their responses padded to the smallest of this many lengths (max_response_len
+    # × i / N) that holds a group's longest: a scoring program for each (times the row
+    # shapes); 1: always at max_response_len.
+    config.search.score_length_buckets = 4
     # Async searchers read newly published params between decode chunks instead of
     # finishing their samples on the params they started with.
     config.search.in_flight_updates = False

@@ -247,6 +247,7 @@ RANGES: dict[str, Allowed] = {
     "search.min_width": integer_at_least(1),
     "search.compact_min_steps": integer_at_least(0),
     "search.score_rows": integer_at_least(0),
+    "search.score_length_buckets": integer_at_least(1),
     "search.in_flight_updates": BOOLEAN,
     "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
     "optim.schedule": one_of(LR_SCHEDULES),
@@ -390,6 +391,7 @@ def validate(
             )
     check_score_chunks(config)
     check_engine(config)
+    check_score_length_buckets(config)
     check_attention(config)
     if config.loss.beta_schedule == "linear" and config.loss.beta_anneal_steps < 1:
         raise ConfigError(
@@ -451,6 +453,19 @@ def check_engine(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             "search.in_flight_updates only applies to async searchers; a sync batch is "
             "generated with the params of its step (set mode=async or leave it False)."
+        )
+
+
+def check_score_length_buckets(config: ml_collections.ConfigDict) -> None:
+    """ConfigError unless search.score_length_buckets is at most max_response_len: the
+    scoring lengths (max_response_len × i / N) are at least one token apart."""
+    buckets = config.search.score_length_buckets
+    if buckets > config.max_response_len:
+        raise ConfigError(
+            f"search.score_length_buckets={buckets} must be in [1, max_response_len="
+            f"{config.max_response_len}] (π_ref scoring pads responses to one of that many "
+            "lengths, each at least a token longer than the last); lower it, or set 1 to "
+            "always score at max_response_len."
         )
 
 

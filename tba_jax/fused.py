@@ -3,8 +3,10 @@
 `runtime.SearchWorker` generates a whole batch, then scores it. `FusedSearchWorker`
 feeds prompts to `sampling.engine.SlotEngine` and scores finished samples in groups
 while the engine keeps decoding (RLHFuse's inter-stage fusion): a group is the most
-ready samples that make `score_rows` × 4^i rows or the decode width (a few static
-shapes; the last samples of a search are padded to `score_rows`). Each
+ready samples that make `score_rows` × 4^i rows or the decode width, its responses
+padded to the smallest of `score_length_buckets` lengths that holds its longest (a few
+static shapes, each a program; the last samples of a search are padded to
+`score_rows`). Each
 group's π_ref log-probs are dispatched to the device behind the running decode chunk,
 its rewards (verifier, reward model, judge) are computed on the host meanwhile, and its
 trajectories are handed on one chunk later, when the device has finished them.
@@ -33,9 +35,6 @@ from tba_jax.rewards import response_rewards
 from tba_jax.runtime import DROPPED_NONFINITE, is_finite
 from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length, rows_at_most
 from tba_jax.trajectories import Trajectory
-
-# π_ref scoring compiles for this many response lengths: max_new_tokens × i / N, i = 1..N.
-SCORE_LENGTH_BUCKETS = 4
 
 
 class Scored(NamedTuple):
@@ -78,6 +77,9 @@ class FusedSearchWorker:
     score_rows: int  # the unit of a π_ref scoring call's rows (score_rows × 4^i)
     time_split: TimeSplit
     rates: RateMeter
+    # π_ref scoring pads responses to the smallest of this many lengths (max_new_tokens
+    # × i / N, i = 1..N) that holds a group's longest: a program for each; 1: max_new_tokens
+    score_length_buckets: int = 4
     non_eos_penalty: float | None = None
     drop_nonfinite: bool = False
 
@@ -160,11 +162,11 @@ class FusedSearchWorker:
 
     def _dispatch(self, samples: list[Finished], rows: int, by_key: dict[int, _Prompt]) -> _Group:
         """Starts π_ref scoring of `samples` (padded to `rows`) on the device and computes
-        their rewards. Responses are padded to the smallest of SCORE_LENGTH_BUCKETS lengths
-        that holds the group's longest, so a group of short samples is not scored at full
-        length."""
+        their rewards. Responses are padded to the smallest of `score_length_buckets`
+        lengths that holds the group's longest, so a group of short samples is not scored
+        at full length."""
         longest = max(len(sample.tokens) for sample in samples)  # >= 1: EOS at least
-        max_new = bucket_length(longest, self.engine.max_new, SCORE_LENGTH_BUCKETS)
+        max_new = bucket_length(longest, self.engine.max_new, self.score_length_buckets)
         prompt_tokens = np.full((rows, self.max_prompt_len), self.tokenizer.pad_id, np.int32)
         prompt_mask = np.zeros((rows, self.max_prompt_len), bool)
         tokens = np.full((rows, max_new), self.tokenizer.pad_id, np.int32)

@@ -139,7 +139,12 @@ def make_search_worker(
             pad_id=tokenizer.pad_id,
         )
         return FusedSearchWorker(
-            engine=engine, score_rows=config.search.score_rows or samples_per_prompt, **shared
+            engine=engine,
+            score_rows=config.search.score_rows or samples_per_prompt,
+            score_length_buckets=config.search.get(  # a config saved before it existed
+                "score_length_buckets", FusedSearchWorker.score_length_buckets
+            ),
+            **shared,
         )
     generate_fn = make_generate_fn(
         model, sampling, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id

@@ -298,7 +298,7 @@ def fused_parts(setup):
     return shared, examples
 
 
-def fused_worker(setup, shared, sampling, slots=6, score_rows=4):
+def fused_worker(setup, shared, sampling, slots=6, score_rows=4, **worker):
     from tba_jax.fused import FusedSearchWorker
 
     engine = SlotEngine(
@@ -309,7 +309,7 @@ def fused_worker(setup, shared, sampling, slots=6, score_rows=4):
         eos_id=EOS,
         pad_id=shared["tokenizer"].pad_id,
     )
-    return FusedSearchWorker(engine=engine, score_rows=score_rows, **shared)
+    return FusedSearchWorker(engine=engine, score_rows=score_rows, **{**shared, **worker})
 
 
 def test_scoring_groups_are_the_most_ready_samples_in_growing_units(setup, fused_parts):
@@ -346,6 +346,37 @@ def test_fused_search_equals_batch_then_score_on_greedy_samples(
         np.testing.assert_allclose(have.token_logp_ref, want.token_logp_ref, atol=TOL)
         np.testing.assert_allclose(have.token_logp_behaviour, want.token_logp_behaviour, atol=TOL)
         assert have.logp_ref == pytest.approx(want.logp_ref, abs=1e-3)
+
+
+@pytest.mark.parametrize("buckets", [1, 4, T])
+def test_scoring_compiles_a_program_per_response_length_bucket(setup, fused_parts, buckets):
+    shared, examples = fused_parts
+    score_fn = make_score_fn(setup["model"], temperature=1.0)
+    shapes = []  # (rows, response length) of each scoring call
+
+    def recorded(params, prompt_tokens, prompt_mask, response_tokens, response_mask):
+        shapes.append(response_tokens.shape)
+        return score_fn(params, prompt_tokens, prompt_mask, response_tokens, response_mask)
+
+    def worker(**scoring):  # groups of one prompt's 2 samples, or of 4
+        return fused_worker(setup, shared, GREEDY, slots=4, score_rows=2, **scoring)
+
+    got = worker(score_fn=recorded, score_length_buckets=buckets).search(
+        setup["params"], 0, examples, jax.random.key(0)
+    )
+    lengths = {length for _, length in shapes}
+    bucket = -(-T // buckets)
+    assert lengths <= {min(T, bucket * i) for i in range(1, buckets + 1)}
+    assert score_fn._cache_size() == len(set(shapes))
+    if buckets == 1:
+        assert lengths == {T}
+    else:
+        assert len(lengths) > 1, "every group was scored at one length"
+    # padding a response further changes its π_ref log-probs only at float rounding
+    expected = worker().search(setup["params"], 0, examples, jax.random.key(0))
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(have.response_tokens, want.response_tokens)
+        np.testing.assert_allclose(have.token_logp_ref, want.token_logp_ref, atol=TOL)
 
 
 def test_fused_stream_with_in_flight_updates_gives_trajectories_both_versions(setup, fused_parts):
