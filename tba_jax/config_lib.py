@@ -391,7 +391,7 @@ def validate(
             )
     check_score_chunks(config)
     check_engine(config)
-    check_score_length_buckets(config)
+    check_length_buckets(config)
     check_attention(config)
     if config.loss.beta_schedule == "linear" and config.loss.beta_anneal_steps < 1:
         raise ConfigError(
@@ -456,17 +456,25 @@ def check_engine(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def check_score_length_buckets(config: ml_collections.ConfigDict) -> None:
-    """ConfigError unless search.score_length_buckets is at most max_response_len: the
-    scoring lengths (max_response_len × i / N) are at least one token apart."""
-    buckets = config.search.score_length_buckets
-    if buckets > config.max_response_len:
-        raise ConfigError(
-            f"search.score_length_buckets={buckets} must be in [1, max_response_len="
-            f"{config.max_response_len}] (π_ref scoring pads responses to one of that many "
-            "lengths, each at least a token longer than the last); lower it, or set 1 to "
-            "always score at max_response_len."
-        )
+# Length-bucket knobs and the length their buckets divide: the slot engine prefills at
+# one of `prefill_buckets` prompt lengths, π_ref scoring pads to one of
+# `score_length_buckets` response lengths (limit × i / N, each at least a token apart).
+LENGTH_BUCKETS = {
+    "prefill_buckets": ("max_prompt_len", "prefill prompts", "prefill"),
+    "score_length_buckets": ("max_response_len", "π_ref scoring pads responses", "score"),
+}
+
+
+def check_length_buckets(config: ml_collections.ConfigDict) -> None:
+    """ConfigError unless each search.*_buckets knob is at most the length it divides."""
+    for knob, (limit_key, what, action) in LENGTH_BUCKETS.items():
+        buckets, limit = config.search[knob], config[limit_key]
+        if buckets > limit:
+            raise ConfigError(
+                f"search.{knob}={buckets} must be in [1, {limit_key}={limit}] ({what} to one "
+                f"of that many lengths, each at least a token longer than the last); lower it, "
+                f"or set 1 to always {action} at {limit_key}."
+            )
 
 
 def samples_per_search_prompt(config: ml_collections.ConfigDict) -> int:
