@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # Bytes per element of HLO's array types (pred is stored as a byte).
 ELEMENT_BYTES = {
@@ -130,12 +130,10 @@ class Loop:
     def bytes_per_iteration(self) -> int:
         """Bytes one iteration moves: its own instructions, and nested loops times their
         known trip counts (once, if unknown)."""
-        nested = sum(loop.bytes_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
-        return sum(access.bytes for access in self.accesses) + nested
+        return sum(access.bytes * times for access, times in self.all_accesses())
 
     def flops_per_iteration(self) -> int:
-        nested = sum(loop.flops_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
-        return sum(access.flops for access in self.accesses) + nested
+        return sum(access.flops * times for access, times in self.all_accesses())
 
     def seconds_at_least(self, bytes_per_s: float, flops_per_s: float) -> float:
         """One iteration's roofline time: every kernel at its own bound, one after another."""
@@ -145,8 +143,7 @@ class Loop:
         )
 
     def kernels_per_iteration(self) -> int:
-        nested = sum(loop.kernels_per_iteration() * (loop.trip_count or 1) for loop in self.loops)
-        return len(self.accesses) + nested
+        return sum(times for _, times in self.all_accesses())
 
     def all_accesses(self) -> Iterator[tuple[Access, int]]:
         """(access, executions per iteration of this loop), nested loops included."""
@@ -163,17 +160,20 @@ class Module:
     entry: str
 
 
+def _arrays(shape: str) -> Iterator[tuple[str, int]]:
+    """(element type, element count) of every array in an HLO shape; layouts ignored."""
+    for element, dims in _ARRAY.findall(shape):
+        yield element, math.prod(int(d) for d in dims.split(",") if d)
+
+
 def array_elements(shape: str) -> int:
     """Elements of every array in an HLO shape (a tuple's elements summed)."""
-    return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape))
+    return sum(count for _, count in _arrays(shape))
 
 
 def array_bytes(shape: str) -> int:
-    """Bytes of every array in an HLO shape (a tuple's elements summed); layouts ignored."""
-    total = 0
-    for element, dims in _ARRAY.findall(shape):
-        total += ELEMENT_BYTES[element] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
+    """Bytes of every array in an HLO shape (a tuple's elements summed)."""
+    return sum(ELEMENT_BYTES[element] * count for element, count in _arrays(shape))
 
 
 def _balanced_end(text: str, start: int) -> int:
@@ -446,21 +446,22 @@ def loops_without_trip_count(loop: Loop) -> list[Loop]:
     return found
 
 
+def _sum_by_kind(loop: Loop, value: Callable[[Access], float]) -> dict[str, float]:
+    """`value` of each access per iteration of `loop`, summed by kind, largest first."""
+    totals: dict[str, float] = {}
+    for access, times in loop.all_accesses():
+        totals[access.kind] = totals.get(access.kind, 0) + value(access) * times
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def bytes_by_kind(loop: Loop) -> dict[str, int]:
     """Bytes per iteration of `loop`, summed by what the kernels do, largest first."""
-    totals: dict[str, int] = {}
-    for access, times in loop.all_accesses():
-        totals[access.kind] = totals.get(access.kind, 0) + access.bytes * times
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+    return _sum_by_kind(loop, lambda access: access.bytes)
 
 
 def seconds_by_kind(loop: Loop, bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
     """Roofline seconds per iteration of `loop`, summed by what the kernels do."""
-    totals: dict[str, float] = {}
-    for access, times in loop.all_accesses():
-        seconds = access.seconds_at_least(bytes_per_s, flops_per_s) * times
-        totals[access.kind] = totals.get(access.kind, 0.0) + seconds
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+    return _sum_by_kind(loop, lambda access: access.seconds_at_least(bytes_per_s, flops_per_s))
 
 
 @dataclasses.dataclass(frozen=True)
