@@ -27,10 +27,11 @@ its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
   (`roofline.forward_flops_per_token`).
 - `--program=train`: one TB learner step on `--train_prompts` × `--train_k` sequences of
   prompt + new tokens in `--microbatches`, float32 params and Adam state, the execution
-  knobs `--scan_layers`, `--remat`, `--attention`, `--logprob_chunk`. The step's bytes, its
-  matmul FLOPs, the model FLOPs MFU counts (`roofline.train_flops_per_token`), the sum of
-  its kernels' roofline times and `mfu_ceiling_percent`: the MFU of a step whose every
-  kernel ran at its roofline (cuDNN's attention kernel is counted by its bytes only).
+  knobs `--scan_layers`, `--remat`, `--attention`, `--logprob_chunk`. The step's bytes
+  (`bytes`), its matmul FLOPs (`matmul_flops`), the model FLOPs MFU counts
+  (`roofline.train_flops_per_token`), the sum of its kernels' roofline times
+  (`roofline_seconds`) and `mfu_ceiling_percent`: the MFU of a step whose every kernel
+  ran at its roofline (cuDNN's attention kernel is counted by its bytes only).
 
 Each prints the largest kernels (grouped by kind and output shape), and one JSON object as
 the last line, with `by_kind`, `largest` and XLA's memory plan: `argument_bytes` (params,
@@ -288,28 +289,23 @@ def decode_profile(device: jax.Device) -> dict:
     }
 
 
-def score_profile(device: jax.Device) -> dict:
-    compiled, scorer = compile_score(device)
+def kernel_profile(compiled, device: jax.Device, what: str, model_flops: float) -> dict:
+    """Bytes, matmul FLOPs and roofline time of one run of a compiled program (scoring, a
+    learner step), the MFU ceiling against `model_flops`, its largest kernels printed."""
     program = hlo_traffic.program_traffic(compiled.as_text())
     hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
     seconds = program.seconds_at_least(hbm, peak)
-    seq_len = _PROMPT.value + _NEW.value
-    tokens = _BATCH.value * seq_len
-    model_flops = tokens * roofline.forward_flops_per_token(scorer, seq_len)
     largest = print_kernels(
         program,
-        f"π_ref scoring on {device.device_kind}: {readable(program.bytes_per_iteration())} "
+        f"{what} on {device.device_kind}: {readable(program.bytes_per_iteration())} "
         f"moved, {program.flops_per_iteration() / 1e12:.1f} TFLOP in matmuls, at least "
         f"{1e3 * seconds:.1f} ms; {program.kernels_per_iteration()} kernels:",
     )
     return {
-        "batch": _BATCH.value,
-        "attention": scorer.attention,
         "bytes": program.bytes_per_iteration(),
         "matmul_flops": program.flops_per_iteration(),
         "model_flops": model_flops,
         "roofline_seconds": seconds,
-        "roofline_tokens_per_s": tokens / seconds,
         "mfu_ceiling_percent": round(100 * model_flops / seconds / peak, 1),
         "kernels": program.kernels_per_iteration(),
         "by_kind": hlo_traffic.bytes_by_kind(program),
@@ -319,19 +315,24 @@ def score_profile(device: jax.Device) -> dict:
     }
 
 
+def score_profile(device: jax.Device) -> dict:
+    compiled, scorer = compile_score(device)
+    seq_len = _PROMPT.value + _NEW.value
+    tokens = _BATCH.value * seq_len
+    model_flops = tokens * roofline.forward_flops_per_token(scorer, seq_len)
+    profile = kernel_profile(compiled, device, "π_ref scoring", model_flops)
+    return {
+        "batch": _BATCH.value,
+        "attention": scorer.attention,
+        "roofline_tokens_per_s": tokens / profile["roofline_seconds"],
+        **profile,
+    }
+
+
 def train_profile(device: jax.Device) -> dict:
     compiled, mixed, rows = compile_train_step(device)
-    step = hlo_traffic.program_traffic(compiled.as_text())
-    hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
-    seconds = step.seconds_at_least(hbm, peak)
     seq_len = _PROMPT.value + _NEW.value
     model_flops = rows * seq_len * roofline.train_flops_per_token(mixed, seq_len)
-    largest = print_kernels(
-        step,
-        f"learner step on {device.device_kind}: {readable(step.bytes_per_iteration())} moved, "
-        f"{step.flops_per_iteration() / 1e12:.1f} TFLOP in matmuls, at least "
-        f"{1e3 * seconds:.1f} ms; {step.kernels_per_iteration()} kernels:",
-    )
     return {
         "sequences": rows,
         "seq_len": seq_len,
@@ -340,16 +341,7 @@ def train_profile(device: jax.Device) -> dict:
         "remat": mixed.remat,
         "attention": mixed.attention,
         "logprob_chunk": mixed.logprob_chunk,
-        "step_bytes": step.bytes_per_iteration(),
-        "step_matmul_flops": step.flops_per_iteration(),
-        "model_flops": model_flops,
-        "roofline_seconds": seconds,
-        "mfu_ceiling_percent": round(100 * model_flops / seconds / peak, 1),
-        "kernels": step.kernels_per_iteration(),
-        "by_kind": hlo_traffic.bytes_by_kind(step),
-        "seconds_by_kind": hlo_traffic.seconds_by_kind(step, hbm, peak),
-        "largest": [dataclasses.asdict(group) for group in largest],
-        **device_memory(compiled),
+        **kernel_profile(compiled, device, "learner step", model_flops),
     }
 
 
