@@ -194,10 +194,11 @@ class Attention(nnx.Module):
         kernel reads the whole cache).
         """
         cfg = self.cfg
+        fused = cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
         k = self._rotate(self._project(x, self.wk, "bk"), positions)
         v = self._project(x, self.wv, "bv")
-        if cache_layer is None and cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS:
+        if cache_layer is None and fused:
             out = fused_attention(q, k, v, key_valid, cfg)
         else:
             query_slots = jnp.arange(x.shape[1])[None]  # [1, S]
@@ -219,7 +220,7 @@ class Attention(nnx.Module):
                 # [1, S] with one offset for every row, [B, S] with one per row
                 query_slots = offsets.reshape(-1, 1) + query_slots
                 attended = key_valid.shape[1]
-                if cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS:
+                if fused:
                     # A kernel reads whole buffers: a slice of the cache would be copied
                     # first, so it attends over all of it, the unattended slots masked.
                     key_valid = jnp.pad(key_valid, ((0, 0), (0, k.shape[1] - attended)))
@@ -228,7 +229,7 @@ class Attention(nnx.Module):
             key_slots = jnp.arange(k.shape[1])
             causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
             visible = causal & key_valid[:, None, :]
-            if cache_layer is not None and cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS:
+            if fused:  # with a cache: the cache-free pass took the branch above
                 out = fused_cached_attention(q, k, v, visible, cfg)
             else:
                 out = einsum_attention(q, k, v, visible, cfg)
@@ -263,17 +264,9 @@ def fused_attention(
     Returns [B, S, H, hd] in the compute dtype, zero at padding slots: a query that sees no
     key is left to the kernel (a flash kernel may give NaN there), and a NaN value at a
     padding slot would reach every query through its zero attention weight."""
-    dt = cfg.compute_dtype
     batch, seq_len = key_valid.shape
-    out = jax.nn.dot_product_attention(
-        q.astype(dt),
-        k.astype(dt),
-        v.astype(dt),
-        mask=jnp.broadcast_to(key_valid[:, None, None, :], (batch, 1, seq_len, seq_len)),
-        is_causal=True,
-        implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
-    )
-    return jnp.where(key_valid[:, :, None, None], out, jnp.zeros((), dt))
+    mask = jnp.broadcast_to(key_valid[:, None, None, :], (batch, 1, seq_len, seq_len))
+    return _fused_kernel(q, k, v, mask, key_valid, cfg, is_causal=True)
 
 
 def fused_cached_attention(
@@ -286,16 +279,32 @@ def fused_cached_attention(
     slot, so the kernel reads the cache once instead of writing and re-reading the scores.
     Returns [B, S, H, hd] in the compute dtype, zero at a query that sees no key (a padded
     prompt slot: its keys and values are written to the cache, its output is not used)."""
+    return _fused_kernel(q, k, v, visible[:, None], visible.any(axis=-1), cfg, is_causal=False)
+
+
+def _fused_kernel(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    query_kept: jax.Array,
+    cfg: ModelConfig,
+    *,
+    is_causal: bool,
+) -> jax.Array:
+    """`jax.nn.dot_product_attention` with `cfg.attention`'s implementation, in the compute
+    dtype, under `mask` [B, 1, S, S_kv]; zero at queries where `query_kept` [B, S] is
+    False."""
     dt = cfg.compute_dtype
     out = jax.nn.dot_product_attention(
         q.astype(dt),
         k.astype(dt),
         v.astype(dt),
-        mask=visible[:, None],
+        mask=mask,
+        is_causal=is_causal,
         implementation=FUSED_ATTENTION_IMPLEMENTATIONS[cfg.attention],
     )
-    sees_a_key = visible.any(axis=-1)  # [B, S]
-    return jnp.where(sees_a_key[:, :, None, None], out, jnp.zeros((), dt))
+    return jnp.where(query_kept[:, :, None, None], out, jnp.zeros((), dt))
 
 
 def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
