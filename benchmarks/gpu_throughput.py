@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax import learner, roofline
+from tba_jax import device_trace, learner, roofline
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
@@ -66,6 +67,15 @@ def report(name: str, first: float, times: list[float], **figures) -> None:
     print(json.dumps(line), flush=True)
 
 
+def profile(name: str, fn, top: int) -> None:
+    """One more run of `fn` under `jax.profiler.trace`: its kernel time by HLO op, a JSON line."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(fn())
+        summary = device_trace.kernel_summary(trace_dir, top)
+    print(json.dumps({"bench": f"{name}_profile", **summary}), flush=True)
+
+
 def random_prompts(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
     return rng.integers(0, vocab, size=(batch, length), dtype=np.int32)
 
@@ -95,6 +105,9 @@ def main() -> None:
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
     parser.add_argument("--skip", default="", help="comma list of decode,score,train")
     parser.add_argument("--vocab", type=int, default=None, help="for presets without one")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="> 0: also trace one run, print its N top ops"
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
@@ -159,6 +172,8 @@ def main() -> None:
             roofline_tokens_per_s=ceiling,
             roofline_percent=100 * tokens_per_s / ceiling,
         )
+        if args.profile:
+            profile("decode", lambda: generate(params, prompts, prompt_mask, key), args.profile)
 
     responses = jnp.asarray(random_prompts(rng, args.batch, args.new, vocab - 1))
     response_mask = jnp.ones(responses.shape, jnp.float32)
@@ -166,9 +181,8 @@ def main() -> None:
         score = make_score_fn(
             model, temperature=TEMPERATURE, rows_per_chunk=args.score_rows_per_chunk
         )
-        first, times = timed(
-            lambda: score(params, prompts, prompt_mask, responses, response_mask), args.repeats
-        )
+        run_score = lambda: score(params, prompts, prompt_mask, responses, response_mask)
+        first, times = timed(run_score, args.repeats)
         report(
             "score",
             first,
@@ -177,6 +191,8 @@ def main() -> None:
             rows_per_chunk=args.score_rows_per_chunk,
             tokens_per_s=args.batch * total / statistics.median(times),
         )
+        if args.profile:
+            profile("score", run_score, args.profile)
     del params
 
     if "train" not in skip:
@@ -235,6 +251,34 @@ def main() -> None:
             model_tflops_per_s=flops / median / 1e12,
             mfu_percent=100 * flops / median / 1e12 / args.peak_tflops,
         )
+        if args.profile:
+            profile("train_step", run_step, args.profile)
+        time_publish(holder, run_step, median, args.repeats)
+
+
+def time_publish(holder: dict, run_step, step_s: float, repeats: int) -> None:
+    """A publish (`mesh.publish` of the learner's params onto sampler shardings: here the
+    same device, a copy into new buffers, as a colocated run makes) on its own, and a
+    learner step with one publish started beside it (the copy overlapping the step), each
+    as a share of a plain step's `step_s`."""
+    params = holder["state"].params
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
+    first, alone = timed(lambda: mesh_lib.publish(holder["state"].params, shardings), repeats)
+
+    def step_with_publish():
+        published = mesh_lib.publish(holder["state"].params, shardings)
+        return run_step(), published
+
+    _, overlapped = timed(step_with_publish, repeats)
+    report(
+        "publish",
+        first,
+        alone,
+        param_gib=sum(x.nbytes for x in jax.tree.leaves(params)) / 2**30,
+        share_of_step_percent=100 * statistics.median(alone) / step_s,
+        step_with_publish_ms=1e3 * statistics.median(overlapped),
+        overlapped_cost_percent=100 * (statistics.median(overlapped) - step_s) / step_s,
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ ARGS = [
     "--train_k=2",
     "--microbatches=1",
     "--repeats=1",
+    "--profile=3",
     *(f"--{name}={value}" for name, value in SHAPE.items()),
 ]
 
@@ -37,7 +38,18 @@ def test_micro_run_prints_decode_score_and_learner_lines():
     lines = {
         line["bench"]: line for line in map(json.loads, done.stdout.splitlines()) if "bench" in line
     }
-    assert set(lines) == {"decode", "score", "train_step"}
+    assert set(lines) == {
+        "decode",
+        "score",
+        "train_step",
+        "publish",
+        "decode_profile",
+        "score_profile",
+        "train_step_profile",
+    }
+    assert lines["decode_profile"]["kernels"] == 0  # a CPU trace has no device plane
+    publish = lines["publish"]
+    assert publish["share_of_step_percent"] > 0 and publish["step_with_publish_ms"] > 0
     decode = lines["decode"]
     assert decode["layers"] == 2 and decode["scan_layers"] and decode["scan_decode"]
     assert decode["compile_s"] > 0 and decode["tokens_per_s"] > 0
