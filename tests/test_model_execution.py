@@ -25,6 +25,7 @@ from tba_jax.models import (
     init_model,
     positions_from_mask,
     stack_layers,
+    transformer,
     unstack_layers,
 )
 from tba_jax.models.config import ATTENTIONS, EXECUTION_FIELDS
@@ -142,6 +143,17 @@ def test_remat_keeps_the_values_and_gradients(plain, remat):
 def test_fused_attention_matches_the_einsum_one_with_padding(plain):
     """jax.nn.dot_product_attention (XLA's kernel on CPU) under the causal-and-padding mask:
     the batch has left-padded prompts and a right-padded response."""
+    logp, grads, params = plain
+    fused_logp, fused_grads = logprobs_and_grads(execution(attention="dot_product"), params)
+    np.testing.assert_allclose(fused_logp, logp, atol=TOL)
+    assert_trees_close(fused_grads, grads, GRAD_TOL)
+
+
+def test_fused_attention_padded_to_the_kernels_length_multiple_gives_the_same(plain, monkeypatch):
+    """The cache-free pass pads its 12 slots to the kernel's length multiple (cuDNN: even
+    lengths; forced to 8 here, so 4 padded slots) and drops their outputs: log-probs and
+    gradients are the einsum model's."""
+    monkeypatch.setitem(transformer.FUSED_SEQ_MULTIPLE, "dot_product", 8)
     logp, grads, params = plain
     fused_logp, fused_grads = logprobs_and_grads(execution(attention="dot_product"), params)
     np.testing.assert_allclose(fused_logp, logp, atol=TOL)

@@ -53,6 +53,10 @@ CHECKPOINT_POLICIES = {
 assert set(CHECKPOINT_POLICIES) == set(REMAT_POLICIES) - {"none"}
 # jax.nn.dot_product_attention's `implementation` for each fused `cfg.attention`.
 FUSED_ATTENTION_IMPLEMENTATIONS = {"dot_product": None, "cudnn": "cudnn"}
+# The cache-free pass pads its sequence to a multiple of this before a fused kernel: cuDNN's
+# flash attention refuses to train with a mask on an odd length (JAX's
+# check_is_flash_attention; TL;DR's 512 + 53 tokens, found on an H100).
+FUSED_SEQ_MULTIPLE = {"dot_product": 1, "cudnn": 2}
 
 ACTIVATION_FNS = {
     "silu": jax.nn.silu,
@@ -263,10 +267,16 @@ def fused_attention(
     both sequence axes; left padding is not a sequence length it could take instead).
     Returns [B, S, H, hd] in the compute dtype, zero at padding slots: a query that sees no
     key is left to the kernel (a flash kernel may give NaN there), and a NaN value at a
-    padding slot would reach every query through its zero attention weight."""
+    padding slot would reach every query through its zero attention weight. S is padded
+    to a multiple of `FUSED_SEQ_MULTIPLE` for the kernel."""
     batch, seq_len = key_valid.shape
-    mask = jnp.broadcast_to(key_valid[:, None, None, :], (batch, 1, seq_len, seq_len))
-    return _fused_kernel(q, k, v, mask, key_valid, cfg, is_causal=True)
+    pad = -seq_len % FUSED_SEQ_MULTIPLE[cfg.attention]
+    if pad:  # trailing slots no query sees (causal, and masked); their outputs dropped
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        key_valid = jnp.pad(key_valid, ((0, 0), (0, pad)))
+    padded_len = seq_len + pad
+    mask = jnp.broadcast_to(key_valid[:, None, None, :], (batch, 1, padded_len, padded_len))
+    return _fused_kernel(q, k, v, mask, key_valid, cfg, is_causal=True)[:, :seq_len]
 
 
 def fused_cached_attention(
