@@ -103,6 +103,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # the policy's architecture, starting weights and tokenizer (preset is then unused).
     config.model.hf_path = ""
     config.model.dtype = None  # compute
+    # A preset's embedding rows; 0: the tokenizer's ids. Set to a real checkpoint's count
+    # (32,000 for rho-1b, 50,304 for pythia) to run a random policy of its full shape; the
+    # sampler still draws only the tokenizer's ids.
+    config.model.vocab_size = 0
     config.model.param_dtype = "float32"  # stored params and Adam state
     # How the policy is computed (README, "Accelerator throughput"): blocks stacked and run
     # in one lax.scan (compile time flat in depth; changes the checkpoint's params layout),

@@ -184,6 +184,7 @@ RANGES: dict[str, Allowed] = {
     "model.remat": one_of(REMAT_POLICIES),
     "model.attention": one_of(ATTENTIONS),
     "model.logprob_chunk": integer_at_least(0),
+    "model.vocab_size": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),
     "warm_start.batch_size": integer_at_least(1),
     "warm_start.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),

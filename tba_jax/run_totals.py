@@ -103,6 +103,16 @@ def history_so_far(history: dict, segment: Segment) -> dict:
     }
 
 
+def peak_device_gib() -> float | None:
+    """The most device memory any of this process's devices has held (GiB), as their
+    allocators report it; None where they report none (a CPU)."""
+    peaks = [
+        (device.memory_stats() or {}).get("peak_bytes_in_use") for device in jax.local_devices()
+    ]
+    peaks = [peak for peak in peaks if peak is not None]
+    return round(max(peaks) / 2**30, 2) if peaks else None
+
+
 def run_summary(
     config: ml_collections.ConfigDict,
     history: dict,
@@ -139,6 +149,7 @@ def run_summary(
         "skipped_nonfinite_steps": history["skipped_nonfinite_steps"],
         "time_split_seconds": history["time_split_seconds"],
         "num_devices": jax.device_count(),
+        "peak_device_gib": peak_device_gib(),
         "colocated": colocated,
         # the processes' layout (tba_jax.topology) and the learner's time in exchanges
         **(layout or {"topology": "single_process", "num_processes": 1}),

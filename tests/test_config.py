@@ -115,6 +115,20 @@ def test_invalid_configs_are_rejected_before_any_work(variant, num_devices, mess
         validate(get_config(variant), num_devices=num_devices)
 
 
+def test_model_vocab_size_gives_a_preset_policy_a_real_checkpoints_rows():
+    """`model.vocab_size` sizes a random preset policy's embeddings (a paper shape's
+    32,000 rows over a char tokenizer's ids); 0 keeps the tokenizer's; fewer rows than
+    the tokenizer's ids, or beside a checkpoint, is a clear error."""
+    from tba_jax import runs
+
+    assert runs.model_config(get_config("model.vocab_size=0"), 40).vocab_size == 40
+    assert runs.model_config(get_config("model.vocab_size=512"), 40).vocab_size == 512
+    with pytest.raises(ValueError, match=r"model\.vocab_size=32 is smaller than the tokenizer"):
+        runs.model_config(get_config("model.vocab_size=32"), 40)
+    with pytest.raises(ValueError, match=r"model\.hf_path='/ckpt' has its own"):
+        runs.model_config(get_config("model.vocab_size=512,model.hf_path=/ckpt"), 40)
+
+
 @pytest.mark.parametrize("config_module", TRAINING_CONFIGS, ids=lambda m: m.__name__)
 def test_every_ranged_key_exists_and_its_default_is_in_range(config_module):
     """The range table names real keys (a typo would silently check nothing), and the

@@ -42,6 +42,7 @@ REQUIRED_SUMMARY_KEYS = {
     "max_policy_lag",
     "mean_policy_lag",
     "samples_per_second",
+    "peak_device_gib",
 }
 FAILSAFE_SECONDS = 300
 ASYNC = "smoke,record_learner_batches=True"
