@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -150,14 +151,31 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def publish(params: Any, sampler_shardings: Any) -> Any:
-    """Copies learner params onto the sampler's shardings, always into new buffers.
+    """Copies learner params onto the sampler's shardings, always into new buffers, so
+    the learner may donate its own to the next train step without invalidating what the
+    searchers hold. Both ways are asynchronous: the copy runs while the learner goes on.
 
-    `jax.device_put` is asynchronous: it returns at once and the copy runs while
-    the learner goes on. `may_alias=False` forces a copy even when both roles
-    share devices and shardings, so the learner may donate its own buffers to
-    the next train step without invalidating what the searchers hold.
+    When every leaf already lies on its sampler sharding (the roles share devices and
+    layout) the copy is one compiled program (`_copy_on_device`); otherwise
+    `jax.device_put(..., may_alias=False)` moves each leaf. On an H100 the latter took
+    26 ms for qwen2.5-0.5b's 1.8 GiB of float32 params, a copy per leaf, where the bytes
+    alone need about 1 ms.
     """
+    leaves, treedef = jax.tree.flatten(params)
+    targets = treedef.flatten_up_to(sampler_shardings)
+    if all(
+        isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim)
+        for leaf, target in zip(leaves, targets, strict=True)
+    ):
+        # the copy keeps the learner's sharding objects; relabelled (no copy) as the sampler's
+        return jax.device_put(_copy_on_device(params), sampler_shardings)
     return jax.device_put(params, sampler_shardings, may_alias=False)
+
+
+@jax.jit
+def _copy_on_device(params: Any) -> Any:
+    """New buffers holding `params`, on their own shardings (jit keeps a copy's layout)."""
+    return jax.tree.map(jnp.copy, params)
 
 
 def from_identical_host_data(tree: Any, shardings: Any) -> Any:

@@ -195,6 +195,7 @@ def test_colocated_publish_copies_so_the_learner_may_donate():
     store.publish(learner_params, version=2)
     for a, b in zip(jax.tree.leaves(learner_params), jax.tree.leaves(published), strict=True):
         assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+    assert jax.tree.map(lambda x: x.sharding, published) == sampler_shardings
 
     update = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
     update(learner_params)
