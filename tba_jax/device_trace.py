@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import re
 from typing import Any
 
 from jax.profiler import ProfileData
@@ -20,6 +21,8 @@ DEVICE_PLANE_PREFIX = "/device:"
 # Lines of a GPU plane that hold the streams' kernels; others ("XLA Modules", "XLA Ops",
 # "Steps") repeat the same time at a coarser grain.
 STREAM_LINE_PREFIX = "Stream"
+# An HLO op's numeric suffix: "gemm_fusion_dot.147" is of kind "gemm_fusion_dot".
+KIND_SUFFIX = re.compile(r"\.\d+$")
 
 
 def _stat(event: Any, name: str) -> Any:
@@ -33,8 +36,10 @@ def summarize(profile: ProfileData, top: int = 15) -> dict[str, Any]:
     """Kernel time of the device planes of one profile (see the module docstring).
 
     Returns {"kernels", "kernel_ms", "span_ms", "busy_percent", "top": [{"op", "ms",
-    "count", "percent"}...]}; "top" holds the `top` ops with the most time, "percent"
-    of all kernel time. Empty (kernels 0) when the trace has no device plane (a CPU).
+    "count", "percent"}...], "by_kind": [...]}; "top" holds the `top` ops with the most
+    time, "percent" of all kernel time; "by_kind" the same for ops grouped by their name
+    without its numeric suffix (every layer's `gemm_fusion_dot.N` together), all kinds.
+    Empty (kernels 0) when the trace has no device plane (a CPU).
     """
     time_ns: dict[str, float] = collections.defaultdict(float)
     count: dict[str, int] = collections.defaultdict(int)
@@ -53,22 +58,33 @@ def summarize(profile: ProfileData, top: int = 15) -> dict[str, Any]:
                 last_end = max(last_end, event.end_ns)
     kernel_ns = sum(time_ns.values())
     span_ns = max(last_end - first_start, 0.0)
-    ranked = sorted(time_ns, key=time_ns.get, reverse=True)[:top]
+    kind_ns: dict[str, float] = collections.defaultdict(float)
+    kind_count: dict[str, int] = collections.defaultdict(int)
+    for op in time_ns:
+        kind = KIND_SUFFIX.sub("", op)
+        kind_ns[kind] += time_ns[op]
+        kind_count[kind] += count[op]
     return {
         "kernels": sum(count.values()),
         "kernel_ms": round(kernel_ns / 1e6, 3),
         "span_ms": round(span_ns / 1e6, 3),
         "busy_percent": round(100 * kernel_ns / span_ns, 1) if span_ns else 0.0,
-        "top": [
-            {
-                "op": op,
-                "ms": round(time_ns[op] / 1e6, 3),
-                "count": count[op],
-                "percent": round(100 * time_ns[op] / kernel_ns, 1),
-            }
-            for op in ranked
-        ],
+        "top": _ranked(time_ns, count, kernel_ns, top),
+        "by_kind": _ranked(kind_ns, kind_count, kernel_ns, len(kind_ns)),
     }
+
+
+def _ranked(time_ns: dict, count: dict, kernel_ns: float, top: int) -> list[dict[str, Any]]:
+    """The `top` names with the most time: their ms, event count and share of `kernel_ns`."""
+    return [
+        {
+            "op": name,
+            "ms": round(time_ns[name] / 1e6, 3),
+            "count": count[name],
+            "percent": round(100 * time_ns[name] / kernel_ns, 1),
+        }
+        for name in sorted(time_ns, key=time_ns.get, reverse=True)[:top]
+    ]
 
 
 def kernel_summary(trace_dir: str | pathlib.Path, top: int = 15) -> dict[str, Any]:

@@ -67,6 +67,13 @@ def test_kernel_time_by_hlo_op_and_busy_share():
     assert [row["op"] for row in device_trace.summarize(profile(XSPACE), top=1)["top"]] == [
         "fusion.1"
     ]
+    fusion_2 = XSPACE.replace('str_value: "fusion.1" } }\n  }', 'str_value: "fusion.2" } }\n  }')
+    assert fusion_2 != XSPACE  # two ops of one kind
+    by_kind = device_trace.summarize(profile(fusion_2), top=1)["by_kind"]
+    assert by_kind == [
+        {"op": "fusion", "ms": 0.005, "count": 2, "percent": 83.3},
+        {"op": "gemm", "ms": 0.001, "count": 1, "percent": 16.7},
+    ]
 
 
 def test_a_trace_without_a_device_plane_has_no_kernels(tmp_path):
