@@ -1,0 +1,62 @@
+"""benchmarks/paper_smoke.py: the paper runs' overrides (a char tokenizer, the checkpoint's
+embedding rows) reach train.py, and a micro-sized TL;DR run prints its JSON line from the
+run's summary and scalars. The paper shapes themselves need an accelerator."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+from support import REPO_ROOT, run_repo_script
+
+from configs import gsm8k_rho1b, tldr_pythia
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location(
+        "paper_smoke", REPO_ROOT / "benchmarks/paper_smoke.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_variants_build_the_paper_configs_with_real_embedding_rows(tmp_path):
+    smoke = load_script()
+    args = argparse.Namespace(
+        run="gsm8k_rho1b", gsm8k_dir=str(tmp_path), attention="", steps=3, set="sync_period=4"
+    )
+    path, _, variant = smoke.variant_string(smoke.RUNS["gsm8k_rho1b"], args).partition(":")
+    assert path == "configs/gsm8k_rho1b.py"
+    config = gsm8k_rho1b.get_config(variant)
+    assert (config.model.preset, config.model.vocab_size) == ("rho-1b", 32_000)
+    assert (config.model.attention, config.learner_steps, config.sync_period) == ("cudnn", 3, 4)
+    assert config.batch.prompts_per_batch == 7 and config.max_response_len == 512
+    args.run = "tldr_pythia_1b"
+    path, _, variant = smoke.variant_string(smoke.RUNS["tldr_pythia_1b"], args).partition(":")
+    config = tldr_pythia.get_config(variant)
+    assert (config.model.preset, config.model.vocab_size) == ("pythia-1b", 50_304)
+    assert config.task.reward_model.preset == "pythia-2.8b"
+    args.run = "gsm8k_rho1b"
+    args.gsm8k_dir = ""
+    with pytest.raises(SystemExit, match="needs --gsm8k_dir"):
+        smoke.variant_string(smoke.RUNS["gsm8k_rho1b"], args)
+
+
+def test_micro_tldr_run_prints_its_step_time_and_rates():
+    micro = "model.preset=micro,model.vocab_size=512,model.dtype=float32"
+    done = run_repo_script(
+        "benchmarks/paper_smoke.py",
+        "--run=tldr_pythia_1b",
+        "--steps=2",
+        f"--set={micro},task.reward_model.preset=micro",
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "paper_smoke" and line["steps"] == 2
+    assert line["step_s"] > 0 and line["samples_per_s"] > 0 and line["training_s_per_step"] > 0
+    assert line["peak_device_gib"] is None  # a CPU reports no device memory
+    assert "model.vocab_size=512" in line["config"]
