@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The README's "Accelerator throughput" figures on one GPU, as JSON lines, in three parts
+# that each fit a 10-minute command:
+#
+#   bash benchmarks/gpu_report.sh decode  PEER   # decode at 3 shapes beside transformers'
+#                                                # generate (PEER: a copy of
+#                                                # ../shared/bench/hf_generate_baseline.py)
+#   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
+#   bash benchmarks/gpu_report.sh smoke GSM8K    # the two paper-scale smoke runs (GSM8K: a
+#                                                # folder with GSM8K's train/test jsonl)
+#
+# Each line of benchmarks/gpu_throughput.py, the peer and benchmarks/paper_smoke.py is
+# printed as it comes; "=== ..." lines name the command before them. Library chatter is
+# dropped. Set REPORT_TIMEOUT (seconds per command, default 240) for slower machines.
+set -u
+part=${1:?"which part: decode PEER | learner | smoke GSM8K_DIR"}
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+limit=${REPORT_TIMEOUT:-240}
+G="python3 benchmarks/gpu_throughput.py"
+
+run() {
+  echo "=== $*"
+  timeout "$limit" "$@" 2>&1 | grep -v '^WARNING\|^I0000\|^W0000\|^[IW][0-9]\{4\} '
+}
+
+case "$part" in
+  decode)
+    peer=${2:?"decode needs the peer script's path"}
+    for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
+      set -- $shape
+      run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256
+      run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train
+      run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn
+    done
+    ;;
+  learner)
+    run $G --shape=qwen2.5-0.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn --profile=12
+    run $G --shape=qwen2.5-0.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn \
+      --scan_layers --remat=dots_with_no_batch_dims_saveable
+    run $G --shape=qwen2.5-1.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn \
+      --scan_layers --remat=dots_with_no_batch_dims_saveable
+    run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=decode,train --attention=cudnn
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
+      --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn --profile=30
+    ;;
+  smoke)
+    gsm8k=${2:?"smoke needs a GSM8K folder"}
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95  # sampler and learner share the device
+    limit=${REPORT_TIMEOUT:-290}
+    run python3 benchmarks/paper_smoke.py --run=tldr_pythia_1b --steps=4 --timeout=$((limit - 10))
+    run python3 benchmarks/paper_smoke.py --run=gsm8k_rho1b --gsm8k_dir="$gsm8k" --steps=4 \
+      --timeout=$((limit - 10))
+    ;;
+  *)
+    echo "unknown part $part: decode PEER | learner | smoke GSM8K_DIR" >&2
+    exit 2
+    ;;
+esac
