@@ -69,8 +69,8 @@ RUNS = {
 }
 
 
-def variant_string(run: dict, args: argparse.Namespace) -> str:
-    """The config path with its variant: the run's overrides, then the command line's."""
+def run_overrides(run: dict, args: argparse.Namespace) -> dict:
+    """The run's overrides, then the command line's (`--attention`, `--steps`, `--set`)."""
     overrides = dict(run["overrides"])
     if args.run == "gsm8k_rho1b":
         if not args.gsm8k_dir:
@@ -87,6 +87,11 @@ def variant_string(run: dict, args: argparse.Namespace) -> str:
     for item in filter(None, args.set.split(",")):
         key, _, value = item.partition("=")
         overrides[key] = value
+    return overrides
+
+
+def variant_string(run: dict, overrides: dict) -> str:
+    """The config path with its variant: `overrides` after the config's named variant."""
     items = ",".join(f"{key}={value}" for key, value in overrides.items())
     config = run["config"]
     return f"{config},{items}" if ":" in config else f"{config}:{items}"
@@ -113,10 +118,11 @@ def main() -> None:
     args = parser.parse_args()
 
     run = RUNS[args.run]
-    config = variant_string(run, args)
+    overrides = run_overrides(run, args)
+    config = variant_string(run, overrides)
     workdir = args.workdir or tempfile.mkdtemp(prefix=f"{args.run}_")
     env = dict(os.environ)
-    if "cudnn" in config:
+    if overrides["model.attention"] == "cudnn":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     command = [
         sys.executable,

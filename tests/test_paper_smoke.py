@@ -28,21 +28,23 @@ def test_the_variants_build_the_paper_configs_with_real_embedding_rows(tmp_path)
     args = argparse.Namespace(
         run="gsm8k_rho1b", gsm8k_dir=str(tmp_path), attention="", steps=3, set="sync_period=4"
     )
-    path, _, variant = smoke.variant_string(smoke.RUNS["gsm8k_rho1b"], args).partition(":")
+    run = smoke.RUNS["gsm8k_rho1b"]
+    path, _, variant = smoke.variant_string(run, smoke.run_overrides(run, args)).partition(":")
     assert path == "configs/gsm8k_rho1b.py"
     config = gsm8k_rho1b.get_config(variant)
     assert (config.model.preset, config.model.vocab_size) == ("rho-1b", 32_000)
     assert (config.model.attention, config.learner_steps, config.sync_period) == ("cudnn", 3, 4)
     assert config.batch.prompts_per_batch == 7 and config.max_response_len == 512
     args.run = "tldr_pythia_1b"
-    path, _, variant = smoke.variant_string(smoke.RUNS["tldr_pythia_1b"], args).partition(":")
+    run = smoke.RUNS["tldr_pythia_1b"]
+    path, _, variant = smoke.variant_string(run, smoke.run_overrides(run, args)).partition(":")
     config = tldr_pythia.get_config(variant)
     assert (config.model.preset, config.model.vocab_size) == ("pythia-1b", 50_304)
     assert config.task.reward_model.preset == "pythia-2.8b"
     args.run = "gsm8k_rho1b"
     args.gsm8k_dir = ""
     with pytest.raises(SystemExit, match="needs --gsm8k_dir"):
-        smoke.variant_string(smoke.RUNS["gsm8k_rho1b"], args)
+        smoke.run_overrides(smoke.RUNS["gsm8k_rho1b"], args)
 
 
 def test_micro_tldr_run_prints_its_step_time_and_rates():
