@@ -42,7 +42,8 @@ case "$part" in
       --scan_layers --remat=dots_with_no_batch_dims_saveable
     run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=decode,train --attention=cudnn
     # decode's kernels one by one (command buffers off), then with cuBLAS's matmuls instead of
-    # XLA's Triton ones (the 256-row projections are split-K Triton kernels by default)
+    # XLA's Triton ones (compiled without a GPU the 256-row projections are split-K Triton
+    # kernels; the profile shows what the autotuner picked)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
       --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn --profile=30
     XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false" run $G \
