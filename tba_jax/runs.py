@@ -93,19 +93,20 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
     a real checkpoint's row count for a random policy of its shape); with the config's
     dtypes and execution knobs (`EXECUTION_KEYS`)."""
     execution = execution_fields(config)
-    if config.model.vocab_size and config.model.hf_path:
+    rows = config.model.get("vocab_size", 0)  # absent from older runs' config.json
+    if rows and config.model.hf_path:
         raise ValueError(
-            f"model.vocab_size={config.model.vocab_size} is for a preset's random policy; "
+            f"model.vocab_size={rows} is for a preset's random policy; "
             f"the model in model.hf_path={config.model.hf_path!r} has its own (config.json). "
             "Leave model.vocab_size at 0."
         )
-    if config.model.vocab_size:
-        if config.model.vocab_size < vocab_size:
+    if rows:
+        if rows < vocab_size:
             raise ValueError(
-                f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                f"model.vocab_size={rows} is smaller than the tokenizer's "
                 f"{vocab_size} ids; set it to at least {vocab_size}, or 0 for the tokenizer's."
             )
-        vocab_size = config.model.vocab_size
+        vocab_size = rows
     if config.model.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
 

@@ -127,6 +127,9 @@ def test_model_vocab_size_gives_a_preset_policy_a_real_checkpoints_rows():
         runs.model_config(get_config("model.vocab_size=32"), 40)
     with pytest.raises(ValueError, match=r"model\.hf_path='/ckpt' has its own"):
         runs.model_config(get_config("model.vocab_size=512,model.hf_path=/ckpt"), 40)
+    older_run = get_config()  # a config.json written before the key existed
+    del older_run.model["vocab_size"]
+    assert runs.model_config(older_run, 40).vocab_size == 40
 
 
 @pytest.mark.parametrize("config_module", TRAINING_CONFIGS, ids=lambda m: m.__name__)
