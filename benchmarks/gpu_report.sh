@@ -54,7 +54,7 @@ case "$part" in
     ;;
   smoke_tldr|smoke_gsm8k)
     # sampler and learner share the device; each run gets most of a 10-minute command (the
-    # GSM8K one spent about 4 minutes compiling and starting on an H100 before its first step)
+    # GSM8K one had trained only its first step after 4 minutes on an H100)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
     limit=${REPORT_TIMEOUT:-560}
     if [ "$part" = smoke_tldr ]; then
