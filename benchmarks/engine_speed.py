@@ -99,6 +99,9 @@ DIGITS = frozenset("0123456789")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"], "The model's params and compute dtype."
+)
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", 128, "T: the response length limit.", lower_bound=1
@@ -148,6 +151,7 @@ flags.adopt_module_key_flags(cli)
 @dataclasses.dataclass(frozen=True)
 class Settings:
     preset: str
+    dtype: str
     max_prompt_len: int
     max_new_tokens: int
     width: int
@@ -180,6 +184,7 @@ def read_settings() -> Settings:
         name: getattr(flags.FLAGS, name)
         for name in (
             "preset",
+            "dtype",
             "max_prompt_len",
             "max_new_tokens",
             "width",
@@ -278,6 +283,8 @@ def build_paths(settings: Settings) -> Paths:
     sequence = settings.max_prompt_len + settings.max_new_tokens
     config = preset(
         settings.preset,
+        dtype=settings.dtype,
+        param_dtype=settings.dtype,
         vocab_size=tokenizer.vocab_size,
         max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
     )

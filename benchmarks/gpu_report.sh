@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The README's "Accelerator throughput" figures on one GPU, as JSON lines, in four parts
-# that each fit a 10-minute command:
+# The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
+# in five parts that each fit a 10-minute command:
 #
 #   bash benchmarks/gpu_report.sh decode  PEER   # decode at 3 shapes beside transformers'
 #                                                # generate (PEER: a copy of
 #                                                # ../shared/bench/hf_generate_baseline.py)
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
+#   bash benchmarks/gpu_report.sh engine         # batch-then-score vs the slot engine
 #   bash benchmarks/gpu_report.sh smoke_tldr     # the paper-scale smoke runs, one a part
 #   bash benchmarks/gpu_report.sh smoke_gsm8k GSM8K  # (GSM8K: a folder with GSM8K's
 #                                                # train.jsonl and test.jsonl)
@@ -15,7 +16,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-part=${1:?"which part: decode PEER | learner | smoke_tldr | smoke_gsm8k GSM8K_DIR"}
+part=${1:?"which part: decode PEER | learner | engine | smoke_tldr | smoke_gsm8k GSM8K_DIR"}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 limit=${REPORT_TIMEOUT:-240}
@@ -52,6 +53,15 @@ case "$part" in
       --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=score,train --repeats=1 \
       --attention=cudnn --profile=30
     ;;
+  engine)
+    # issue 11's GPU half: batch-then-score against the slot engine at the GSM8K searcher's
+    # shape (rho-1b in bfloat16, 3 prompts × S = 24 rows a call, 256 + 512 tokens); the
+    # long-tailed mix's EOS bias gives geometric lengths of mean ~150-170 with ~3% at the cap
+    limit=${REPORT_TIMEOUT:-560}
+    run python3 benchmarks/engine_speed.py --preset=rho-1b --dtype=bfloat16 \
+      --max_prompt_len=256 --max_new_tokens=512 --width=72 --samples_per_prompt=24 \
+      --prompts=36 --repeats=2 --eos_bias=-0.5
+    ;;
   smoke_tldr|smoke_gsm8k)
     # sampler and learner share the device; each run gets most of a 10-minute command (the
     # GSM8K one had trained only its first step after 4 minutes on an H100)
@@ -66,7 +76,7 @@ case "$part" in
     fi
     ;;
   *)
-    echo "unknown part $part: decode PEER | learner | smoke_tldr | smoke_gsm8k GSM8K_DIR" >&2
+    echo "unknown part $part: decode PEER | learner | engine | smoke_tldr | smoke_gsm8k GSM8K_DIR" >&2
     exit 2
     ;;
 esac
