@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax import device_trace, learner, roofline
+from tba_jax import device_trace, learner, roofline, run_totals
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
@@ -61,9 +61,9 @@ def report(name: str, first: float, times: list[float], **figures) -> None:
     line = {"bench": name, "median_s": round(median, 4), "first_call_s": round(first, 2)}
     line.update({k: (round(v, 1) if isinstance(v, float) else v) for k, v in figures.items()})
     line["runs_s"] = [round(t, 4) for t in times]
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:  # accelerators report it; the process-wide peak so far
-        line["peak_device_gib"] = round(stats["peak_bytes_in_use"] / 2**30, 2)
+    peak = run_totals.peak_device_gib()  # accelerators report it; the process's peak so far
+    if peak is not None:
+        line["peak_device_gib"] = peak
     print(json.dumps(line), flush=True)
 
 
