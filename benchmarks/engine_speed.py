@@ -127,6 +127,13 @@ _PREFILL_PROMPTS = flags.DEFINE_integer(
 _REFILL_FREE = flags.DEFINE_float(
     "refill_free", 0.0, "Engine: a chunk returns for a refill once this share is free."
 )
+_BUCKET_MIN_TOKENS = flags.DEFINE_integer(
+    "bucket_min_tokens",
+    32,
+    "Engine: prefill and scoring length buckets never closer than this many tokens "
+    "(search.bucket_min_tokens; 1: four buckets whatever the length).",
+    lower_bound=1,
+)
 _COMPACT_BELOW = flags.DEFINE_float("compact_below", 0.5, "Engine tail compaction (0: off).")
 _MIN_WIDTH = flags.DEFINE_integer("min_width", 8, "Engine: compaction's narrowest width.")
 _COMPACT_MIN_STEPS = flags.DEFINE_integer(
@@ -161,6 +168,7 @@ class Settings:
     chunk_steps: int
     prefill_prompts: int
     refill_free: float
+    bucket_min_tokens: int
     compact_below: float
     min_width: int
     compact_min_steps: int
@@ -194,6 +202,7 @@ def read_settings() -> Settings:
             "chunk_steps",
             "prefill_prompts",
             "refill_free",
+            "bucket_min_tokens",
             "compact_below",
             "min_width",
             "compact_min_steps",
@@ -307,6 +316,7 @@ def build_paths(settings: Settings) -> Paths:
             chunk_steps=settings.chunk_steps,
             prefill_prompts=settings.prefill_prompts,
             refill_free=settings.refill_free,
+            bucket_min_tokens=settings.bucket_min_tokens,
             compact_below=settings.compact_below,
             min_width=settings.min_width,
             compact_min_steps=settings.compact_min_steps,
@@ -319,7 +329,12 @@ def build_paths(settings: Settings) -> Paths:
     )
     return Paths(
         batch=SearchWorker(generate_fn=make_generate_fn(model, sampling, **ids), **shared),
-        fused=FusedSearchWorker(engine=engine, score_rows=settings.score_rows, **shared),
+        fused=FusedSearchWorker(
+            engine=engine,
+            score_rows=settings.score_rows,
+            bucket_min_tokens=settings.bucket_min_tokens,
+            **shared,
+        ),
         base_params=params,
         eos_id=tokenizer.eos_id,
     )

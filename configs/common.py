@@ -251,6 +251,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # × i / N) that holds a group's longest: a scoring program for each (times the row
     # shapes); 1: always at max_response_len.
     config.search.score_length_buckets = 4
+    # Length buckets (prefill and scoring) are never closer than this many tokens: short
+    # limits get fewer buckets (the demo's 10 + 12 tokens: one each), since a program's
+    # compile outweighs a few tokens of padding; 1: exactly the N buckets above.
+    config.search.bucket_min_tokens = 32
     # Async searchers read newly published params between decode chunks instead of
     # finishing their samples on the params they started with.
     config.search.in_flight_updates = False

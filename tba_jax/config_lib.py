@@ -243,6 +243,7 @@ RANGES: dict[str, Allowed] = {
     "search.chunk_steps": integer_at_least(1),
     "search.prefill_prompts": integer_at_least(0),
     "search.prefill_buckets": integer_at_least(1),
+    "search.bucket_min_tokens": integer_at_least(1),
     "search.compact_below": number_in(0, 1, high_open=True),
     "search.refill_free": number_in(0, 1),
     "search.min_width": integer_at_least(1),

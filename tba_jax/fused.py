@@ -4,12 +4,12 @@
 feeds prompts to `sampling.engine.SlotEngine` and scores finished samples in groups
 while the engine keeps decoding (RLHFuse's inter-stage fusion): a group is the most
 ready samples that make `score_rows` × 4^i rows or the decode width, its responses
-padded to the smallest of `score_length_buckets` lengths that holds its longest (a few
-static shapes, each a program; the last samples of a search are padded to
-`score_rows`). Each
-group's π_ref log-probs are dispatched to the device behind the running decode chunk,
-its rewards (verifier, reward model, judge) are computed on the host meanwhile, and its
-trajectories are handed on one chunk later, when the device has finished them.
+padded to the smallest of `score_length_buckets` lengths (none closer than
+`bucket_min_tokens`) that holds its longest (a few static shapes, each a program; the
+last samples of a search are padded to `score_rows`). Each group's π_ref log-probs are
+dispatched to the device behind the running decode chunk, its rewards (verifier, reward
+model, judge) are computed on the host meanwhile, and its trajectories are handed on one
+chunk later, when the device has finished them.
 
 - `search(params, version, examples, rng)`: the same contract as `SearchWorker.search`
   (prompt-major trajectories of one params version), for the sync loop and for async
@@ -80,6 +80,8 @@ class FusedSearchWorker:
     # π_ref scoring pads responses to the smallest of this many lengths (max_new_tokens
     # × i / N, i = 1..N) that holds a group's longest: a program for each; 1: max_new_tokens
     score_length_buckets: int = 4
+    # ...none of them shorter than this many tokens apart (1: exactly N buckets)
+    bucket_min_tokens: int = 1
     non_eos_penalty: float | None = None
     drop_nonfinite: bool = False
 
@@ -166,7 +168,9 @@ class FusedSearchWorker:
         lengths that holds the group's longest, so a group of short samples is not scored
         at full length."""
         longest = max(len(sample.tokens) for sample in samples)  # >= 1: EOS at least
-        max_new = bucket_length(longest, self.engine.max_new, self.score_length_buckets)
+        max_new = bucket_length(
+            longest, self.engine.max_new, self.score_length_buckets, self.bucket_min_tokens
+        )
         prompt_tokens = np.full((rows, self.max_prompt_len), self.tokenizer.pad_id, np.int32)
         prompt_mask = np.zeros((rows, self.max_prompt_len), bool)
         tokens = np.full((rows, max_new), self.tokenizer.pad_id, np.int32)

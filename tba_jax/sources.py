@@ -2,7 +2,9 @@
 
 The training loop (`tba_jax.train`) sees only `BatchSource`:
 
-    source.start(stop_signal)          begin producing; returns once a batch can be drawn
+    source.start(stop_signal, meanwhile)  begin producing; runs `meanwhile` (the learner's
+                                       first-step compile) while the first samples come;
+                                       returns once a batch can be drawn
     batch = source.next_batch(step)    B prompts × K responses, a `SampledBatch`
     source.publish(params, version)    every `source.publish_every` learner steps
     source.metrics(step)               the source's own numbers for the log (buffer stats)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -66,7 +69,10 @@ class BatchSource(Protocol):
     # samples and tokens other processes generated this segment (summary totals)
     remote_counts: dict[str, float]
 
-    def start(self, stop_signal: StopSignal) -> None: ...
+    def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
+        """Begins producing; calls `meanwhile` (when given, at most once) while the first
+        batch is being made, if the source makes it in the background; returns once a
+        batch can be drawn."""
 
     def agreed_stop(self, requested: bool) -> bool: ...
 
@@ -144,12 +150,19 @@ def make_search_worker(
             score_length_buckets=config.search.get(  # a config saved before it existed
                 "score_length_buckets", FusedSearchWorker.score_length_buckets
             ),
+            bucket_min_tokens=bucket_min_tokens(config.search),
             **shared,
         )
     generate_fn = make_generate_fn(
         model, sampling, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
     )
     return runtime.SearchWorker(generate_fn=generate_fn, **shared)
+
+
+def bucket_min_tokens(search: ml_collections.ConfigDict) -> int:
+    """search.bucket_min_tokens; 1 (exactly N length buckets, as before the key existed)
+    for a config saved without it."""
+    return search.get("bucket_min_tokens", 1)
 
 
 def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig:
@@ -160,6 +173,7 @@ def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig
         prefill_prompts=search.prefill_prompts,
         refill_free=search.get("refill_free", 0.0),  # a config saved before it existed
         prefill_buckets=search.prefill_buckets,
+        bucket_min_tokens=bucket_min_tokens(search),
         compact_below=search.compact_below,
         min_width=search.min_width,
         compact_min_steps=search.get("compact_min_steps", 0),  # a config saved before it
@@ -300,9 +314,12 @@ class AsyncSource:
         self.dropped_stale = 0  # samples past replay.max_policy_lag, this segment
         self.stop_signal: StopSignal | None = None
 
-    def start(self, stop_signal: StopSignal) -> None:
+    def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
         self.stop_signal = stop_signal
         self.pool.start()
+        if meanwhile is not None:  # while the searchers fill the buffer
+            with self.meters.time_split.measure("training"):
+                meanwhile()
         with self.meters.time_split.measure("waiting"):
             self.pool.wait_for_buffer(
                 self.buffer, self.config.replay.min_prompts, BUFFER_POLL_S, stop_signal
@@ -381,8 +398,9 @@ class SyncSource:
     def remote_counts(self) -> dict[str, float]:
         return self.share.remote_counts
 
-    def start(self, stop_signal: StopSignal) -> None:
-        del stop_signal  # nothing runs between batches
+    def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
+        # nothing runs between batches: the first step compiles when it is first called
+        del stop_signal, meanwhile
 
     def agreed_stop(self, requested: bool) -> bool:
         return self.share.agreed_stop(requested)

@@ -87,6 +87,7 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("search.score_length_buckets=0", 1, r"score_length_buckets=0 must be an integer >= 1"),
         ("search.score_length_buckets=13", 1, r"=13 must be in \[1, max_response_len=12\]"),
         ("search.prefill_buckets=11", 1, r"prefill_buckets=11 must be in \[1, max_prompt_len=10\]"),
+        ("search.bucket_min_tokens=0", 1, r"bucket_min_tokens=0 must be an integer >= 1"),
         ("batch.prompts_per_batch=0", 1, r"batch\.prompts_per_batch=0 must be an integer >= 1"),
         ("batch.prompts_per_batch=-4", 1, r"batch\.prompts_per_batch=-4 must be an integer >= 1"),
         ("batch.num_microbatches=0", 1, r"batch\.num_microbatches=0 must be an integer >= 1"),

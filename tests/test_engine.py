@@ -17,7 +17,7 @@ import pytest
 from support import SMALL_DECODER as CFG
 
 from tba_jax.models import abstract_model, stack_layers
-from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine
+from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine, bucket_length
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
@@ -348,8 +348,24 @@ def test_fused_search_equals_batch_then_score_on_greedy_samples(
         assert have.logp_ref == pytest.approx(want.logp_ref, abs=1e-3)
 
 
-@pytest.mark.parametrize("buckets", [1, 4, T])
-def test_scoring_compiles_a_program_per_response_length_bucket(setup, fused_parts, buckets):
+def test_length_buckets_are_never_closer_than_bucket_min_tokens():
+    def lengths(limit, buckets, min_tokens=1):
+        return sorted({bucket_length(n, limit, buckets, min_tokens) for n in range(limit + 1)})
+
+    assert lengths(512, 4) == lengths(512, 4, 32) == [128, 256, 384, 512]
+    assert lengths(12, 4) == [3, 6, 9, 12]
+    assert lengths(12, 4, 32) == [12]  # the demo's responses: one scoring shape
+    assert lengths(100, 4, 32) == [32, 64, 96, 100]
+    assert lengths(100, 10, 40) == [40, 80, 100]
+    # the engine's prefill lengths and the sources' wiring from the config
+    assert EngineConfig(slots=4, bucket_min_tokens=32).prefill_length(3, 10) == 10
+    assert EngineConfig(slots=4).prefill_length(3, 10) == 3
+
+
+@pytest.mark.parametrize("buckets, min_tokens, want", [(1, 1, 1), (4, 1, 4), (T, 1, T), (T, 5, 3)])
+def test_scoring_compiles_a_program_per_response_length_bucket(
+    setup, fused_parts, buckets, min_tokens, want
+):
     shared, examples = fused_parts
     score_fn = make_score_fn(setup["model"], temperature=1.0)
     shapes = []  # (rows, response length) of each scoring call
@@ -361,12 +377,13 @@ def test_scoring_compiles_a_program_per_response_length_bucket(setup, fused_part
     def worker(**scoring):  # groups of one prompt's 2 samples, or of 4
         return fused_worker(setup, shared, GREEDY, slots=4, score_rows=2, **scoring)
 
-    got = worker(score_fn=recorded, score_length_buckets=buckets).search(
-        setup["params"], 0, examples, jax.random.key(0)
-    )
+    got = worker(
+        score_fn=recorded, score_length_buckets=buckets, bucket_min_tokens=min_tokens
+    ).search(setup["params"], 0, examples, jax.random.key(0))
     lengths = {length for _, length in shapes}
-    bucket = -(-T // buckets)
-    assert lengths <= {min(T, bucket * i) for i in range(1, buckets + 1)}
+    bucket = max(-(-T // buckets), min_tokens)  # (T, 5): lengths 5, 10 and 12
+    allowed = {min(T, bucket * i) for i in range(1, buckets + 1)}
+    assert lengths <= allowed and len(allowed) == want
     assert score_fn._cache_size() == len(set(shapes))
     if buckets == 1:
         assert lengths == {T}
@@ -389,3 +406,14 @@ def test_fused_stream_with_in_flight_updates_gives_trajectories_both_versions(se
     assert len(trajectories) == 20
     assert all(t.policy_version <= t.policy_version_last for t in trajectories)
     assert any(t.policy_version < t.policy_version_last for t in trajectories)
+
+
+def test_search_config_sets_the_engines_bucket_min_tokens():
+    from configs.arithmetic import get_config
+    from tba_jax.sources import engine_config
+
+    search = get_config().search
+    assert engine_config(search, 8).bucket_min_tokens == search.bucket_min_tokens == 32
+    with search.unlocked():
+        del search["bucket_min_tokens"]  # a run saved before the key: N buckets, as then
+    assert engine_config(search, 8).bucket_min_tokens == 1

@@ -82,10 +82,12 @@ def rows_at_most(n: int, unit: int, cap: int) -> int:
     return max(rows for rows in row_shapes(unit, cap) if rows <= max(n, unit))
 
 
-def bucket_length(length: int, limit: int, buckets: int) -> int:
-    """The smallest of `buckets` static lengths (multiples of ceil(limit / buckets), capped
-    at `limit`) that holds `length`; the first bucket at least, so nothing is 0 long."""
-    bucket = -(-limit // buckets)
+def bucket_length(length: int, limit: int, buckets: int, min_tokens: int = 1) -> int:
+    """The smallest of at most `buckets` static lengths (multiples of ceil(limit / buckets),
+    or of `min_tokens` when that is longer, capped at `limit`) that holds `length`; the
+    first bucket at least, so nothing is 0 long. With `min_tokens` >= limit there is one
+    length: `limit`."""
+    bucket = max(-(-limit // buckets), min_tokens)
     return min(limit, max(1, -(-length // bucket)) * bucket)
 
 
@@ -112,6 +114,9 @@ class EngineConfig:
     # Prompts are prefilled at the smallest of this many lengths (max_prompt_len × i / N)
     # that holds the longest prompt of a refill; 1: always at max_prompt_len.
     prefill_buckets: int = 4
+    # ...none of them shorter than this many tokens apart (short prompts: fewer buckets,
+    # since a prefill program's compile outweighs a few tokens of padding).
+    bucket_min_tokens: int = 1
 
     def __post_init__(self):
         if self.slots < 1:
@@ -130,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"compact_min_steps={self.compact_min_steps} must be >= 0.")
         if self.prefill_buckets < 1:
             raise ValueError(f"prefill_buckets={self.prefill_buckets} must be >= 1.")
+        if self.bucket_min_tokens < 1:
+            raise ValueError(f"bucket_min_tokens={self.bucket_min_tokens} must be >= 1.")
 
     def check_samples_per_prompt(self, samples_per_prompt: int) -> None:
         if samples_per_prompt > self.slots:
@@ -140,7 +147,9 @@ class EngineConfig:
 
     def prefill_length(self, longest_prompt: int, max_prompt_len: int) -> int:
         """The prefill length of a refill whose longest prompt has `longest_prompt` tokens."""
-        return bucket_length(longest_prompt, max_prompt_len, self.prefill_buckets)
+        return bucket_length(
+            longest_prompt, max_prompt_len, self.prefill_buckets, self.bucket_min_tokens
+        )
 
     def prefill_rows(self, prompts: int) -> int:
         """The rows of the prefill call for a refill of `prompts` prompts."""
