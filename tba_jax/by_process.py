@@ -9,6 +9,7 @@ inside exchanges is its `exchanging` time (per step in summary.json).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -136,7 +137,10 @@ class RemoteSource:
 
     # -- BatchSource -------------------------------------------------------------------
 
-    def start(self, stop_signal: StopSignal) -> None:
+    def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
+        # the first rounds are collectives every process joins at once: the first step
+        # compiles when it is first called
+        del meanwhile
         self._stop_signal = stop_signal
         positions = [[p["epoch"], p["index"]] for p in self.positions]
         self._broadcast(

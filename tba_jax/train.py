@@ -66,7 +66,7 @@ from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_
 from tba_jax.models import Model, Params, abstract_model, init_model
 from tba_jax.models.tokenizers import tokenizer_mismatch
 from tba_jax.sampling.engine import make_generator
-from tba_jax.trajectories import SampledBatch
+from tba_jax.trajectories import SampledBatch, collate
 from tba_jax.warmstart import (
     WarmStartCheckpoint,
     WarmStartConfig,
@@ -654,6 +654,48 @@ def device_batch(run: Setup, batch: SampledBatch, sharding) -> dict[str, jax.Arr
     return run.group.global_batch(batch_arrays(run.config, batch), sharding)
 
 
+def batch_spec(
+    config: ml_collections.ConfigDict, sharding
+) -> dict[str, jax.ShapeDtypeStruct] | None:
+    """The global batch the train step reads (`device_batch` of B × K rows), as
+    ShapeDtypeStructs on `sharding`, with `collate`'s dtypes and widths; None when the
+    step reads a field a stage attaches after sampling (VinePPO's token advantages)."""
+    rows = config.batch.prompts_per_batch * config.batch.samples_per_prompt
+    empty = collate(
+        [],
+        max_prompt_len=config.max_prompt_len,
+        max_response_len=config.max_response_len,
+        pad_id=0,
+        prompt_ids=np.zeros(0, np.int64),
+        from_recency=np.zeros(0, bool),
+    )
+    fields = batch_arrays(config, empty)
+    if any(field is None for field in fields.values()):
+        return None
+    return {
+        name: jax.ShapeDtypeStruct((rows, *field.shape[1:]), field.dtype, sharding=sharding)
+        for name, field in fields.items()
+    }
+
+
+def precompile_train_step(run: Setup, state, sharding) -> bool:
+    """Compiles the learner step for `state` and a batch on `sharding` ahead of its first
+    call, which then finds it compiled: an async run does this while the searchers fill
+    the buffer. False (nothing compiled; the first call compiles it) for a step that is
+    not one jitted program (PPO's unfused step) or reads a field added after sampling."""
+    lower = getattr(run.train_step, "lower", None)
+    spec = batch_spec(run.config, sharding)
+    if lower is None or spec is None:
+        return False
+    began = time.time()
+    lower(state, spec).compile()
+    logging.info(
+        "Compiled the learner step in %.1f s while the first samples were made.",
+        time.time() - began,
+    )
+    return True
+
+
 def open_batch_log(run: Setup, step: int) -> batch_log.BatchLogWriter | None:
     """The batch log of a run with `record_learner_batches` starting (or resuming) at
     `step`; None without. A run that does not record still forgets what an earlier segment
@@ -910,7 +952,9 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     try:
         recorder = open_batch_log(run, step) if topology.is_primary else None
         segment.rl_started_at = time.time()
-        source.start(stop_signal)
+        source.start(
+            stop_signal, meanwhile=lambda: precompile_train_step(run, state, batch_sharding)
+        )
         while step < config.learner_steps and not source.agreed_stop(stop_signal.requested):
             batch = source.next_batch(step)
             if value_stage is not None:  # VinePPO: advantages from the current policy's rollouts

@@ -7,6 +7,7 @@ model in seconds. The async run records its learner batches, so its learner repl
 """
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -200,11 +201,19 @@ def test_workdir_of_another_experiment_is_refused_and_left_intact(async_run, var
     assert _files_and_bytes(workdir) == before  # config.json and data/ included
 
 
-def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path):
+def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path, caplog):
     config = get_config(
         "smoke,search.engine=slots,search.in_flight_updates=True,replay.max_policy_lag=1"
     )
-    summary = train_and_evaluate(config, str(tmp_path))
+    with caplog.at_level(logging.INFO), jax.log_compiles():
+        summary = train_and_evaluate(config, str(tmp_path))
+    # the learner step is compiled once, while the searchers fill the buffer: the first
+    # step finds it compiled
+    messages = [record.getMessage() for record in caplog.records]
+    compiles = [m for m in messages if m.startswith("Compiling jit(train_step)")]
+    ahead = [m for m in messages if m.startswith("Compiled the learner step")]
+    assert len(compiles) == len(ahead) == 1
+    assert messages.index(compiles[0]) < messages.index(ahead[0])
     assert summary["learner_steps"] == 4 and summary["samples_generated"] >= 4 * 4
     assert summary["max_policy_lag"] <= 1  # the smoke run's lags reach 3 without the bound
     scalars = read_scalars(os.path.join(str(tmp_path), "tensorboard"))
@@ -348,3 +357,48 @@ def test_a_signal_in_the_loop_saves_and_the_run_resumes(tmp_path, mode, signum, 
     restore_policy(get_config(variant), workdir)  # the saved step restores
     summary = train_and_evaluate(get_config(f"{variant},steps={stopped_at + 2}"), workdir)
     assert summary["learner_steps"] == stopped_at + 2
+
+
+@pytest.mark.parametrize("method", ["tb", "grpo"])  # a summed and a token-level loss
+def test_the_precompiled_batch_is_shaped_as_the_buffers_batches(method):
+    from tba_jax.replay import ReplayBuffer
+    from tba_jax.train import batch_arrays, batch_spec
+    from tba_jax.trajectories import Trajectory
+
+    config = get_config(f"smoke,method={method}")
+    buffer = ReplayBuffer(
+        max_prompt_len=config.max_prompt_len,
+        max_response_len=config.max_response_len,
+        pad_id=0,
+        capacity=100,
+        capacity_per_prompt=10,
+        recency_prob=0.0,
+        priority="uniform",
+        priority_inverse_temperature=1.0,
+    )
+    for prompt_id in range(config.batch.prompts_per_batch):
+        for length in range(1, config.batch.samples_per_prompt + 1):
+            buffer.add(
+                [
+                    Trajectory.sampled(
+                        prompt_id=prompt_id,
+                        prompt_tokens=np.arange(3, dtype=np.int32),
+                        response_tokens=np.arange(length, dtype=np.int32),
+                        token_logp_behaviour=np.full(length, -0.5, np.float32),
+                        token_logp_ref=np.full(length, -0.7, np.float32),
+                        reward=1.0,
+                        policy_version=0,
+                        created_at=0.0,
+                    )
+                ]
+            )
+    sampled = buffer.sample(
+        config.batch.prompts_per_batch, config.batch.samples_per_prompt, np.random.default_rng(0)
+    )
+    spec = batch_spec(config, sharding=None)
+    fields = batch_arrays(config, sampled)
+    assert {name: (v.shape, v.dtype) for name, v in spec.items()} == {
+        name: (v.shape, v.dtype) for name, v in fields.items()
+    }
+    # VinePPO's advantages are attached after sampling: its step compiles on first use
+    assert batch_spec(get_config("smoke,method=vineppo"), sharding=None) is None
