@@ -3,8 +3,8 @@
 The training loop (`tba_jax.train`) sees only `BatchSource`:
 
     source.start(stop_signal, meanwhile)  begin producing; runs `meanwhile` (the learner's
-                                       first-step compile) while the first samples come;
-                                       returns once a batch can be drawn
+                                       first-step compile) while the first samples are
+                                       made; returns once a batch can be drawn
     batch = source.next_batch(step)    B prompts × K responses, a `SampledBatch`
     source.publish(params, version)    every `source.publish_every` learner steps
     source.metrics(step)               the source's own numbers for the log (buffer stats)
@@ -70,9 +70,10 @@ class BatchSource(Protocol):
     remote_counts: dict[str, float]
 
     def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
-        """Begins producing; calls `meanwhile` (when given, at most once) while the first
-        batch is being made, if the source makes it in the background; returns once a
-        batch can be drawn."""
+        """Begins producing; returns once a batch can be drawn. `meanwhile` (when given)
+        runs once, done before the first batch is returned, while that batch is made:
+        async, on this thread while the searchers fill the buffer; sync, on a thread
+        beside the first generation; by process, not at all (collective rounds)."""
 
     def agreed_stop(self, requested: bool) -> bool: ...
 
@@ -377,6 +378,27 @@ class AsyncSource:
         self.pool.close(SEARCHER_JOIN_TIMEOUT_S)
 
 
+class InBackground:
+    """Runs `fn` on a daemon thread; `join` waits for it and re-raises its error."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as error:  # re-raised in the thread that joins
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 class SyncSource:
     """On-policy: each batch is generated fresh with the current params."""
 
@@ -393,14 +415,16 @@ class SyncSource:
     ):
         self.config, self.worker, self.store, self.stream = config, worker, store, stream
         self.pad_id, self.share = pad_id, share
+        self._meanwhile: InBackground | None = None
 
     @property
     def remote_counts(self) -> dict[str, float]:
         return self.share.remote_counts
 
     def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
-        # nothing runs between batches: the first step compiles when it is first called
-        del stop_signal, meanwhile
+        del stop_signal  # nothing runs between batches
+        if meanwhile is not None:  # on a thread, beside the first batch's generation
+            self._meanwhile = InBackground(meanwhile, name="precompile")
 
     def agreed_stop(self, requested: bool) -> bool:
         return self.share.agreed_stop(requested)
@@ -412,6 +436,9 @@ class SyncSource:
         for value in self.share.rng_seed(step):
             rng = jax.random.fold_in(rng, value)
         trajectories = self.worker.search(params, version, examples, rng)
+        if self._meanwhile is not None:  # done before the first step: it must not compile twice
+            self._meanwhile.join()
+            self._meanwhile = None
         return collate(
             trajectories,
             max_prompt_len=self.config.max_prompt_len,
@@ -436,7 +463,8 @@ class SyncSource:
         self.share.restore_position(state, self.stream)
 
     def close(self) -> None:
-        pass
+        if self._meanwhile is not None:  # a run stopped before its first batch
+            self._meanwhile.thread.join()
 
 
 def prompt_stream(task: Task, topology: Topology, seed: int) -> PromptStream:

@@ -207,13 +207,8 @@ def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path, 
     )
     with caplog.at_level(logging.INFO), jax.log_compiles():
         summary = train_and_evaluate(config, str(tmp_path))
-    # the learner step is compiled once, while the searchers fill the buffer: the first
-    # step finds it compiled
-    messages = [record.getMessage() for record in caplog.records]
-    compiles = [m for m in messages if m.startswith("Compiling jit(train_step)")]
-    ahead = [m for m in messages if m.startswith("Compiled the learner step")]
-    assert len(compiles) == len(ahead) == 1
-    assert messages.index(compiles[0]) < messages.index(ahead[0])
+    # the learner step is compiled once, while the searchers fill the buffer
+    assert_train_step_compiled_once_ahead(caplog.records)
     assert summary["learner_steps"] == 4 and summary["samples_generated"] >= 4 * 4
     assert summary["max_policy_lag"] <= 1  # the smoke run's lags reach 3 without the bound
     scalars = read_scalars(os.path.join(str(tmp_path), "tensorboard"))
@@ -224,9 +219,38 @@ def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path, 
     assert "samples_dropped_stale" in scalars
 
 
+def assert_train_step_compiled_once_ahead(records):
+    """The learner step compiled exactly once, ahead of its first call (the log lines of
+    `jax.log_compiles` and of `train.precompile_train_step`, in order)."""
+    messages = [record.getMessage() for record in records]
+    compiles = [m for m in messages if m.startswith("Compiling jit(train_step)")]
+    ahead = [m for m in messages if m.startswith("Compiled the learner step")]
+    assert len(compiles) == len(ahead) == 1
+    assert messages.index(compiles[0]) < messages.index(ahead[0])
+
+
+def test_a_background_compile_error_is_raised_where_it_is_joined():
+    from tba_jax.sources import InBackground
+
+    failing = InBackground(lambda: 1 / 0, name="test")
+    with pytest.raises(ZeroDivisionError):
+        failing.join()
+    done = []
+    InBackground(lambda: done.append(1), name="test").join()
+    assert done == [1]
+
+
 @pytest.mark.parametrize("method", ["rloo", "grpo"])  # a summed and a token-level loss
-def test_sync_run_of_another_method(tmp_path, method):
-    summary = train_and_evaluate(get_config(f"smoke,mode=sync,method={method}"), str(tmp_path))
+def test_sync_run_of_another_method(tmp_path, method, caplog):
+    jax.config.update("jax_log_compiles", True)  # on every thread, the compiling one too
+    try:
+        with caplog.at_level(logging.INFO):
+            config = get_config(f"smoke,mode=sync,method={method}")
+            summary = train_and_evaluate(config, str(tmp_path))
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    # compiled on a thread beside the first generation, before the first step
+    assert_train_step_compiled_once_ahead(caplog.records)
     assert summary["mode"] == "sync" and summary["method"] == method
     assert summary["learner_steps"] == 4
     assert summary["max_policy_lag"] == 0.0  # on-policy: trained right after generation
