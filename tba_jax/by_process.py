@@ -138,9 +138,6 @@ class RemoteSource:
     # -- BatchSource -------------------------------------------------------------------
 
     def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
-        # the first rounds are collectives every process joins at once: the first step
-        # compiles when it is first called
-        del meanwhile
         self._stop_signal = stop_signal
         positions = [[p["epoch"], p["index"]] for p in self.positions]
         self._broadcast(
@@ -152,7 +149,10 @@ class RemoteSource:
         )
         self._start_params = self._start_reference = None
         if self.is_sync:
-            return
+            return  # the first step compiles when it is first called
+        if meanwhile is not None:  # the searcher processes generate from the start params
+            with self.meters.time_split.measure("training"):
+                meanwhile()
         min_prompts = self.config.replay.min_prompts
         while True:
             self._round(exchange.NEXT_ROUND, ready=self.buffer.num_prompts >= min_prompts)

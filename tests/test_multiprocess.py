@@ -280,6 +280,8 @@ def test_roles_by_process_saves_on_sigterm_and_resumes(tmp_path):
     code, _, stderr = finish(launch(2, *short, stderr=subprocess.PIPE))
     assert code == 0, stderr[-3000:]
     assert f"Resuming from step {saved}" in stderr
+    # the learner process compiled its step between the start broadcast and the rounds
+    assert re.search(r"\[p0\].*Compiled the learner step", stderr)
     summary = summary_of(workdir)
     assert summary["learner_steps"] == saved + 4
     assert summary["topology"] == "roles_by_process" and summary["searcher_processes"] == 1
