@@ -678,22 +678,21 @@ def batch_spec(
     }
 
 
-def precompile_train_step(run: Setup, state, sharding) -> bool:
+def precompile_train_step(run: Setup, state, sharding) -> None:
     """Compiles the learner step for `state` and a batch on `sharding` ahead of its first
     call, which then finds it compiled: an async run does this while the searchers fill
-    the buffer. False (nothing compiled; the first call compiles it) for a step that is
-    not one jitted program (PPO's unfused step) or reads a field added after sampling."""
+    the buffer. Nothing is compiled (the first call compiles it) for a step that is not
+    one jitted program (PPO's unfused step) or reads a field added after sampling."""
     lower = getattr(run.train_step, "lower", None)
     spec = batch_spec(run.config, sharding)
     if lower is None or spec is None:
-        return False
+        return
     began = time.time()
     lower(state, spec).compile()
     logging.info(
         "Compiled the learner step in %.1f s while the first samples were made.",
         time.time() - began,
     )
-    return True
 
 
 def open_batch_log(run: Setup, step: int) -> batch_log.BatchLogWriter | None:

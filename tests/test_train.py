@@ -385,21 +385,12 @@ def test_a_signal_in_the_loop_saves_and_the_run_resumes(tmp_path, mode, signum, 
 
 @pytest.mark.parametrize("method", ["tb", "grpo"])  # a summed and a token-level loss
 def test_the_precompiled_batch_is_shaped_as_the_buffers_batches(method):
-    from tba_jax.replay import ReplayBuffer
+    from tba_jax.sources import make_replay_buffer
     from tba_jax.train import batch_arrays, batch_spec
     from tba_jax.trajectories import Trajectory
 
     config = get_config(f"smoke,method={method}")
-    buffer = ReplayBuffer(
-        max_prompt_len=config.max_prompt_len,
-        max_response_len=config.max_response_len,
-        pad_id=0,
-        capacity=100,
-        capacity_per_prompt=10,
-        recency_prob=0.0,
-        priority="uniform",
-        priority_inverse_temperature=1.0,
-    )
+    buffer = make_replay_buffer(config, pad_id=0)  # the run's own buffer
     for prompt_id in range(config.batch.prompts_per_batch):
         for length in range(1, config.batch.samples_per_prompt + 1):
             buffer.add(
