@@ -8,13 +8,16 @@ padded to the smallest of `score_length_buckets` lengths (none closer than
 `bucket_min_tokens`) that holds its longest (a few static shapes, each a program; the
 last samples of a search are padded to `score_rows`). Each group's π_ref log-probs are
 dispatched to the device behind the running decode chunk, its rewards (verifier, reward
-model, judge) are computed on the host meanwhile, and its trajectories are handed on one
-chunk later, when the device has finished them.
+model, judge) are computed on the host meanwhile, and its trajectories are ready one
+chunk later, when the device has finished them; a prompt's S trajectories are handed on
+together once its last is ready (the replay buffer draws a prompt's K rows from the
+samples it holds).
 
 - `search(params, version, examples, rng)`: the same contract as `SearchWorker.search`
   (prompt-major trajectories of one params version), for the sync loop and for async
   searchers that finish each call on the params it started with;
-- `stream(params_fn, examples, rng)`: scored samples as soon as they are ready, for
+- `stream(params_fn, examples, rng)`: each prompt's scored samples as soon as they are
+  all ready, for
   async searchers with in-flight weight updates (params re-read between decode chunks;
   each sample records its first and last version).
 """
@@ -106,8 +109,14 @@ class FusedSearchWorker:
         *,
         in_flight_updates: bool = False,
     ) -> Iterator[list[Scored]]:
-        """Scored samples of `examples` (read lazily; may be endless) as they are ready.
-        Keys are the examples' indices in `examples`."""
+        """Scored samples of `examples` (read lazily; may be endless), a prompt's S samples
+        together as soon as its last is scored. Keys are the examples' indices in
+        `examples`.
+
+        A prompt is handed on whole because the replay buffer draws a refreshed prompt's
+        K rows from the samples it holds (with replacement when it holds fewer than K): a
+        prompt added sample by sample could be drawn from its short samples alone, which
+        end first, biasing TB's batch towards short responses."""
         by_key: dict[int, _Prompt] = {}
         samples_left: dict[int, int] = {}
 
@@ -122,6 +131,7 @@ class FusedSearchWorker:
 
         finished: list[Finished] = []
         in_flight: list[_Group] = []
+        scored_by_key: dict[int, list[Scored]] = {}  # prompts with samples still decoding
         generation = self.engine.run(
             params_fn, requests(), rng, in_flight_updates=in_flight_updates
         )
@@ -141,13 +151,19 @@ class FusedSearchWorker:
                     in_flight.append(self._dispatch(group, rows, by_key))
                 if last:
                     ready += [self._complete(group, by_key) for group in in_flight]
-                items = [item for items in ready for item in items]
-                for item in items:
+                scored = [item for items in ready for item in items]
+                kept = self._count(scored)
+                for item in kept:
+                    scored_by_key.setdefault(item.key, []).append(item)
+                complete = []  # the prompts whose samples are all scored now
+                for item in scored:
                     samples_left[item.key] -= 1
                     if not samples_left[item.key]:
+                        complete.append(item.key)
                         del samples_left[item.key], by_key[item.key]
-            if items:  # an empty list when every one was dropped as non-finite
-                yield self._count(items)
+                items = [item for key in complete for item in scored_by_key.pop(key, [])]
+            if complete:  # an empty list when every sample was dropped as non-finite
+                yield items
             if last:
                 return
 

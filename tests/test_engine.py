@@ -408,6 +408,25 @@ def test_fused_stream_with_in_flight_updates_gives_trajectories_both_versions(se
     assert any(t.policy_version < t.policy_version_last for t in trajectories)
 
 
+def test_fused_stream_hands_on_each_prompts_samples_together(setup, fused_parts):
+    # The replay buffer draws a prompt's K rows from the samples it holds; a prompt added
+    # before its long samples end would be drawn from its short ones alone.
+    shared, examples = fused_parts
+    worker = fused_worker(setup, {**shared, "samples_per_prompt": 4}, SAMPLED, slots=8)
+    stream = worker.stream(lambda: (setup["params"], 0), examples, jax.random.key(5))
+    handed_on = [[item.key for item in items] for items in stream]
+    assert len(handed_on) > 1, "every prompt came in one hand-off: nothing streamed"
+    keys = [key for items in handed_on for key in items]
+    assert sorted(keys) == sorted(list(range(len(examples))) * 4)
+    for items in handed_on:
+        assert all(items.count(key) == 4 for key in items), items
+    # ...although the samples of a prompt end at different steps
+    lengths = {}
+    for item in worker.search(setup["params"], 0, examples, jax.random.key(5)):
+        lengths.setdefault(item.prompt_id, set()).add(item.response_length)
+    assert any(len(per_prompt) > 1 for per_prompt in lengths.values())
+
+
 def test_search_config_sets_the_engines_bucket_min_tokens():
     from configs.arithmetic import get_config
     from tba_jax.sources import engine_config
