@@ -282,6 +282,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.eval.num_examples = None
     config.eval.batch_size = 128  # response rows per generate call
     config.eval.every_steps = 0  # 0: only at the start and the end
+    # With search.engine=slots, evaluation decodes in eval.batch_size slots and refills
+    # once this share of them is free: greedy responses do not depend on it, and refills
+    # of several prompts compile fewer prefill shapes and take fewer round trips.
+    config.eval.refill_free = 0.25
 
     config.log_every = 10
     # A learner step whose loss or gradient is not finite is skipped (params and optimiser

@@ -263,6 +263,7 @@ RANGES: dict[str, Allowed] = {
     "optim.grad_clip_norm": number_at_least(0),
     "eval.num_examples": integer_at_least(0),
     "eval.batch_size": integer_at_least(1),
+    "eval.refill_free": number_in(0, 1),
     "eval.every_steps": integer_at_least(0),
     "log_every": integer_at_least(1),
     "checkpoint_every": integer_at_least(1),

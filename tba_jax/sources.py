@@ -24,6 +24,7 @@ engine: the loop does not know which.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable
@@ -183,12 +184,15 @@ def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig
 
 
 def evaluation_engine_config(config: ml_collections.ConfigDict) -> EngineConfig | None:
-    """The slot engine with eval.batch_size slots when the run searches with it
-    (search.engine=slots), else None: batches of eval.batch_size. A config saved before the
-    engine existed has no search.engine: batches."""
+    """The slot engine with eval.batch_size slots and eval.refill_free when the run
+    searches with it (search.engine=slots), else None: batches of eval.batch_size. A
+    config saved before the engine existed has no search.engine: batches; one saved before
+    eval.refill_free refilled as its searchers did."""
     if config.search.get("engine", "batch") != "slots":
         return None
-    return engine_config(config.search, config.eval.batch_size)
+    searching = engine_config(config.search, config.eval.batch_size)
+    refill_free = config.eval.get("refill_free", searching.refill_free)
+    return dataclasses.replace(searching, refill_free=refill_free)
 
 
 def make_replay_buffer(config: ml_collections.ConfigDict, pad_id: int) -> ReplayBuffer:

@@ -122,6 +122,31 @@ def test_greedy_engine_responses_equal_the_batch_generator(setup, greedy_referen
     assert (engine.counters.compactions > 0) == compacts
 
 
+@pytest.mark.parametrize("samples, prefill_rows", [(1, {4, 8}), (2, {2, 4})])
+def test_refills_wait_for_refill_free_and_prefill_at_least_that_many_prompts(
+    setup, greedy_reference, samples, prefill_rows
+):
+    # refill_free=0.5 of 8 slots: a refill (after the first) starts with 4 slots free, so
+    # it takes at least 4 // samples prompts, the smallest prefill shape; the stream's last
+    # few prompts are padded to it
+    engine = engine_for(setup, GREEDY, slots=8, chunk_steps=2, refill_free=0.5)
+    rows_prefilled = []
+    prefill = engine._prefill
+
+    def recorded(params, state, prompt_tokens, *rest):
+        rows_prefilled.append(len(prompt_tokens))
+        return prefill(params, state, prompt_tokens, *rest)
+
+    engine._prefill = recorded
+    finished = run_engine(setup, engine, samples=samples)
+    assert sorted(finished) == [(row, s) for row in range(20) for s in range(samples)]
+    for (row, _), item in finished.items():
+        np.testing.assert_array_equal(item.tokens, greedy_reference[row][0])
+    assert set(rows_prefilled) == prefill_rows
+    assert engine.counters.prefilled_prompts == 20
+    assert engine.counters.prefills == len(rows_prefilled) < 20 // min(prefill_rows)
+
+
 def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):
     engine = engine_for(setup, GREEDY, slots=8, chunk_steps=4)
     finished = run_engine(setup, engine, samples=3)
@@ -177,7 +202,7 @@ def test_sampled_behaviour_logp_equals_teacher_forced_scoring(setup):
     )
 
 
-@pytest.mark.parametrize("prefill_prompts, most_prefill_rows", [(1, 1), (0, 3)])
+@pytest.mark.parametrize("prefill_prompts, most_prefill_rows", [(1, 1), (0, 2)])
 def test_nothing_recompiles_as_prompts_come_and_go(setup, prefill_prompts, most_prefill_rows):
     engine = engine_for(
         setup, SAMPLED, slots=8, chunk_steps=2, min_width=2, prefill_prompts=prefill_prompts
@@ -186,7 +211,7 @@ def test_nothing_recompiles_as_prompts_come_and_go(setup, prefill_prompts, most_
     run_engine(setup, engine, samples=2, rng=2, rows=range(7))
     # one decode program per width (8, 4, 2) and one prefill program per prefill length
     # (prompts of 1..6 tokens at buckets of 2: 2, 4, 6) and row count (a fixed 1, or
-    # 1, 4 and 8 rows for up to 4 prompts of 2 samples in 8 slots), whatever the traffic
+    # 1 and 4 rows for up to 4 prompts of 2 samples in 8 slots), whatever the traffic
     assert engine._decode._cache_size() <= 3
     assert engine._prefill._cache_size() <= 3 * most_prefill_rows
 
@@ -436,3 +461,16 @@ def test_search_config_sets_the_engines_bucket_min_tokens():
     with search.unlocked():
         del search["bucket_min_tokens"]  # a run saved before the key: N buckets, as then
     assert engine_config(search, 8).bucket_min_tokens == 1
+
+
+def test_evaluation_refills_at_eval_refill_free():
+    from configs.arithmetic import get_config
+    from tba_jax.sources import evaluation_engine_config
+
+    config = get_config("search.engine=slots,search.refill_free=0.125")
+    engine = evaluation_engine_config(config)
+    assert engine.slots == config.eval.batch_size and engine.refill_free == 0.25
+    with config.eval.unlocked():
+        del config.eval["refill_free"]  # a run saved before the key: as its searchers
+    assert evaluation_engine_config(config).refill_free == 0.125
+    assert evaluation_engine_config(get_config()) is None  # search.engine=batch

@@ -151,9 +151,20 @@ class EngineConfig:
             longest_prompt, max_prompt_len, self.prefill_buckets, self.bucket_min_tokens
         )
 
-    def prefill_rows(self, prompts: int) -> int:
-        """The rows of the prefill call for a refill of `prompts` prompts."""
-        return self.prefill_prompts or rows_at_least(prompts, 1, self.slots)
+    def prefill_rows(self, prompts: int, samples: int) -> int:
+        """The rows of the prefill call for a refill of `prompts` prompts of `samples`
+        samples each: `prefill_prompts`, or the smallest of `row_shapes(unit, most)` that
+        holds them, unit = the fewest prompts a refill takes while prompts are waiting
+        (`fewest_refill_prompts`; only the stream's last refills take fewer, padded), most
+        = the prompts the slots hold."""
+        unit = self.fewest_refill_prompts(samples)
+        most = max(unit, self.slots // samples)
+        return self.prefill_prompts or rows_at_least(prompts, unit, most)
+
+    def fewest_refill_prompts(self, samples: int) -> int:
+        """The fewest prompts of `samples` samples a refill takes while more are waiting:
+        it waits for `stop_to_refill` free slots."""
+        return max(1, self.stop_to_refill(samples) // samples)
 
     def most_prefill_prompts(self) -> int:
         """The most prompts one refill call takes."""
@@ -161,7 +172,7 @@ class EngineConfig:
 
     def stop_to_refill(self, samples: int) -> int:
         """Free slots at which a decode chunk returns for a refill whose next prompt has
-        `samples` samples."""
+        `samples` samples, and the fewest a refill starts with (the first fill aside)."""
         return max(samples, math.ceil(self.refill_free * self.slots))
 
     def stop_to_compact(self, width: int) -> int:
@@ -434,7 +445,9 @@ class SlotEngine:
                             exhausted = True
                             break
                         _check_request(waiting, config, self.max_prompt_len)
-                    if waiting.samples > free:
+                    if waiting.samples > free or (
+                        not batch and free < config.stop_to_refill(waiting.samples)
+                    ):  # a refill starts once the decode chunk's stop rule would return
                         break
                     batch.append(waiting)
                     free -= waiting.samples
@@ -502,7 +515,7 @@ class SlotEngine:
         copies = max(request.samples for request in batch)
         longest = max(_prompt_span(request.prompt_mask) for request in batch)
         length = config.prefill_length(longest, self.max_prompt_len)
-        shape = (config.prefill_rows(len(batch)), length)
+        shape = (config.prefill_rows(len(batch), copies), length)
         prompt_tokens = np.full(shape, self.pad_id, np.int32)
         prompt_mask = np.zeros(shape, bool)
         slot_ids = np.full((shape[0], copies), slots.width, np.int32)  # dropped
