@@ -148,11 +148,11 @@ class RemoteSource:
             },
         )
         self._start_params = self._start_reference = None
-        if self.is_sync:
-            return  # the first step compiles when it is first called
         if meanwhile is not None:  # the searcher processes generate from the start params
             with self.meters.time_split.measure("training"):
                 meanwhile()
+        if self.is_sync:
+            return  # the first round brings the first batch
         min_prompts = self.config.replay.min_prompts
         while True:
             self._round(exchange.NEXT_ROUND, ready=self.buffer.num_prompts >= min_prompts)

@@ -73,9 +73,9 @@ class BatchSource(Protocol):
     def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
         """Begins producing; returns once a batch can be drawn. `meanwhile` (when given)
         runs once, done before the first batch is returned, while that batch is made:
-        async, on this thread while the searchers fill the buffer (by process: after the
-        start broadcast, before the first round); sync, on a thread beside the first
-        generation (by process: not at all, the first step compiles on first use)."""
+        async, on this thread while the searchers fill the buffer; sync, on a thread beside
+        the first generation (by process, either mode: on this thread after the start
+        broadcast, while the searcher processes make the first samples)."""
 
     def agreed_stop(self, requested: bool) -> bool: ...
 

@@ -303,6 +303,8 @@ def test_roles_by_process_sync_over_four_processes(tmp_path):
     assert summary["mean_policy_lag"] == 0 and summary["max_policy_lag"] == 0
     # B=4 prompts × K=4 fresh samples per step from the two searcher processes
     assert summary["samples_generated"] == 4 * 4 * 4
+    # the learners compiled their step while the searchers made the first batch
+    assert re.search(r"\[p0\].*Compiled the learner step", stderr)
 
 
 def test_a_killed_process_ends_the_others(tmp_path):
