@@ -17,9 +17,8 @@ samples it holds).
   (prompt-major trajectories of one params version), for the sync loop and for async
   searchers that finish each call on the params it started with;
 - `stream(params_fn, examples, rng)`: each prompt's scored samples as soon as they are
-  all ready, for
-  async searchers with in-flight weight updates (params re-read between decode chunks;
-  each sample records its first and last version).
+  all ready, for async searchers with in-flight weight updates (params re-read between
+  decode chunks; each sample records its first and last version).
 """
 
 from __future__ import annotations

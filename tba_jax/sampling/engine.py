@@ -6,7 +6,8 @@ keeps `width` decode slots, each holding one sample's KV cache:
 
 - a **refill** prefills the waiting prompts that fit in the free slots in one call (at
   most `prefill_prompts`; one prefill per prompt) and copies each prompt's cache into the
-  S free slots of its samples;
+  S free slots of its samples; it starts once `refill_free` of the slots (at least the
+  next prompt's S) are free;
 - a **decode chunk** runs up to `chunk_steps` steps for every slot in one jitted
   `lax.while_loop`, and returns early once enough slots are free for the next refill
   (or, with no prompt waiting, once the live samples are few enough to compact);
@@ -24,8 +25,9 @@ Shapes are static: the slot width (and its halvings), the cache length
 `max_prompt_len + max_new_tokens` and the prefill shapes `[R, L]` for `prefill_buckets`
 lengths L (a refill is prefilled at the smallest L that holds its longest prompt, into
 the last L prompt positions of its slots) and R = `prefill_prompts`, or with
-`prefill_prompts=0` the smallest of `row_shapes(1, slots)` that holds the refill's
-prompts; nothing recompiles as prompts come and go.
+`prefill_prompts=0` the smallest of `row_shapes(u, slots / S)` that holds the refill's
+prompts (u: the fewest prompts a refill takes, `fewest_refill_prompts`); nothing
+recompiles as prompts come and go.
 
 Each slot's cache row is laid out as in `generate.generate`: the left-padded prompt in
 slots 0..P-1, the response from slot P on. The decoder writes each slot's new key at
@@ -172,7 +174,7 @@ class EngineConfig:
 
     def stop_to_refill(self, samples: int) -> int:
         """Free slots at which a decode chunk returns for a refill whose next prompt has
-        `samples` samples, and the fewest a refill starts with (the first fill aside)."""
+        `samples` samples, and the fewest free slots a refill starts with."""
         return max(samples, math.ceil(self.refill_free * self.slots))
 
     def stop_to_compact(self, width: int) -> int:
