@@ -265,8 +265,13 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.mesh.colocate = False  # one device: always colocated
     # A count >= 1 or a fraction of the devices: 0.7 → 3 of 4 devices sample, 6 of 8, 1 of 2.
     config.mesh.sampler_devices = 0.7
-    config.mesh.sampler_axes = {"data": -1}
-    config.mesh.learner_axes = {"fsdp": -1}
+    # Each role's mesh: sizes of the data, fsdp and tensor axes, one of them -1 (the rest).
+    # Every axis is listed so that each can be set from the command line, e.g. a
+    # data-parallel learner (replicated params: one gradient all-reduce per step instead
+    # of gathers per layer, cheaper across processes on CPUs):
+    # --config.mesh.learner_axes.data=-1 --config.mesh.learner_axes.fsdp=1
+    config.mesh.sampler_axes = {"data": -1, "fsdp": 1, "tensor": 1}
+    config.mesh.learner_axes = {"data": 1, "fsdp": -1, "tensor": 1}
     config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
     config.mesh.learner_rules = learner_rules()
 

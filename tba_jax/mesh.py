@@ -72,7 +72,11 @@ def make_mesh(devices: Sequence[jax.Device], axis_sizes: Mapping[str, int]) -> M
     if any(size < 1 and size != -1 for size in sizes):
         raise ValueError(f"Mesh axis sizes must be >= 1 or -1 (the rest), got {dict(axis_sizes)}.")
     if sizes.count(-1) > 1:
-        raise ValueError(f"At most one mesh axis may be -1, got {dict(axis_sizes)}.")
+        raise ValueError(
+            f"At most one mesh axis may be -1 (the rest), got {dict(axis_sizes)}; give the "
+            "others a size (e.g. --config.mesh.learner_axes.data=-1 "
+            "--config.mesh.learner_axes.fsdp=1 for a data-parallel learner)."
+        )
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:

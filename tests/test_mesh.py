@@ -330,3 +330,19 @@ def test_slot_engine_on_a_tensor_parallel_sampler_mesh_equals_one_device_greedy(
     assert len(set(r["lengths"])) >= 3, r["lengths"]  # refills happen at many lengths
     assert r["same_tokens"]
     assert r["max_logp_diff"] < 1e-4
+
+
+def test_every_mesh_axis_of_both_roles_can_be_set_from_a_variant():
+    from configs.arithmetic import get_config
+
+    config = get_config(
+        "mesh.learner_axes.data=-1,mesh.learner_axes.fsdp=1,mesh.sampler_axes.tensor=1"
+    )
+    assert dict(config.mesh.learner_axes) == {"data": -1, "fsdp": 1, "tensor": 1}
+    assert dict(config.mesh.sampler_axes) == {"data": -1, "fsdp": 1, "tensor": 1}
+    for axes in (config.mesh.learner_axes, config.mesh.sampler_axes):
+        assert mesh_lib.make_mesh(jax.devices()[:1], axes).axis_names == mesh_lib.MESH_AXES
+    # setting one axis to -1 without giving the default -1 axis a size says what to do
+    config = get_config("mesh.learner_axes.data=-1")
+    with pytest.raises(ValueError, match=r"learner_axes\.fsdp=1"):
+        mesh_lib.make_mesh(jax.devices()[:1], config.mesh.learner_axes)
