@@ -11,7 +11,7 @@ dispatched to the device behind the running decode chunk, its rewards (verifier,
 model, judge) are computed on the host meanwhile, and its trajectories are ready one
 chunk later, when the device has finished them; a prompt's S trajectories are handed on
 together once its last is ready (the replay buffer draws a prompt's K rows from the
-samples it holds).
+samples it holds), async searchers' `search.prompts_per_call` whole prompts at a time.
 
 - `search(params, version, examples, rng)`: the same contract as `SearchWorker.search`
   (prompt-major trajectories of one params version), for the sync loop and for async
@@ -107,15 +107,19 @@ class FusedSearchWorker:
         rng: jax.Array,
         *,
         in_flight_updates: bool = False,
+        prompts_per_hand_on: int = 1,
     ) -> Iterator[list[Scored]]:
-        """Scored samples of `examples` (read lazily; may be endless), a prompt's S samples
-        together as soon as its last is scored. Keys are the examples' indices in
-        `examples`.
+        """Scored samples of `examples` (read lazily; may be endless), whole prompts (a
+        prompt's S samples once its last is scored), at least `prompts_per_hand_on` of them
+        at a time (fewer at the end). Keys are the examples' indices in `examples`.
 
         A prompt is handed on whole because the replay buffer draws a refreshed prompt's
         K rows from the samples it holds (with replacement when it holds fewer than K): a
         prompt added sample by sample could be drawn from its short samples alone, which
-        end first, biasing TB's batch towards short responses."""
+        end first, biasing TB's batch towards short responses. Several at a time because
+        its recency draws take the prompts refreshed since the latest publish, repeating
+        them when too few are: prompts added one by one right after a publish made batches
+        of 16 prompt slots with as few as 3 distinct prompts (the async demo)."""
         by_key: dict[int, _Prompt] = {}
         samples_left: dict[int, int] = {}
 
@@ -131,6 +135,7 @@ class FusedSearchWorker:
         finished: list[Finished] = []
         in_flight: list[_Group] = []
         scored_by_key: dict[int, list[Scored]] = {}  # prompts with samples still decoding
+        complete: list[int] = []  # prompts whose samples are all scored, not handed on yet
         generation = self.engine.run(
             params_fn, requests(), rng, in_flight_updates=in_flight_updates
         )
@@ -154,15 +159,15 @@ class FusedSearchWorker:
                 kept = self._count(scored)
                 for item in kept:
                     scored_by_key.setdefault(item.key, []).append(item)
-                complete = []  # the prompts whose samples are all scored now
                 for item in scored:
                     samples_left[item.key] -= 1
                     if not samples_left[item.key]:
                         complete.append(item.key)
                         del samples_left[item.key], by_key[item.key]
-                items = [item for key in complete for item in scored_by_key.pop(key, [])]
-            if complete:  # an empty list when every sample was dropped as non-finite
-                yield items
+            if len(complete) >= prompts_per_hand_on or (last and complete):
+                # an empty list when every sample was dropped as non-finite
+                yield [item for key in complete for item in scored_by_key.pop(key, [])]
+                complete = []
             if last:
                 return
 

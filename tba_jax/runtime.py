@@ -140,13 +140,13 @@ class Searcher(threading.Thread):
     It never waits for the learner. With a `SearchWorker` it reads whatever params the
     policy store holds at the start of each call of `prompts_per_call` prompts. With a
     `FusedSearchWorker` (the slot engine) it streams prompts through the engine's slots and
-    adds each prompt's samples once its last is scored: on the params it started with
-    until a newer version is published (then it stops taking prompts, finishes the live
-    samples and starts over with the new params), or with `in_flight_updates` on the
-    newest params of every decode chunk. An exception stops the run: it is put on `errors`
-    and `stop` is set, and the learner re-raises it. So does a run of `max_empty_calls`
-    calls (or scored prompts' groups) in a row whose samples were all dropped as
-    non-finite (the buffer would never fill).
+    adds whole prompts, `prompts_per_call` at a time, each once its last sample is
+    scored: on the params it started with until a newer version is published (then it
+    stops taking prompts, finishes the live samples and starts over with the new params),
+    or with `in_flight_updates` on the newest params of every decode chunk. An exception
+    stops the run: it is put on `errors` and `stop` is set, and the learner re-raises it.
+    So does a run of `max_empty_calls` calls (or hand-offs of scored prompts) in a row
+    whose samples were all dropped as non-finite (the buffer would never fill).
     """
 
     def __init__(
@@ -210,7 +210,11 @@ class Searcher(threading.Thread):
 
             rng = jax.random.fold_in(self.rng, self.calls)
             scored_groups = self.worker.stream(
-                params_fn, prompts(), rng, in_flight_updates=self.in_flight_updates
+                params_fn,
+                prompts(),
+                rng,
+                in_flight_updates=self.in_flight_updates,
+                prompts_per_hand_on=self.prompts_per_call,
             )
             for scored in scored_groups:
                 trajectories = [item.trajectory for item in scored]

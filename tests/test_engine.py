@@ -445,6 +445,14 @@ def test_fused_stream_hands_on_each_prompts_samples_together(setup, fused_parts)
     assert sorted(keys) == sorted(list(range(len(examples))) * 4)
     for items in handed_on:
         assert all(items.count(key) == 4 for key in items), items
+    # ...at least three at a time when asked (the buffer's recency draws repeat the
+    # prompts refreshed since a publish when too few are)
+    stream = worker.stream(
+        lambda: (setup["params"], 0), examples, jax.random.key(5), prompts_per_hand_on=3
+    )
+    prompts_handed_on = [len({item.key for item in items}) for items in stream]
+    assert sum(prompts_handed_on) == len(examples) and len(prompts_handed_on) > 1
+    assert min(prompts_handed_on[:-1]) >= 3, prompts_handed_on
     # ...although the samples of a prompt end at different steps
     lengths = {}
     for item in worker.search(setup["params"], 0, examples, jax.random.key(5)):
