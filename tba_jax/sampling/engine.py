@@ -159,9 +159,11 @@ class EngineConfig:
         holds them, unit = the fewest prompts a refill takes while prompts are waiting
         (`fewest_refill_prompts`; only the stream's last refills take fewer, padded), most
         = the prompts the slots hold."""
+        if self.prefill_prompts:
+            return self.prefill_prompts
         unit = self.fewest_refill_prompts(samples)
         most = max(unit, self.slots // samples)
-        return self.prefill_prompts or rows_at_least(prompts, unit, most)
+        return rows_at_least(prompts, unit, most)
 
     def fewest_refill_prompts(self, samples: int) -> int:
         """The fewest prompts of `samples` samples a refill takes while more are waiting:
@@ -447,9 +449,11 @@ class SlotEngine:
                             exhausted = True
                             break
                         _check_request(waiting, config, self.max_prompt_len)
-                    if waiting.samples > free or (
-                        not batch and free < config.stop_to_refill(waiting.samples)
-                    ):  # a refill starts once the decode chunk's stop rule would return
+                    # a refill starts once the decode chunk's stop rule would return
+                    needed = (
+                        config.stop_to_refill(waiting.samples) if not batch else waiting.samples
+                    )
+                    if free < needed:
                         break
                     batch.append(waiting)
                     free -= waiting.samples
