@@ -47,8 +47,9 @@ PRINT_CONFIG_FLAG = "print_config"
 VERBOSITY_FLAG = "verbosity"  # absl's --verbosity / -v
 INFO_PREFIX_FLAG = "showprefixforinfo"  # absl's: the "I0102 12:00:00.0 123 file.py:1]" prefix
 # Library warnings that are expected in every run and say nothing to act on: TFDS warns
-# each time a builder is given a config object, which is how tba_jax.data builders work.
-EXPECTED_LIBRARY_WARNINGS = ("Using custom data configuration",)
+# each time a builder is given a config object, which is how tba_jax.data builders work,
+# and about a dataset folder that is not prepared yet, which tba_jax.data then prepares.
+EXPECTED_LIBRARY_WARNINGS = ("Using custom data configuration", "Variant folder ")
 VERBOSITY_HELP = (
     "absl's log level (-1 warning, 0 info, 1 debug). Unset: our progress and notices at info, "
     "other libraries' logs (orbax, jax, TFDS) from warning; set: every log at that level."

@@ -84,6 +84,8 @@ def test_the_console_of_a_run_is_our_progress_not_library_logs(smoke_run):
     _, result = smoke_run
     lines = result.stderr.strip().splitlines()
     assert "orbax" not in result.stderr and "checkpoint_manager" not in result.stderr
+    assert "Downloading and preparing dataset" not in result.stdout + result.stderr
+    assert [line for line in lines if line.startswith("Preparing the arithmetic_reasoning")]
     assert not [line for line in lines if ABSL_PREFIX.match(line)], result.stderr
     steps = [line for line in lines if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in steps] == ["step 2/4", "step 4/4"]

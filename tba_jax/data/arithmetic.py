@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from tba_jax.data import builder_utils
 from tba_jax.rewards.arithmetic import ANSWER_MARKER
 
 PROMPT_SUFFIX = "="
@@ -356,7 +357,7 @@ def builder_config_for(task: ArithmeticTaskConfig) -> ArithmeticBuilderConfig:
     return _new_builder_config(task)
 
 
-class ArithmeticReasoning(tfds.core.GeneratorBasedBuilder):
+class ArithmeticReasoning(builder_utils.OwnPreparationNotice, tfds.core.GeneratorBasedBuilder):
     """Multi-step arithmetic with worked solutions and verifiable final answers."""
 
     VERSION = tfds.core.Version("1.0.0")

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 from etils import epath
 
 TEXT_ENCODING = "utf-8"
@@ -168,7 +169,24 @@ def as_python_value(value: Any) -> Any:
     return value
 
 
-class JsonlSourceBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class OwnPreparationNotice:
+    """Mixed into a TFDS builder: one line of ours at INFO when a dataset is prepared,
+    instead of the two bold lines TFDS prints to stdout whatever the log level
+    ("Downloading and preparing dataset Unknown size (download: Unknown size, ...)" and
+    "... Subsequent calls will reuse this data.")."""
+
+    def _log_download_bytes(self) -> None:
+        logging.info(
+            "Preparing the %s dataset in %s (once: later runs reuse it).", self.name, self.data_dir
+        )
+
+    def _log_download_done(self) -> None:
+        pass
+
+
+class JsonlSourceBuilder(
+    OwnPreparationNotice, tfds.core.GeneratorBasedBuilder, skip_registration=True
+):
     """A builder whose splits each come from one JSONL file (see the module docstring).
 
     Subclasses set ``VERSION``, ``RELEASE_NOTES``, ``FEATURES``, ``SPLIT_FILES``,
