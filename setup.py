@@ -24,6 +24,7 @@ setup(
         "numpy>=1.26",
         "tensorboardX>=2.6",
         "tqdm>=4.60",
+        "filelock>=3.0",  # the compile cache's size bound (jax_compilation_cache_max_size)
         "matplotlib>=3.7",  # experiments/reproduce.py's plots and the notebooks
         # Hugging Face checkpoints and tokenizers (no torch needed to load or save).
         "safetensors>=0.4",

@@ -44,7 +44,7 @@ import shutil
 from absl import flags, logging
 from ml_collections import config_flags
 
-from tba_jax import cli, distributed, evaluation, runs, sources, tasks
+from tba_jax import cli, compile_cache, distributed, evaluation, runs, sources, tasks
 from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
@@ -371,6 +371,7 @@ def main(argv):
     latest_step = latest_checkpoint_step(config, workdir)
     identity = eval_identity(run_config, config, settings, latest_step if step is None else step)
     check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
+    compile_cache.use(config)
     result = evaluate_run(config, workdir, identity, settings)
     written = write_result(workdir, _OUT.value, result, latest_step)
     logging.info("Wrote %s: %s", ", ".join(written), json.dumps(result, sort_keys=True))

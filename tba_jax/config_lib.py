@@ -265,6 +265,8 @@ RANGES: dict[str, Allowed] = {
     "eval.batch_size": integer_at_least(1),
     "eval.refill_free": number_in(0, 1),
     "eval.every_steps": integer_at_least(0),
+    "compile_cache.min_compile_seconds": number_at_least(0),
+    "compile_cache.max_gib": number_above(0),
     "log_every": integer_at_least(1),
     "checkpoint_every": integer_at_least(1),
     "keep_checkpoints": integer_at_least(1),

@@ -38,6 +38,7 @@ from absl import logging
 from tba_jax import (
     batch_log,
     by_process,
+    compile_cache,
     config_lib,
     distributed,
     evaluation,
@@ -319,6 +320,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     check_experiment(
         workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
     )
+    compile_cache.use(config)
     if topology.is_primary:
         make_workdir(workdir)
         task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)

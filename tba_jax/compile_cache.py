@@ -1,0 +1,77 @@
+"""A run's compiled programs kept on disk (JAX's persistent compilation cache).
+
+Every run compiles its learner step, generation and π_ref scoring programs when it starts,
+and again on each resume or ablation of the same shapes. With `compile_cache.dir` set, a
+program XLA compiled before (the same HLO, devices, compiler flags and JAX version: JAX's
+cache key) is loaded from disk instead of compiled; any change to a program is a new key,
+so a cached program is never a stale one. The demo on a 2-core CPU starts its learner
+step in 1.0 s instead of 4.4 s the second time (README "Running experiments").
+
+Only programs that took at least `min_compile_seconds` to compile are written (most of a
+run's are small and quick), and the folder is kept under `max_gib` by evicting the least
+recently used entries. Over several processes only process 0 writes (JAX's rule); every
+process reads. A JAX_COMPILATION_CACHE_DIR in the environment wins (JAX's own settings are
+then left alone: the test suite's session cache is one). The folder is trusted code: keep
+it private (JAX's warning on `jax.experimental.compilation_cache.set_cache_dir`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import ml_collections
+from absl import logging
+from jax.experimental.compilation_cache import compilation_cache
+
+from tba_jax.config_lib import output_dir_problem
+
+GIB = 2**30
+ENVIRONMENT_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
+# JAX writes an entry in place, so a run may read one that another run (a sweep's, or a
+# process of the same run) is still writing; JAX then warns and compiles the program
+# itself, which is all a cache miss is.
+PARTIAL_ENTRY_WARNING = "Error reading persistent compilation cache entry"
+
+
+def cache_dir(config: ml_collections.ConfigDict) -> str:
+    """The folder `config` caches compiled programs in ('' for none). A config saved before
+    the key existed (an older run's config.json) caches nothing; JAX_COMPILATION_CACHE_DIR
+    in the environment is used instead of any config's."""
+    if os.environ.get(ENVIRONMENT_VARIABLE):
+        return os.environ[ENVIRONMENT_VARIABLE]
+    settings = config.get("compile_cache")
+    if settings is None or not settings.dir:
+        return ""
+    return os.path.abspath(os.path.expanduser(settings.dir))
+
+
+def use(config: ml_collections.ConfigDict) -> str:
+    """Points JAX's compilation cache at `config.compile_cache` before anything compiles;
+    returns the folder ('' when the config caches nothing, or when the folder cannot be
+    written, with a warning). JAX's own settings are left as they are when the config
+    caches nothing and when JAX_COMPILATION_CACHE_DIR is set (its folder is returned). A
+    process that cached in another folder before (a notebook running a second config)
+    switches to this one."""
+    path = cache_dir(config)
+    if not path or os.environ.get(ENVIRONMENT_VARIABLE):
+        return path
+    problem = output_dir_problem(path)
+    if problem:  # a cache is worth no failed run: say so once and compile as usual
+        logging.warning(
+            "compile_cache.dir=%s %s: every program is compiled in this run. Set "
+            "--config.compile_cache.dir to a folder you can write (or '' for no cache).",
+            path,
+            problem,
+        )
+        return ""
+    warnings.filterwarnings("ignore", message=PARTIAL_ENTRY_WARNING)
+    settings = config.compile_cache
+    current = jax.config.values.get("jax_compilation_cache_dir")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", settings.min_compile_seconds)
+    jax.config.update("jax_compilation_cache_max_size", int(settings.max_gib * GIB))
+    if current != path:
+        compilation_cache.set_cache_dir(path)
+        compilation_cache.reset_cache()  # JAX opens its cache folder once per process
+    return path
