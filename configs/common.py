@@ -81,6 +81,18 @@ def optimizer() -> ml_collections.ConfigDict:
     return optim
 
 
+def compile_cache() -> ml_collections.ConfigDict:
+    """Compiled programs kept on disk and loaded by later runs, resumes and ablations of
+    the same shapes (tba_jax/compile_cache.py): the programs that took at least
+    min_compile_seconds to compile, in at most max_gib (least recently used go first).
+    dir "": compile every program in every run."""
+    cache = ml_collections.ConfigDict()
+    cache.dir = "~/.cache/tba_jax/jax"
+    cache.min_compile_seconds = 0.2  # JAX's default is 1 (for remote folders)
+    cache.max_gib = 10.0
+    return cache
+
+
 def base_config(name: str) -> ml_collections.ConfigDict:
     """Every key of a training run, with the shared values; None: the config sets it."""
     config = ml_collections.ConfigDict()
@@ -292,14 +304,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # of several prompts compile fewer prefill shapes and take fewer round trips.
     config.eval.refill_free = 0.25
 
-    # Compiled programs kept on disk and loaded by later runs, resumes and ablations of the
-    # same shapes (tba_jax/compile_cache.py): the programs that took at least
-    # min_compile_seconds to compile, in at most max_gib (least recently used go first).
-    # "": compile every program in every run.
-    config.compile_cache = ml_collections.ConfigDict()
-    config.compile_cache.dir = "~/.cache/tba_jax/jax"
-    config.compile_cache.min_compile_seconds = 0.2  # JAX's default is 1 (for remote folders)
-    config.compile_cache.max_gib = 10.0
+    config.compile_cache = compile_cache()
 
     config.log_every = 10
     # A learner step whose loss or gradient is not finite is skipped (params and optimiser

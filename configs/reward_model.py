@@ -112,6 +112,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.mesh.axes = {"fsdp": -1}  # every device; params and the batch split over fsdp
     config.mesh.rules = common.learner_rules()
 
+    config.compile_cache = common.compile_cache()
+
     config.log_every = 10
     config.progress_bar = True
 

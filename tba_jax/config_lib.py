@@ -170,6 +170,10 @@ BOOLEAN = Allowed(lambda v: isinstance(v, bool), "true or false")
 
 # Every range a training config's values can take (configs/common.py's keys). Cross-key
 # rules (K <= S, batch shapes over devices, ...) are checked in `validate` itself.
+COMPILE_CACHE_RANGES: dict[str, Allowed] = {
+    "compile_cache.min_compile_seconds": number_at_least(0),
+    "compile_cache.max_gib": number_above(0),
+}
 RANGES: dict[str, Allowed] = {
     "seed": integer_at_least(0),
     "mode": one_of(("async", "sync")),
@@ -265,8 +269,7 @@ RANGES: dict[str, Allowed] = {
     "eval.batch_size": integer_at_least(1),
     "eval.refill_free": number_in(0, 1),
     "eval.every_steps": integer_at_least(0),
-    "compile_cache.min_compile_seconds": number_at_least(0),
-    "compile_cache.max_gib": number_above(0),
+    **COMPILE_CACHE_RANGES,
     "log_every": integer_at_least(1),
     "checkpoint_every": integer_at_least(1),
     "keep_checkpoints": integer_at_least(1),

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from tba_jax import learner
+from tba_jax import compile_cache, config_lib, learner
 from tba_jax import mesh as mesh_lib
 from tba_jax.batching import fixed_size_batches
 from tba_jax.config_lib import ConfigError
@@ -250,6 +250,7 @@ def save_reward_model(
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """ConfigError for settings that cannot work, before anything is loaded."""
+    config_lib.check_ranges(config, config_lib.COMPILE_CACHE_RANGES)
     if config.tokenizer not in (CHECKPOINT_TOKENIZER, CHAR_TOKENIZER):
         raise ConfigError(
             f"tokenizer={config.tokenizer!r} is not one of "
@@ -344,6 +345,7 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains a scalar reward model on preference pairs; saves it and rm_summary.json."""
     wall_start = time.time()
     check_config(config, jax.device_count())
+    compile_cache.use(config)
     os.makedirs(workdir, exist_ok=True)
     tokenizer = rm_tokenizer(config)
     encode = dict(max_len=config.max_len, append_eos=config.append_eos)

@@ -10,7 +10,8 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from configs.arithmetic import get_config
-from tba_jax import compile_cache
+from configs.reward_model import get_config as reward_model_config
+from tba_jax import compile_cache, train, train_reward_model
 
 CACHE_HITS = "/jax/compilation_cache/cache_hits"
 
@@ -118,3 +119,32 @@ def test_a_folder_that_cannot_be_written_is_a_warning_not_a_failed_run(tmp_path,
 
 def test_the_default_folder_is_under_the_users_cache():
     assert compile_cache.cache_dir(get_config("smoke")).endswith(".cache/tba_jax/jax")
+
+
+class CacheSet(Exception):
+    """Raised where a launcher sets the cache, to see when it does."""
+
+
+@pytest.mark.parametrize(
+    "module, run, config",
+    [
+        (train, train.train_and_evaluate, lambda: get_config("smoke")),
+        (
+            train_reward_model,
+            train_reward_model.train_reward_model,
+            lambda: reward_model_config("tiny"),
+        ),
+    ],
+    ids=["train", "train_reward_model"],
+)
+def test_runs_set_the_cache_after_checking_the_config_and_before_writing(
+    tmp_path, monkeypatch, module, run, config
+):
+    def cache_set(config):
+        raise CacheSet(config.compile_cache.dir)
+
+    monkeypatch.setattr(module.compile_cache, "use", cache_set)
+    workdir = tmp_path / "workdir"
+    with pytest.raises(CacheSet, match=r"~/\.cache/tba_jax/jax"):
+        run(config(), str(workdir))
+    assert not workdir.exists()

@@ -130,6 +130,10 @@ def test_paper_config_is_huang_et_als_recipe():
 def test_config_errors_come_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"--config\.model\.hf_path=/path/to/sft-policy"):
         train_reward_model.train_reward_model(get_config(), str(tmp_path))
+    with pytest.raises(ConfigError, match=r"compile_cache\.max_gib=0"):
+        train_reward_model.train_reward_model(
+            get_config("tiny,compile_cache.max_gib=0"), str(tmp_path)
+        )
     with pytest.raises(ConfigError, match=r"multiple of train\.num_microbatches"):
         train_reward_model.train_reward_model(get_config("tiny,batch=9"), str(tmp_path))
     with pytest.raises(ConfigError, match="48 training pairs make no batch"):
