@@ -278,6 +278,31 @@ def policy_lags(learner_step: int, sample_versions: np.ndarray) -> np.ndarray:
     return learner_step - sample_versions.astype(np.int64)
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """Per-row facts of a learner batch of N = B × K rows (prompt-major): int64 [N] each."""
+
+    version_first: np.ndarray
+    version_last: np.ndarray
+    prompt_id: np.ndarray
+    from_recency: np.ndarray  # 1 where the row's prompt slot was a recency (online) draw
+    response_length: np.ndarray
+
+
+def draw_metrics(rows: BatchRows, samples_per_prompt: int) -> dict[str, float]:
+    """What the replay buffer handed the learner: `batch_distinct_prompt_share` (distinct
+    prompt ids over the N / K prompt slots: 1 when no prompt fills two slots),
+    `batch_recency_share` (the slots that were recency draws; 1 in sync mode, whose batches
+    are all fresh) and `batch_response_length_mean` (beside `buffer_response_length_mean`:
+    whether draws lean to short or long responses)."""
+    prompt_slots = len(rows.prompt_id) // samples_per_prompt
+    return {
+        "batch_distinct_prompt_share": len(np.unique(rows.prompt_id)) / prompt_slots,
+        "batch_recency_share": float(rows.from_recency.mean()),
+        "batch_response_length_mean": float(rows.response_length.mean()),
+    }
+
+
 def lag_metrics(lags: np.ndarray, prefix: str = "policy_lag") -> dict[str, float]:
     """`{prefix}_mean` and `{prefix}_max` of a batch's lags."""
     return {f"{prefix}_mean": float(lags.mean()), f"{prefix}_max": float(lags.max())}

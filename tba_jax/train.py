@@ -783,12 +783,22 @@ def with_rollout_advantages(
     return dataclasses.replace(batch, token_advantage=advantages)
 
 
-def batch_policy_versions(run: Setup, batch: SampledBatch) -> tuple[np.ndarray, np.ndarray]:
-    """The first and the last policy version of every row of the global batch: int [N] each."""
-    versions = np.stack([batch.policy_version, batch.policy_version_last])
+def batch_row_facts(run: Setup, batch: SampledBatch) -> runtime.BatchRows:
+    """Every row of the global batch's policy versions (first and last), prompt id, draw
+    kind and response length, gathered from the learners in one call."""
+    k = batch.k
+    facts = np.stack(
+        [
+            batch.policy_version,
+            batch.policy_version_last,
+            np.repeat(batch.prompt_ids, k),
+            np.repeat(batch.from_recency, k),
+            batch.response_mask.sum(axis=1),
+        ]
+    ).astype(np.int64)
     if run.topology.multi_process:
-        versions = np.concatenate(run.group.gather(versions), axis=1)
-    return versions[0], versions[1]
+        facts = np.concatenate(run.group.gather(facts), axis=1)
+    return runtime.BatchRows(*facts)
 
 
 def finished_summary(run: Setup) -> dict | None:
@@ -968,9 +978,9 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
                 metrics = jax.device_get(metrics)
             if recorder is not None:
                 record_step(recorder, step + 1, fields, batch, state, metrics)
-            versions_first, versions_last = batch_policy_versions(run, batch)
-            batch_lags = runtime.policy_lags(step, versions_first)
-            last_lags = runtime.policy_lags(step, versions_last)
+            rows = batch_row_facts(run, batch)
+            batch_lags = runtime.policy_lags(step, rows.version_first)
+            last_lags = runtime.policy_lags(step, rows.version_last)
             skipped = bool(metrics["skipped_nonfinite"])
             segment.add_batch(batch_lags, skipped)
             segment.remote_counts = source.remote_counts
@@ -979,6 +989,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
             if step % source.publish_every == 0:
                 source.publish(state.params, version=step)
             metrics.update(runtime.lag_metrics(batch_lags))
+            metrics.update(runtime.draw_metrics(rows, batch.k))
             if config.search.in_flight_updates:
                 metrics.update(runtime.lag_metrics(last_lags, prefix="policy_lag_last"))
             metrics.update(segment.rates_since_rl_start())

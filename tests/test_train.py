@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from configs.arithmetic import get_config
-from tba_jax import batch_log, batch_replay, tasks
+from tba_jax import batch_log, batch_replay, runtime, tasks
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
@@ -108,6 +108,40 @@ def test_async_run_writes_tensorboard_scalars_and_a_final_checkpoint(async_run):
     _, params, metadata = restore_policy(get_config(ASYNC), workdir)
     assert metadata["policy_version"] == 4
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+def test_the_learner_logs_what_each_batch_drew_from_the_buffer(async_run):
+    """The draw metrics of each step against the batch the run recorded for it."""
+    workdir, _ = async_run
+    scalars = {
+        name: dict(values) for name, values in read_scalars(workdir + "/tensorboard").items()
+    }
+    reader = batch_log.BatchLogReader(batch_log.log_dir(workdir))
+    for step in (1, 2, 3, 4):
+        recorded = reader.read(step)
+        prompt_ids, recency = recorded.rows["prompt_ids"], recorded.rows["from_recency"]
+        expected = {
+            "batch_distinct_prompt_share": len(set(prompt_ids.tolist())) / len(prompt_ids),
+            "batch_recency_share": np.mean(recency),
+            "batch_response_length_mean": np.mean(recorded.batch["response_mask"].sum(axis=1)),
+        }
+        for name, value in expected.items():
+            assert scalars[name][step] == pytest.approx(value), (name, step)
+
+
+def test_draw_metrics_count_prompt_slots_not_rows():
+    rows = runtime.BatchRows(
+        version_first=np.zeros(6, np.int64),
+        version_last=np.zeros(6, np.int64),
+        prompt_id=np.array([7, 7, 3, 3, 7, 7]),  # three slots of K = 2, prompt 7 twice
+        from_recency=np.array([1, 1, 0, 0, 1, 1]),
+        response_length=np.array([1, 2, 3, 4, 5, 6]),
+    )
+    assert runtime.draw_metrics(rows, samples_per_prompt=2) == {
+        "batch_distinct_prompt_share": 2 / 3,
+        "batch_recency_share": 2 / 3,
+        "batch_response_length_mean": 3.5,
+    }
 
 
 def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
