@@ -4,8 +4,8 @@ Every run compiles its learner step, generation and π_ref scoring programs when
 and again on each resume or ablation of the same shapes. With `compile_cache.dir` set, a
 program XLA compiled before (the same HLO, devices, compiler flags and JAX version: JAX's
 cache key) is loaded from disk instead of compiled; any change to a program is a new key,
-so a cached program is never a stale one. The demo on a 2-core CPU starts its learner
-step in 1.0 s instead of 4.4 s the second time (README "Running experiments").
+so a cached program is never a stale one. The demo on a 2-core CPU loads its learner
+step in 0.8 s where it compiled in 3.8 s, the second time (README "Running experiments").
 
 Only programs that took at least `min_compile_seconds` to compile are written (most of a
 run's are small and quick), and the folder is kept under `max_gib` by evicting the least
@@ -37,10 +37,7 @@ PARTIAL_ENTRY_WARNING = "Error reading persistent compilation cache entry"
 
 def cache_dir(config: ml_collections.ConfigDict) -> str:
     """The folder `config` caches compiled programs in ('' for none). A config saved before
-    the key existed (an older run's config.json) caches nothing; JAX_COMPILATION_CACHE_DIR
-    in the environment is used instead of any config's."""
-    if os.environ.get(ENVIRONMENT_VARIABLE):
-        return os.environ[ENVIRONMENT_VARIABLE]
+    the key existed (an older run's config.json) caches nothing."""
     settings = config.get("compile_cache")
     if settings is None or not settings.dir:
         return ""
@@ -54,9 +51,11 @@ def use(config: ml_collections.ConfigDict) -> str:
     caches nothing and when JAX_COMPILATION_CACHE_DIR is set (its folder is returned). A
     process that cached in another folder before (a notebook running a second config)
     switches to this one."""
+    if os.environ.get(ENVIRONMENT_VARIABLE):
+        return os.environ[ENVIRONMENT_VARIABLE]
     path = cache_dir(config)
-    if not path or os.environ.get(ENVIRONMENT_VARIABLE):
-        return path
+    if not path:
+        return ""
     problem = output_dir_problem(path)
     if problem:  # a cache is worth no failed run: say so once and compile as usual
         logging.warning(

@@ -168,12 +168,14 @@ def one_of(choices) -> Allowed:
 
 BOOLEAN = Allowed(lambda v: isinstance(v, bool), "true or false")
 
-# Every range a training config's values can take (configs/common.py's keys). Cross-key
-# rules (K <= S, batch shapes over devices, ...) are checked in `validate` itself.
+# The compile cache's (configs/common.py's `compile_cache()`, in the training and the
+# reward-model configs).
 COMPILE_CACHE_RANGES: dict[str, Allowed] = {
     "compile_cache.min_compile_seconds": number_at_least(0),
     "compile_cache.max_gib": number_above(0),
 }
+# Every range a training config's values can take (configs/common.py's keys). Cross-key
+# rules (K <= S, batch shapes over devices, ...) are checked in `validate` itself.
 RANGES: dict[str, Allowed] = {
     "seed": integer_at_least(0),
     "mode": one_of(("async", "sync")),
