@@ -13,8 +13,9 @@ the response text), at the same decode width W (`--width`):
   call generating W rows with `generate.make_generate_fn` (one jitted prefill + decode
   loop that runs until the call's longest response ends), then scoring them;
 - fused: one `fused.FusedSearchWorker.search` over all the prompts with a
-  `sampling.engine.SlotEngine` of W slots (`--chunk_steps`, `--prefill_prompts`,
-  `--refill_free`, `--compact_below`, `--min_width`, `--compact_min_steps`), scoring
+  `sampling.engine.SlotEngine` of W slots (`--chunk_steps`, `--tail_chunk_steps`,
+  `--prefill_prompts`, `--refill_free`, `--compact_below`, `--min_width`,
+  `--compact_min_steps`), scoring
   finished samples in groups of `--score_rows` × 4^i while decoding goes on.
 
 Response lengths come from the model's EOS logit. Residual dimension 0 is made a constant
@@ -125,6 +126,12 @@ _SCORE_ROWS = flags.DEFINE_integer(
     "The fused path's π_ref scoring calls take score_rows × 4^i ready samples (default S).",
 )
 _CHUNK_STEPS = flags.DEFINE_integer("chunk_steps", 16, "Engine decode steps per chunk (at most).")
+_TAIL_CHUNK_STEPS = flags.DEFINE_integer(
+    "tail_chunk_steps",
+    0,
+    "Engine decode steps per chunk once no prompt is waiting (0: until the slots are empty "
+    "or a compaction can start).",
+)
 _PREFILL_PROMPTS = flags.DEFINE_integer(
     "prefill_prompts", 0, "Engine: prompts per prefill call (0: every one that fits)."
 )
@@ -170,6 +177,7 @@ class Settings:
     prompts: int
     score_rows: int
     chunk_steps: int
+    tail_chunk_steps: int
     prefill_prompts: int
     refill_free: float
     bucket_min_tokens: int
@@ -204,6 +212,7 @@ def read_settings() -> Settings:
             "prompts",
             "score_rows",
             "chunk_steps",
+            "tail_chunk_steps",
             "prefill_prompts",
             "refill_free",
             "bucket_min_tokens",
@@ -318,6 +327,7 @@ def build_paths(settings: Settings) -> Paths:
         engine_config = EngineConfig(
             slots=settings.width,
             chunk_steps=settings.chunk_steps,
+            tail_chunk_steps=settings.tail_chunk_steps,
             prefill_prompts=settings.prefill_prompts,
             refill_free=settings.refill_free,
             bucket_min_tokens=settings.bucket_min_tokens,

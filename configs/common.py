@@ -240,6 +240,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.search.engine = "batch"  # batch | slots
     config.search.slots = 0  # decode width; 0: the rows of one call (async) or batch (sync)
     config.search.chunk_steps = 16  # decode steps per host round trip (at most)
+    # ...once no prompt is waiting (end of a sync batch, an evaluation, a publish); 0: until
+    # the slots are empty or a compaction can start (nothing left to refill, and the
+    # caller waits for every sample anyway).
+    config.search.tail_chunk_steps = 0
     # Prompts per prefill call (a fixed shape); 0: every waiting prompt the free slots
     # hold, in one call of 4^i rows (or as many rows as slots).
     config.search.prefill_prompts = 0

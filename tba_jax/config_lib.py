@@ -247,6 +247,7 @@ RANGES: dict[str, Allowed] = {
     "search.engine": one_of(ENGINES),
     "search.slots": integer_at_least(0),
     "search.chunk_steps": integer_at_least(1),
+    "search.tail_chunk_steps": integer_at_least(0),
     "search.prefill_prompts": integer_at_least(0),
     "search.prefill_buckets": integer_at_least(1),
     "search.bucket_min_tokens": integer_at_least(1),

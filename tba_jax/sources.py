@@ -173,6 +173,8 @@ def engine_config(search: ml_collections.ConfigDict, slots: int) -> EngineConfig
     return EngineConfig(
         slots=slots,
         chunk_steps=search.chunk_steps,
+        # a config saved before it existed ended tail chunks at chunk_steps
+        tail_chunk_steps=search.get("tail_chunk_steps", search.chunk_steps),
         prefill_prompts=search.prefill_prompts,
         refill_free=search.get("refill_free", 0.0),  # a config saved before it existed
         prefill_buckets=search.prefill_buckets,

@@ -96,8 +96,9 @@ def test_the_reference_responses_end_at_many_lengths(greedy_reference):
 @pytest.mark.parametrize(
     "config",
     [
-        # refills mid-chunk, no compaction, every prompt prefilled at max_prompt_len
-        dict(slots=4, chunk_steps=3, compact_below=0.0, prefill_buckets=1),
+        # refills mid-chunk, no compaction, every prompt prefilled at max_prompt_len, and
+        # the tail in chunks of 2 steps
+        dict(slots=4, chunk_steps=3, compact_below=0.0, prefill_buckets=1, tail_chunk_steps=2),
         # several prompts per prefill, at a length per prompt length
         dict(slots=8, chunk_steps=5, prefill_prompts=3, prefill_buckets=6),
         # refills wait until half the slots are free, and fill them in one call
@@ -145,6 +146,23 @@ def test_refills_wait_for_refill_free_and_prefill_at_least_that_many_prompts(
     assert set(rows_prefilled) == prefill_rows
     assert engine.counters.prefilled_prompts == 20
     assert engine.counters.prefills == len(rows_prefilled) < 20 // min(prefill_rows)
+
+
+@pytest.mark.parametrize("tail_chunk_steps", [0, 1, 5])
+def test_with_no_prompt_waiting_a_chunk_runs_tail_chunk_steps_or_to_the_end(
+    setup, greedy_reference, tail_chunk_steps
+):
+    # 3 prompts in 4 slots: the first refill reads the whole stream, so every chunk is a
+    # tail chunk; compaction off, so only tail_chunk_steps ends one before the last sample
+    engine = engine_for(
+        setup, GREEDY, slots=4, chunk_steps=2, compact_below=0.0, tail_chunk_steps=tail_chunk_steps
+    )
+    finished = run_engine(setup, engine, rows=range(3))
+    longest = max(len(greedy_reference[row][0]) for row in range(3))
+    assert engine.counters.chunks == (-(-longest // tail_chunk_steps) if tail_chunk_steps else 1)
+    assert engine.counters.decode_steps == longest
+    for row in range(3):
+        np.testing.assert_array_equal(finished[row, 0].tokens, greedy_reference[row][0])
 
 
 def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):

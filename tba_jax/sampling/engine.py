@@ -11,6 +11,10 @@ keeps `width` decode slots, each holding one sample's KV cache:
 - a **decode chunk** runs up to `chunk_steps` steps for every slot in one jitted
   `lax.while_loop`, and returns early once enough slots are free for the next refill
   (or, with no prompt waiting, once the live samples are few enough to compact);
+- once no prompt is waiting (the end of a sync batch or an evaluation), a chunk runs up
+  to `tail_chunk_steps` steps, by default until the slots are empty or a compaction can
+  start: nothing is left to refill, and every caller of a finite stream waits for all
+  of it, so the tail's round trips would buy nothing;
 - finished samples (EOS or `max_new_tokens`) are handed to the caller while the next
   chunk runs (JAX dispatch is asynchronous), so scoring them overlaps decoding
   (`fused.py` does that);
@@ -99,6 +103,8 @@ class EngineConfig:
 
     slots: int  # decode width
     chunk_steps: int = 16  # decode steps per host round trip (at most)
+    # ...once no prompt is waiting; 0: until the slots are empty or a compaction can start.
+    tail_chunk_steps: int = 0
     # Prompts per prefill call (a fixed shape); 0: every waiting prompt the free slots
     # hold, in one call of 4^i rows (or as many rows as slots).
     prefill_prompts: int = 0
@@ -125,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"slots={self.slots} must be >= 1.")
         if self.chunk_steps < 1:
             raise ValueError(f"chunk_steps={self.chunk_steps} must be >= 1.")
+        if self.tail_chunk_steps < 0:
+            raise ValueError(f"tail_chunk_steps={self.tail_chunk_steps} must be >= 0.")
         if self.prefill_prompts < 0:
             raise ValueError(f"prefill_prompts={self.prefill_prompts} must be >= 0.")
         if not 0.0 <= self.compact_below < 1.0:
@@ -478,16 +486,18 @@ class SlotEngine:
                 self.counters.compactions += 1
                 width = new_width
             if exhausted:
+                max_steps = config.tail_chunk_steps or self.max_new
                 stop_when_free = config.stop_to_compact(width)
                 min_steps_left = config.compact_min_steps
             else:
+                max_steps = config.chunk_steps
                 stop_when_free = config.stop_to_refill(_next_refill_size(waiting))
                 min_steps_left = 0
             state, steps, live_steps = self._decode(
                 params,
                 state,
                 jax.random.fold_in(rng, chunk),
-                jnp.int32(config.chunk_steps),
+                jnp.int32(max_steps),
                 jnp.int32(stop_when_free),
                 jnp.int32(min_steps_left),
             )
