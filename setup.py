@@ -15,7 +15,7 @@ setup(
     install_requires=[
         "jax>=0.6",
         "flax>=0.11",
-        "optax>=0.2.4",
+        "optax>=0.2.5",  # optax.tree_utils.tree_norm
         "orbax-checkpoint>=0.11",
         "tensorflow-datasets>=4.9.7",
         "array_record>=0.7",

@@ -272,7 +272,7 @@ def accumulated_update(
     grads = jax.tree.map(lambda g: g / num_microbatches, grads_sum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
     finite = jnp.isfinite(losses).all() & jnp.isfinite(grad_norm) & all_finite(params)
     params, opt_state = jax.lax.cond(
         finite,

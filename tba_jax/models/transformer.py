@@ -89,7 +89,7 @@ def dense(x: jax.Array, weight: jax.Array, in_dims: int = 1) -> jax.Array:
 
 
 def _add_bias(x: jax.Array, bias: nnx.Param | None) -> jax.Array:
-    return x if bias is None else x + bias.value.astype(x.dtype)
+    return x if bias is None else x + bias[...].astype(x.dtype)
 
 
 class Norm(nnx.Module):
@@ -107,9 +107,9 @@ class Norm(nnx.Module):
             x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         normed = x32 * jax.lax.rsqrt(variance + self.cfg.norm_eps)
-        normed = normed * self.scale.value.astype(jnp.float32)
+        normed = normed * self.scale[...].astype(jnp.float32)
         if self.cfg.norm_bias:
-            normed = normed + self.bias.value.astype(jnp.float32)
+            normed = normed + self.bias[...].astype(jnp.float32)
         return normed.astype(x.dtype)
 
 
@@ -174,7 +174,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, weight, bias_name):
         dt = self.cfg.compute_dtype
-        out = dense(x, weight.value.astype(dt))
+        out = dense(x, weight[...].astype(dt))
         return _add_bias(out, getattr(self, bias_name) if self.cfg.qkv_bias else None)
 
     def _rotate(self, x, positions):
@@ -237,7 +237,7 @@ class Attention(nnx.Module):
                 out = fused_cached_attention(q, k, v, visible, cfg)
             else:
                 out = einsum_attention(q, k, v, visible, cfg)
-        out = dense(out, self.wo.value.astype(cfg.compute_dtype), in_dims=2)
+        out = dense(out, self.wo[...].astype(cfg.compute_dtype), in_dims=2)
         return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
 
 
@@ -366,7 +366,7 @@ class MLP(nnx.Module):
 
     def _linear(self, x, name):
         dt = self.cfg.compute_dtype
-        out = dense(x, getattr(self, f"w_{name}").value.astype(dt))
+        out = dense(x, getattr(self, f"w_{name}")[...].astype(dt))
         return _add_bias(out, getattr(self, f"b_{name}") if self.cfg.mlp_bias else None)
 
     def __call__(self, x):
@@ -454,9 +454,9 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding.value, tokens, axis=0)
+        x = jnp.take(self.embedding[...], tokens, axis=0)
         if self.cfg.position_embedding == "learned":
-            x = x + jnp.take(self.position_embedding.value, positions, axis=0)
+            x = x + jnp.take(self.position_embedding[...], positions, axis=0)
         return x.astype(self.cfg.compute_dtype)
 
     def head(self, features: jax.Array) -> jax.Array:
@@ -464,11 +464,11 @@ class Decoder(nnx.Module):
         (or [..., num_labels] scores)."""
         dt = self.cfg.compute_dtype
         if self.cfg.head == "score":
-            out = dense(features, self.score.value.astype(dt))
+            out = dense(features, self.score[...].astype(dt))
         elif self.cfg.tie_embeddings:
-            out = dense(features, self.embedding.value.astype(dt).T)
+            out = dense(features, self.embedding[...].astype(dt).T)
         else:
-            out = dense(features, self.lm_head.value.astype(dt))
+            out = dense(features, self.lm_head[...].astype(dt))
         return out.astype(jnp.float32)
 
     def __call__(
