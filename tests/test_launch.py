@@ -273,9 +273,13 @@ def start_launcher(*args: str) -> tuple[subprocess.Popen, queue.Queue]:
         env=launcher_env(),
     )
     lines: queue.Queue = queue.Queue()
-    threading.Thread(
-        target=lambda: [lines.put(line) for line in process.stdout], daemon=True
-    ).start()
+
+    def read() -> None:
+        with process.stdout:  # closed once the launcher's stdout ends
+            for line in process.stdout:
+                lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     return process, lines
 
 
@@ -301,7 +305,8 @@ def test_a_signal_reaches_every_process_which_saves_and_exits(tmp_path, signum):
     finally:
         launcher.kill()
         launcher.wait()
-    assert f"launch: passing {signum.name} on" in launcher.stderr.read()
+    with launcher.stderr:
+        assert f"launch: passing {signum.name} on" in launcher.stderr.read()
 
 
 # --------------------------------------------------------------------------------------

@@ -394,7 +394,12 @@ def test_a_signal_in_the_loop_saves_and_the_run_resumes(tmp_path, mode, signum, 
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines = []  # read as they come: the console logs every 2 steps (smoke's log_every)
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+
+    def read() -> None:
+        with process.stdout:  # closed once the run's stdout ends
+            lines.extend(process.stdout)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.time() + FAILSAFE_SECONDS
     while time.time() < deadline and process.poll() is None:
