@@ -19,13 +19,20 @@ every dtype and zero-size arrays, which orbax's array handlers refuse.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import io
 import json
+import logging
+import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import types
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -545,6 +552,59 @@ def save_pytree(directory: str, tree: Any) -> None:
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(epath.Path(directory), tree)
         checkpointer.wait_until_finished()
+
+
+@contextlib.contextmanager
+def quiet_failed_reads() -> Iterator[None]:
+    """Around a restore that may fail (a corrupt checkpoint) and the handling of its error.
+
+    orbax leaves the failed restore's shard reads behind as coroutines that raise when
+    they are collected, and TensorStore's threads then post their results to orbax's
+    closed event loop. Python prints a traceback for each, dozens per checkpoint, for an
+    error the caller reports once: "Exception ignored in: <coroutine object
+    _read_array_index_and_device_put ...>" or "coroutine ... was never awaited",
+    "RuntimeError: Event loop is closed", and asyncio's "_GatheringFuture exception was
+    never retrieved" with the read error's whole TensorStore spec. Those are left out
+    here (the leftovers are collected before it ends); any other unraisable exception,
+    warning or asyncio log is reported as usual."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _failed_read_leftover(unraisable):
+            previous(unraisable)
+
+    asyncio_logger = logging.getLogger("asyncio")
+    never_retrieved = _NeverRetrievedFilter()
+    sys.unraisablehook = hook
+    asyncio_logger.addFilter(never_retrieved)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", "coroutine '_read_array_index_and_device_put'", RuntimeWarning
+            )
+            try:
+                yield
+            finally:
+                gc.collect()
+    finally:
+        sys.unraisablehook = previous
+        asyncio_logger.removeFilter(never_retrieved)
+
+
+class _NeverRetrievedFilter(logging.Filter):
+    """Drops asyncio's report of a failed read's future that nothing awaited."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+def _failed_read_leftover(unraisable) -> bool:
+    leftover, error = unraisable.object, unraisable.exc_value
+    orbax_read = isinstance(leftover, types.CoroutineType) and (
+        f"{os.sep}orbax{os.sep}" in leftover.cr_code.co_filename
+    )
+    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    return orbax_read or closed_loop
 
 
 def restore_pytree(directory: str, template: Any) -> Any:

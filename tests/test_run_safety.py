@@ -8,9 +8,13 @@ and the safe points are the run's own.
 """
 
 import dataclasses
+import gc
+import logging
 import os
 import shutil
 import signal
+import sys
+import warnings
 
 import jax
 import numpy as np
@@ -218,6 +222,28 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_for_the_one_before(
     set_aside = os.listdir(os.path.join(workdir, SET_ASIDE_SUBDIR))
     assert len(set_aside) == 1 and set_aside[0].startswith("4-")  # kept, not deleted
     assert steps_saved(workdir) == [2, 4, 6]  # step 4 trained again from step 2
+
+
+def test_a_corrupt_checkpoint_is_one_warning_without_the_failed_reads_leftovers(
+    run_with_three_checkpoints, tmp_path, monkeypatch, caplog
+):
+    """orbax leaves a failed restore's reads behind (coroutines that raise when collected,
+    TensorStore callbacks into a closed event loop, asyncio's "never retrieved" futures):
+    dozens of tracebacks on stderr for the one error the run reports."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "train_state")))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3,steps=6")
+    with warnings.catch_warnings(record=True) as warned, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        train_and_evaluate(config, workdir)
+        gc.collect()
+    assert not unraisable, [item.exc_value for item in unraisable][:3]
+    assert not [w for w in warned if "never awaited" in str(w.message)]
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert len([r for r in caplog.records if "does not restore" in r.getMessage()]) == 1
 
 
 def test_no_readable_checkpoint_is_a_clear_error(run_with_three_checkpoints, tmp_path):
