@@ -220,8 +220,40 @@ def test_sampled_behaviour_logp_equals_teacher_forced_scoring(setup):
     )
 
 
+def with_own_programs(setup) -> dict:
+    """`setup` with a Model object of its own: engines share their jitted programs per
+    Model object, so a test that counts compiled programs needs one no other test used."""
+    return {**setup, "model": abstract_model(CFG)[0]}
+
+
+def test_engines_on_one_model_share_their_programs(setup, greedy_reference):
+    """The evaluation's engine and each searcher's: a shape one has compiled, the next
+    runs without tracing or compiling it again."""
+    setup = with_own_programs(setup)
+    run_engine(setup, engine_for(setup, GREEDY, slots=4, chunk_steps=3), rows=range(6))
+    traced = []
+
+    def count_traces(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count_traces)
+    try:
+        second = engine_for(setup, GREEDY, slots=4, chunk_steps=3)
+        finished = run_engine(setup, second, rows=range(6))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count_traces)
+    assert not traced
+    for row in range(6):
+        np.testing.assert_array_equal(finished[row, 0].tokens, greedy_reference[row][0])
+    # another way of drawing tokens is another decode program, the rest shared
+    sampled = engine_for(setup, SAMPLED, slots=4, chunk_steps=3)
+    assert sampled._prefill is second._prefill and sampled._decode is not second._decode
+
+
 @pytest.mark.parametrize("prefill_prompts, most_prefill_rows", [(1, 1), (0, 2)])
 def test_nothing_recompiles_as_prompts_come_and_go(setup, prefill_prompts, most_prefill_rows):
+    setup = with_own_programs(setup)
     engine = engine_for(
         setup, SAMPLED, slots=8, chunk_steps=2, min_width=2, prefill_prompts=prefill_prompts
     )
@@ -237,6 +269,7 @@ def test_nothing_recompiles_as_prompts_come_and_go(setup, prefill_prompts, most_
 def test_params_on_a_mesh_compile_each_prefill_shape_once(setup):
     # Params placed on a mesh (as the searchers' are) leave the slot state placed there;
     # a run's fresh slots must already be, or its first prefill compiles a second program.
+    setup = with_own_programs(setup)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     on_mesh = jax.device_put(setup["params"], replicated)

@@ -405,20 +405,10 @@ class SlotEngine:
         self.model, self.sampling, self.config = model, sampling, config
         self.max_prompt_len, self.eos_id, self.pad_id = max_prompt_len, eos_id, pad_id
         self.max_new = sampling.max_new_tokens
-        self._init = jax.jit(
-            functools.partial(init_slots, model, prompt_len=max_prompt_len, max_new=self.max_new),
-            static_argnums=0,
+        self._init, self._prefill, self._take, self._compact = _slot_programs(
+            model, max_prompt_len, self.max_new, pad_id
         )
-        # the slot state is donated: each call updates it in place instead of copying it
-        self._prefill = jax.jit(
-            functools.partial(prefill_slots, model, pad_id=pad_id), donate_argnums=1
-        )
-        self._decode = jax.jit(
-            functools.partial(decode_chunk, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id),
-            donate_argnums=1,
-        )
-        self._take = jax.jit(take_rows)
-        self._compact = jax.jit(functools.partial(compact, cache_batch_axis=model.cache_batch_axis))
+        self._decode = _decode_program(model, sampling, eos_id, pad_id)
         self.counters = EngineCounters()
 
     def run(
@@ -542,6 +532,36 @@ class SlotEngine:
         self.counters.prefills += 1
         self.counters.prefilled_prompts += len(batch)
         return self._prefill(params, state, prompt_tokens, prompt_mask, slot_ids)
+
+
+# Engines on the same model share their jitted programs (keyed by the Model object):
+# the evaluation's engine and every searcher's trace and compile each shape once, not
+# once per engine. A few models at most live in one process (policy; a notebook's runs).
+PROGRAMS_KEPT = 8
+
+
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
+def _slot_programs(model: Model, prompt_len: int, max_new: int, pad_id: int):
+    """(init, prefill, take, compact): the engine's jitted programs that do not depend on
+    how tokens are drawn."""
+    init = jax.jit(
+        functools.partial(init_slots, model, prompt_len=prompt_len, max_new=max_new),
+        static_argnums=0,
+    )
+    # the slot state is donated: each call updates it in place instead of copying it
+    prefill = jax.jit(functools.partial(prefill_slots, model, pad_id=pad_id), donate_argnums=1)
+    take = jax.jit(take_rows)
+    compact_slots = jax.jit(functools.partial(compact, cache_batch_axis=model.cache_batch_axis))
+    return init, prefill, take, compact_slots
+
+
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
+def _decode_program(model: Model, sampling: SamplingConfig, eos_id: int, pad_id: int):
+    """The jitted decode chunk for `sampling` (the slot state donated)."""
+    return jax.jit(
+        functools.partial(decode_chunk, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id),
+        donate_argnums=1,
+    )
 
 
 def _placed_like(state: SlotState, params: Params) -> SlotState:
