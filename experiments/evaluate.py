@@ -45,7 +45,12 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from tba_jax import cli, compile_cache, distributed, evaluation, runs, sources, tasks
-from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, Checkpointer, CheckpointMismatchError
+from tba_jax.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+)
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
 
@@ -351,7 +356,13 @@ def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict
 
 
 # What a user's mistake raises: printed as one `error: ...` line by `cli.run`.
-USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError, OutputConflictError)
+USER_ERRORS = (
+    ConfigError,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+    FileNotFoundError,
+    OutputConflictError,
+)
 
 
 def main(argv):

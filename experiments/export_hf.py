@@ -26,7 +26,7 @@ from typing import Any
 from absl import flags
 
 from tba_jax import cli, runs
-from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
 from tba_jax.config_lib import ConfigError
 from tba_jax.models import hf
 from tba_jax.models.config import DTYPES
@@ -151,4 +151,12 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    cli.run(main, user_errors=(ConfigError, CheckpointMismatchError, FileNotFoundError))
+    cli.run(
+        main,
+        user_errors=(
+            ConfigError,
+            CheckpointMismatchError,
+            CheckpointUnreadableError,
+            FileNotFoundError,
+        ),
+    )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import io
 import json
 import logging
@@ -54,6 +53,10 @@ MAX_DIFFERENCES_SHOWN = 3
 
 class CheckpointMismatchError(ValueError):
     """The workdir holds checkpoints of a different experiment."""
+
+
+class CheckpointUnreadableError(ValueError):
+    """A checkpoint step is there but does not restore (a truncated or half-written file)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -554,41 +557,51 @@ def save_pytree(directory: str, tree: Any) -> None:
         checkpointer.wait_until_finished()
 
 
-@contextlib.contextmanager
-def quiet_failed_reads() -> Iterator[None]:
-    """Around a restore that may fail (a corrupt checkpoint) and the handling of its error.
+ORBAX_READ = "_read_array_index_and_device_put"  # the coroutine a failed read leaves behind
 
-    orbax leaves the failed restore's shard reads behind as coroutines that raise when
-    they are collected, and TensorStore's threads then post their results to orbax's
-    closed event loop. Python prints a traceback for each, dozens per checkpoint, for an
-    error the caller reports once: "Exception ignored in: <coroutine object
-    _read_array_index_and_device_put ...>" or "coroutine ... was never awaited",
-    "RuntimeError: Event loop is closed", and asyncio's "_GatheringFuture exception was
-    never retrieved" with the read error's whole TensorStore spec. Those are left out
-    here (the leftovers are collected before it ends); any other unraisable exception,
-    warning or asyncio log is reported as usual."""
+
+@contextlib.contextmanager
+def quiet_if_the_restore_fails() -> Iterator[None]:
+    """Around a restore that may fail (a corrupt checkpoint); if it does, for the rest of
+    the process.
+
+    A failed orbax restore leaves its shard reads behind as coroutines that raise when
+    they are collected, and TensorStore's threads post their results to orbax's closed
+    event loop, during the failure and up to seconds after it. Python prints a traceback
+    for each, dozens per checkpoint, for an error the caller reports once: "Exception
+    ignored in: <coroutine object _read_array_index_and_device_put ...>" or "coroutine ...
+    was never awaited", "RuntimeError: Event loop is closed", and asyncio's
+    "_GatheringFuture exception was never retrieved" with the read error's whole
+    TensorStore spec. Those are left out; any other unraisable exception, warning or
+    asyncio log is reported as usual. After a restore that succeeds, nothing is changed."""
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:
         if not _failed_read_leftover(unraisable):
             previous(unraisable)
 
-    asyncio_logger = logging.getLogger("asyncio")
-    never_retrieved = _NeverRetrievedFilter()
     sys.unraisablehook = hook
-    asyncio_logger.addFilter(never_retrieved)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", "coroutine '_read_array_index_and_device_put'", RuntimeWarning
-            )
-            try:
-                yield
-            finally:
-                gc.collect()
-    finally:
-        sys.unraisablehook = previous
-        asyncio_logger.removeFilter(never_retrieved)
+        yield
+    except BaseException:
+        warnings.filterwarnings("ignore", f"coroutine '{ORBAX_READ}'", RuntimeWarning)
+        asyncio_logger = logging.getLogger("asyncio")
+        if not any(isinstance(f, _NeverRetrievedFilter) for f in asyncio_logger.filters):
+            asyncio_logger.addFilter(_NeverRetrievedFilter())
+        raise
+    else:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+
+def restore_failure(error: Exception) -> str:
+    """What a failed restore says, in one line: the error's type and first line, without
+    the TensorStore spec orbax appends ("See full TensorStore details: ...")."""
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first_line.split(TENSORSTORE_DETAILS)[0].strip()}"
+
+
+TENSORSTORE_DETAILS = " See full TensorStore details"
 
 
 class _NeverRetrievedFilter(logging.Filter):

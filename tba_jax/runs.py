@@ -26,7 +26,14 @@ import ml_collections
 
 from tba_jax import learner, tasks
 from tba_jax import mesh as mesh_lib
-from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME, Checkpointer
+from tba_jax.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    EXPERIMENT_FILENAME,
+    Checkpointer,
+    CheckpointUnreadableError,
+    quiet_if_the_restore_fails,
+    restore_failure,
+)
 from tba_jax.models import (
     Model,
     ModelConfig,
@@ -397,7 +404,21 @@ def restore_run(
     state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
     critic = critic_parts(config, model, mesh, [])
     template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings, critic)
-    restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
+    step = max(checkpointer.all_steps()) if step is None else step  # read_metadata checked it
+    failure = None
+    try:
+        with quiet_if_the_restore_fails():
+            restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
+    except Exception as error:
+        failure = restore_failure(error)  # a one-line error, not orbax's chain of them
+    if failure is not None:
+        others = [saved for saved in checkpointer.all_steps() if saved != step]
+        checkpointer.close()
+        raise CheckpointUnreadableError(
+            f"Checkpoint {step} in {workdir} does not restore ({failure}); a file of it is "
+            f"truncated or half-written. The other saved steps: {others or 'none'}; pass one "
+            "as the step to load (evaluate.py --checkpoint_step)."
+        )
     checkpointer.close()
     return RestoredRun(
         model,

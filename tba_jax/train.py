@@ -61,7 +61,8 @@ from tba_jax.checkpoint import (
     StopSignal,
     check_experiment,
     install_stop_handlers,
-    quiet_failed_reads,
+    quiet_if_the_restore_fails,
+    restore_failure,
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_atomically
@@ -572,27 +573,25 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
 
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
-        # the failed read's leftovers are collected when the error is, after the except
-        with quiet_failed_reads():
-            try:
+        try:
+            with quiet_if_the_restore_fails():
                 restored, buffer_state, metadata = runs.restore_in_layout(
                     run.checkpointer, step, template, stacked, other_layout_template
                 )
-                if not bool(learner.all_finite(restored["train"]["params"])):
-                    raise ValueError("its params hold NaN or infinite values")
-                return restored, buffer_state, metadata
-            except Exception as error:
-                where = run.checkpointer.set_aside(step)
-                set_aside.append(where)
-                logging.warning(
-                    "Checkpoint %d in %s does not restore (%s: %s); moved it to %s and "
-                    "trying the one before.",
-                    step,
-                    run.workdir,
-                    type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "",
-                    where,
-                )
+            if not bool(learner.all_finite(restored["train"]["params"])):
+                raise ValueError("its params hold NaN or infinite values")
+            return restored, buffer_state, metadata
+        except Exception as error:
+            where = run.checkpointer.set_aside(step)
+            set_aside.append(where)
+            logging.warning(
+                "Checkpoint %d in %s does not restore (%s); moved it to %s and trying the "
+                "one before.",
+                step,
+                run.workdir,
+                restore_failure(error),
+                where,
+            )
     raise ConfigError(
         f"No checkpoint in {run.workdir} restores; the unreadable ones were moved to "
         f"{', '.join(set_aside)}. Pass another --workdir to start over."

@@ -22,10 +22,10 @@ import pytest
 
 from configs.arithmetic import get_config
 from tba_jax import evaluation, learner, runtime, tasks, warmstart
-from tba_jax.checkpoint import SET_ASIDE_SUBDIR
+from tba_jax.checkpoint import SET_ASIDE_SUBDIR, CheckpointUnreadableError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
-from tba_jax.runs import restore_policy
+from tba_jax.runs import restore_policy, restore_run
 from tba_jax.tasks import arithmetic as arithmetic_tasks
 from tba_jax.train import WARM_START_SUBDIR, NonFiniteError, train_and_evaluate
 
@@ -244,6 +244,26 @@ def test_a_corrupt_checkpoint_is_one_warning_without_the_failed_reads_leftovers(
     assert not [w for w in warned if "never awaited" in str(w.message)]
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert len([r for r in caplog.records if "does not restore" in r.getMessage()]) == 1
+
+
+def test_loading_a_corrupt_checkpoint_is_a_one_line_error_naming_the_other_steps(
+    run_with_three_checkpoints, tmp_path, monkeypatch
+):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "train_state")))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3")
+    restore_run(config, workdir, 2)  # a good step leaves the hook as it was
+    assert sys.unraisablehook == unraisable.append
+    with pytest.raises(CheckpointUnreadableError) as raised:
+        restore_run(config, workdir, 4)
+    gc.collect()
+    message = str(raised.value)
+    assert "Checkpoint 4" in message and "[0, 2]" in message and "\n" not in message
+    assert "TensorStore" not in message and raised.value.__cause__ is None
+    assert not unraisable, [item.exc_value for item in unraisable][:3]
 
 
 def test_no_readable_checkpoint_is_a_clear_error(run_with_three_checkpoints, tmp_path):
