@@ -224,17 +224,24 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_for_the_one_before(
     assert steps_saved(workdir) == [2, 4, 6]  # step 4 trained again from step 2
 
 
+def step_4_corrupt(run: str, tmp_path, monkeypatch) -> tuple[str, list]:
+    """A copy of `run` with step 4's train state truncated, and a list that records every
+    unraisable exception from now on (what Python would print as "Exception ignored")."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run, workdir)
+    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "train_state")))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    return workdir, unraisable
+
+
 def test_a_corrupt_checkpoint_is_one_warning_without_the_failed_reads_leftovers(
     run_with_three_checkpoints, tmp_path, monkeypatch, caplog
 ):
     """orbax leaves a failed restore's reads behind (coroutines that raise when collected,
     TensorStore callbacks into a closed event loop, asyncio's "never retrieved" futures):
     dozens of tracebacks on stderr for the one error the run reports."""
-    workdir = str(tmp_path / "run")
-    shutil.copytree(run_with_three_checkpoints, workdir)
-    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "train_state")))
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    workdir, unraisable = step_4_corrupt(run_with_three_checkpoints, tmp_path, monkeypatch)
     config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3,steps=6")
     with warnings.catch_warnings(record=True) as warned, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")
@@ -249,11 +256,7 @@ def test_a_corrupt_checkpoint_is_one_warning_without_the_failed_reads_leftovers(
 def test_loading_a_corrupt_checkpoint_is_a_one_line_error_naming_the_other_steps(
     run_with_three_checkpoints, tmp_path, monkeypatch
 ):
-    workdir = str(tmp_path / "run")
-    shutil.copytree(run_with_three_checkpoints, workdir)
-    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "train_state")))
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    workdir, unraisable = step_4_corrupt(run_with_three_checkpoints, tmp_path, monkeypatch)
     config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3")
     restore_run(config, workdir, 2)  # a good step leaves the hook as it was
     assert sys.unraisablehook == unraisable.append
