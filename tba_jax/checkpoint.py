@@ -558,6 +558,7 @@ def save_pytree(directory: str, tree: Any) -> None:
 
 
 ORBAX_READ = "_read_array_index_and_device_put"  # the coroutine a failed read leaves behind
+TENSORSTORE_DETAILS = " See full TensorStore details"  # what orbax appends to a read error
 
 
 @contextlib.contextmanager
@@ -599,9 +600,6 @@ def restore_failure(error: Exception) -> str:
     the TensorStore spec orbax appends ("See full TensorStore details: ...")."""
     first_line = str(error).splitlines()[0] if str(error) else ""
     return f"{type(error).__name__}: {first_line.split(TENSORSTORE_DETAILS)[0].strip()}"
-
-
-TENSORSTORE_DETAILS = " See full TensorStore details"
 
 
 class _NeverRetrievedFilter(logging.Filter):

@@ -416,8 +416,8 @@ def restore_run(
         checkpointer.close()
         raise CheckpointUnreadableError(
             f"Checkpoint {step} in {workdir} does not restore ({failure}); a file of it is "
-            f"truncated or half-written. The other saved steps: {others or 'none'}; pass one "
-            "as the step to load (evaluate.py --checkpoint_step)."
+            f"likely truncated or half-written. The other saved steps: {others or 'none'}; "
+            "pass one as the step to load (evaluate.py --checkpoint_step)."
         )
     checkpointer.close()
     return RestoredRun(
