@@ -390,17 +390,15 @@ class Checkpointer:
         self._manager.wait_until_finished()
         step = self._resolve_step(step)
         template = _abstract_train_state(train_state_template)
-        restored = self._manager.restore(
+        restored = self._restore_items(
             step,
-            args=ocp.args.Composite(
-                **{
-                    TRAIN_STATE_ITEM: ocp.args.StandardRestore(
-                        _host_template(template) if self._host_local else template
-                    ),
-                    BUFFER_ITEM: NumpyDictRestore(),
-                    METADATA_ITEM: ocp.args.JsonRestore(),
-                }
-            ),
+            **{
+                TRAIN_STATE_ITEM: ocp.args.StandardRestore(
+                    _host_template(template) if self._host_local else template
+                ),
+                BUFFER_ITEM: NumpyDictRestore(),
+                METADATA_ITEM: ocp.args.JsonRestore(),
+            },
         )
         train_state = restored[TRAIN_STATE_ITEM]
         if self._host_local:
@@ -413,9 +411,7 @@ class Checkpointer:
         """The metadata of `step` (default: latest) alone: what to know before restoring."""
         self._manager.wait_until_finished()
         step = self._resolve_step(step)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-        )
+        restored = self._restore_items(step, **{METADATA_ITEM: ocp.args.JsonRestore()})
         return restored[METADATA_ITEM]
 
     def restore_buffer(self, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
@@ -423,11 +419,8 @@ class Checkpointer:
         the train state: what inspecting a run's replay buffer needs."""
         self._manager.wait_until_finished()
         step = self._resolve_step(step)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{BUFFER_ITEM: NumpyDictRestore(), METADATA_ITEM: ocp.args.JsonRestore()}
-            ),
+        restored = self._restore_items(
+            step, **{BUFFER_ITEM: NumpyDictRestore(), METADATA_ITEM: ocp.args.JsonRestore()}
         )
         return restored[BUFFER_ITEM], restored[METADATA_ITEM]
 
@@ -442,6 +435,12 @@ class Checkpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _restore_items(self, step: int, **items: ocp.args.CheckpointArgs) -> Any:
+        """orbax's restore of `items` at `step`, quiet about a failed read's leftovers
+        (`quiet_if_the_restore_fails`): every restore of a checkpoint goes through here."""
+        with quiet_if_the_restore_fails():
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
 
     def _resolve_step(self, step: int | None) -> int:
         available = self.all_steps()

@@ -31,7 +31,6 @@ from tba_jax.checkpoint import (
     EXPERIMENT_FILENAME,
     Checkpointer,
     CheckpointUnreadableError,
-    quiet_if_the_restore_fails,
     restore_failure,
 )
 from tba_jax.models import (
@@ -407,8 +406,7 @@ def restore_run(
     step = max(checkpointer.all_steps()) if step is None else step  # read_metadata checked it
     failure = None
     try:
-        with quiet_if_the_restore_fails():
-            restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
+        restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
     except Exception as error:
         failure = restore_failure(error)  # a one-line error, not orbax's chain of them
     if failure is not None:

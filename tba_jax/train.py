@@ -61,7 +61,6 @@ from tba_jax.checkpoint import (
     StopSignal,
     check_experiment,
     install_stop_handlers,
-    quiet_if_the_restore_fails,
     restore_failure,
 )
 from tba_jax.config_lib import ConfigError
@@ -574,10 +573,9 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     set_aside = []
     while (step := run.checkpointer.latest_step()) is not None:
         try:
-            with quiet_if_the_restore_fails():
-                restored, buffer_state, metadata = runs.restore_in_layout(
-                    run.checkpointer, step, template, stacked, other_layout_template
-                )
+            restored, buffer_state, metadata = runs.restore_in_layout(
+                run.checkpointer, step, template, stacked, other_layout_template
+            )
             if not bool(learner.all_finite(restored["train"]["params"])):
                 raise ValueError("its params hold NaN or infinite values")
             return restored, buffer_state, metadata
