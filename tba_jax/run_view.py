@@ -171,8 +171,16 @@ class RunView:
 
     def _buffer_checkpoint(self, step: int) -> tuple[dict, dict]:
         if step not in self._buffers:
+            unreadable = None
             with self._checkpointer() as checkpointer:
-                self._buffers[step] = checkpointer.restore_buffer(step)
+                try:
+                    self._buffers[step] = checkpointer.restore_buffer(step)
+                except Exception as error:
+                    unreadable = runs.checkpoint_unreadable(
+                        checkpointer, step, error, "pass one as `step`"
+                    )
+            if unreadable is not None:  # one line, without orbax's chain of errors
+                raise unreadable
         return self._buffers[step]
 
     # ------------------------------------------------------------------ the policy

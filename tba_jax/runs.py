@@ -404,26 +404,38 @@ def restore_run(
     critic = critic_parts(config, model, mesh, [])
     template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings, critic)
     step = max(checkpointer.all_steps()) if step is None else step  # read_metadata checked it
-    failure = None
+    unreadable = None
     try:
         restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
     except Exception as error:
-        failure = restore_failure(error)  # a one-line error, not orbax's chain of them
-    if failure is not None:
-        others = [saved for saved in checkpointer.all_steps() if saved != step]
-        checkpointer.close()
-        raise CheckpointUnreadableError(
-            f"Checkpoint {step} in {workdir} does not restore ({failure}); a file of it is "
-            f"likely truncated or half-written. The other saved steps: {others or 'none'}; "
-            "pass one as the step to load (evaluate.py --checkpoint_step)."
+        unreadable = checkpoint_unreadable(
+            checkpointer,
+            step,
+            error,
+            "pass one as the step to load (evaluate.py --checkpoint_step)",
         )
     checkpointer.close()
+    if unreadable is not None:  # raised here: without orbax's chain of errors as its cause
+        raise unreadable
     return RestoredRun(
         model,
         restored["train"]["params"],
         restored["reference"],
         metadata,
         critic=None if critic is None else (critic.critic, restored["critic"]["params"]),
+    )
+
+
+def checkpoint_unreadable(
+    checkpointer: Checkpointer, step: int, error: Exception, pick_another: str
+) -> CheckpointUnreadableError:
+    """The one-line error for checkpoint `step` failing to restore with `error`: orbax's
+    cause in one line, the other saved steps, and `pick_another` (how to load one)."""
+    others = [saved for saved in checkpointer.all_steps() if saved != step]
+    return CheckpointUnreadableError(
+        f"Checkpoint {step} in {checkpointer.workdir} does not restore "
+        f"({restore_failure(error)}); a file of it is likely truncated or half-written. The "
+        f"other saved steps: {others or 'none'}; {pick_another}."
     )
 
 

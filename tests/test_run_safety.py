@@ -25,6 +25,7 @@ from tba_jax import evaluation, learner, runtime, tasks, warmstart
 from tba_jax.checkpoint import SET_ASIDE_SUBDIR, CheckpointUnreadableError
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
+from tba_jax.run_view import RunView
 from tba_jax.runs import restore_policy, restore_run
 from tba_jax.tasks import arithmetic as arithmetic_tasks
 from tba_jax.train import WARM_START_SUBDIR, NonFiniteError, train_and_evaluate
@@ -267,6 +268,21 @@ def test_loading_a_corrupt_checkpoint_is_a_one_line_error_naming_the_other_steps
     assert "Checkpoint 4" in message and "[0, 2]" in message and "\n" not in message
     assert "TensorStore" not in message and raised.value.__cause__ is None
     assert not unraisable, [item.exc_value for item in unraisable][:3]
+
+
+def test_a_run_views_corrupt_buffer_is_the_same_one_line_error(
+    run_with_three_checkpoints, tmp_path
+):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "buffer")))
+    view = RunView(workdir)
+    view.replay_buffer(2)  # a good step reads
+    with pytest.raises(CheckpointUnreadableError) as raised:
+        view.replay_buffer(4)
+    message = str(raised.value)
+    assert "Checkpoint 4" in message and "[0, 2]" in message and "\n" not in message
+    assert "pass one as `step`" in message and raised.value.__cause__ is None
 
 
 def test_no_readable_checkpoint_is_a_clear_error(run_with_three_checkpoints, tmp_path):
