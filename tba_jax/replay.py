@@ -126,6 +126,9 @@ _PACKED_SCALAR_KEYS = (
 )
 LOAD_CHUNK = 65_536  # samples per step of load_state_dict (bounds its temporary arrays)
 EVICTION_SCAN_MIN = 1024  # the oldest-first queue holds at least this many samples per scan
+# ...and this share of the stored ones: a scan is a pass over every stored sample, so a
+# larger share scans less often (an eviction at 300k samples: 1.5 µs with 1/64, 0.7 with 1/8)
+EVICTION_SCAN_SHARE = 1 / 8
 _VERSION_KEY_SHIFT = 40  # eviction key by version: (version − base) · 2^40 + seq
 
 
@@ -353,10 +356,13 @@ class _OldestFirst:
 
     def __init__(self, by_version: bool):
         self.by_version = by_version
-        self._slots: list[int] = []
-        self._seqs: list[int] = []
-        self._next = 0
+        self._drop_queue()
         self._base_version = 0
+
+    def _drop_queue(self) -> None:
+        self._slots = np.empty(0, dtype=np.int64)
+        self._seqs = np.empty(0, dtype=np.int64)
+        self._next = 0
         self._largest_key: int | None = None
 
     def keys(self, versions: np.ndarray, seqs: np.ndarray) -> np.ndarray:
@@ -372,18 +378,21 @@ class _OldestFirst:
             versions.min() < self._base_version
             or self.keys(versions, seqs).min() < self._largest_key
         ):
-            self._slots, self._seqs, self._next, self._largest_key = [], [], 0, None
+            self._drop_queue()
 
-    def pop(self, store: SampleStore) -> int:
-        """The slot of the oldest stored sample (the store must hold one)."""
-        seq_column = store.slots.arrays["seq"]
+    def oldest(self, store: SampleStore, n: int) -> np.ndarray:
+        """int64 [1..n] slots of the oldest stored samples, oldest first (the store must
+        hold one): those still stored among the next n queued, or after a new scan. The
+        caller removes them (a removed sample's seq is FREE_SEQ) before asking again."""
         while True:
-            while self._next < len(self._slots):
-                slot, seq = self._slots[self._next], self._seqs[self._next]
-                self._next += 1
-                if seq_column[slot] == seq:
-                    return slot
-            self._scan(store)
+            if self._next == len(self._slots):
+                self._scan(store)
+            end = min(len(self._slots), self._next + n)
+            slots, seqs = self._slots[self._next : end], self._seqs[self._next : end]
+            self._next = end
+            still_stored = store.slots.arrays["seq"][slots] == seqs
+            if still_stored.any():
+                return slots[still_stored]
 
     def _scan(self, store: SampleStore) -> None:
         live = store.live_slots()
@@ -394,10 +403,10 @@ class _OldestFirst:
         if self.by_version:
             self._base_version = int(versions.min())
         keys = self.keys(versions, seqs)
-        take = min(len(live), max(EVICTION_SCAN_MIN, len(live) // 64))
+        take = min(len(live), max(EVICTION_SCAN_MIN, int(len(live) * EVICTION_SCAN_SHARE)))
         smallest = np.argpartition(keys, take - 1)[:take] if take < len(live) else np.arange(take)
         order = smallest[np.argsort(keys[smallest], kind="stable")]
-        self._slots, self._seqs = live[order].tolist(), seqs[order].tolist()
+        self._slots, self._seqs = live[order], seqs[order]
         self._next, self._largest_key = 0, int(keys[order[-1]])
 
 
@@ -709,7 +718,8 @@ class ReplayBuffer:
         ):
             self._insert(slot, prompt_id, response_hash, version, change)
         while self._num_stored > self.capacity:
-            self._remove(self._oldest_first.pop(self._store), change)
+            oldest = self._oldest_first.oldest(self._store, self._num_stored - self.capacity)
+            self._remove_many(oldest, change)
         self._finish(change)
         return num - change.replaced
 
@@ -749,14 +759,34 @@ class ReplayBuffer:
         columns = self._store.slots.arrays
         prompt_id = int(columns["prompt_id"][slot])
         self._groups[prompt_id].remove(slot, int(columns["response_hash"][slot]))
-        version = int(columns["policy_version"][slot])
-        self._count_by_version[version] -= 1
-        if not self._count_by_version[version]:
-            del self._count_by_version[version]
+        self._uncount_version(int(columns["policy_version"][slot]), 1)
         columns["seq"][slot] = FREE_SEQ
         self._num_stored -= 1
         change.removed.append(slot)
         change.touched[prompt_id] = None
+
+    def _remove_many(self, slots: np.ndarray, change: _Change) -> None:
+        """`_remove` of each of `slots` (int64 [n]), their columns read at once."""
+        columns = self._store.slots.arrays
+        groups, touched = self._groups, change.touched
+        prompt_ids = columns["prompt_id"][slots].tolist()
+        hashes = columns["response_hash"][slots].tolist()
+        for slot, prompt_id, response_hash in zip(slots.tolist(), prompt_ids, hashes, strict=True):
+            groups[prompt_id].remove(slot, response_hash)
+            touched[prompt_id] = None
+        versions, counts = np.unique(columns["policy_version"][slots], return_counts=True)
+        for version, count in zip(versions.tolist(), counts.tolist(), strict=True):
+            self._uncount_version(version, count)
+        columns["seq"][slots] = FREE_SEQ
+        self._num_stored -= len(slots)
+        change.removed.extend(slots.tolist())
+
+    def _uncount_version(self, version: int, count: int) -> None:
+        left = self._count_by_version[version] - count
+        if left:
+            self._count_by_version[version] = left
+        else:
+            del self._count_by_version[version]
 
     def _finish(self, change: _Change) -> None:
         """Frees the removed samples' storage and brings the prompt indices up to date."""

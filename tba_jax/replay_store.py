@@ -264,13 +264,18 @@ class SampleStore:
         )
         classes = np.searchsorted(self.widths, lengths)  # the narrowest class that holds it
         columns["response_class"][slots] = classes
-        for cls in np.unique(classes).tolist():
-            members = np.flatnonzero(classes == cls)
+        # by class, so that each class's members are one slice of the sorted blocks
+        order = np.argsort(classes, kind="stable")
+        classes, slots = classes[order], slots[order]
+        blocks = {name: block[order] for name, block in blocks.items()}
+        present, starts = np.unique(classes, return_index=True)
+        ends = [*starts[1:].tolist(), len(classes)]
+        for cls, start, end in zip(present.tolist(), starts.tolist(), ends, strict=True):
             table, class_width = self.responses[cls], self.widths[cls]
-            rows = table.allocate(len(members))
-            columns["response_row"][slots[members]] = rows
+            rows = table.allocate(end - start)
+            columns["response_row"][slots[start:end]] = rows
             for name, block in blocks.items():
-                table.arrays[name][rows] = block[members, :class_width]
+                table.arrays[name][rows] = block[start:end, :class_width]
 
     def free(self, slots: np.ndarray) -> None:
         """Frees the slots (already marked FREE_SEQ by the caller), their response rows

@@ -479,6 +479,32 @@ def test_load_state_dict_rejects_other_padding_layout():
         make_buffer().load_state_dict(state)
 
 
+@pytest.mark.parametrize("draw_rule", ["newest", "authors"])
+def test_capacity_evicts_what_a_sorted_reference_evicts_over_many_scans(draw_rule, monkeypatch):
+    """The oldest-first queue (a partial scan, refilled when it runs out, entries gone stale
+    when a duplicate replaced their sample, dropped when an older version arrives) evicts
+    exactly the smallest keys: insertion order, or by the authors' rule version first."""
+    monkeypatch.setattr(replay, "EVICTION_SCAN_MIN", 2)
+    monkeypatch.setattr(replay, "EVICTION_SCAN_SHARE", 0.1)  # a scan queues 4 of 40
+    buffer = make_buffer(capacity=40, capacity_per_prompt=40, draw_rule=draw_rule)  # 30 responses
+    rng = np.random.default_rng(0)
+    stored: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # sample: (version, seq)
+    seq = 0
+    for call in range(300):
+        trajectories = []
+        for _ in range(rng.integers(1, 13)):
+            sample = (int(rng.integers(10)), (int(rng.integers(30)),))  # duplicates recur
+            version = max(0, call // 10 - int(rng.integers(4)))  # some samples lag behind
+            trajectories.append(make_trajectory(*sample, policy_version=version))
+            stored[sample] = (version, seq)  # a duplicate replaces the stored one
+            seq += 1
+        buffer.add(trajectories)
+        by_age = sorted(stored, key=lambda s: stored[s] if draw_rule == "authors" else stored[s][1])
+        for sample in by_age[: max(0, len(stored) - 40)]:
+            del stored[sample]
+        assert stored_responses(buffer) == sorted(stored, key=lambda s: stored[s][1])
+
+
 def test_load_state_dict_into_smaller_buffer_evicts_oldest():
     buffer = make_buffer()
     buffer.add([make_trajectory(p, (1,)) for p in range(5)])
