@@ -462,12 +462,9 @@ class Checkpointer:
         """Moves `step`'s checkpoint (one that fails to restore) out of the checkpoint
         directory into `workdir/SET_ASIDE_SUBDIR`, keeping it for inspection; returns where."""
         self._manager.wait_until_finished()
-        aside = epath.Path(self.workdir) / SET_ASIDE_SUBDIR
-        aside.mkdir(parents=True, exist_ok=True)
-        target = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        (self.directory / str(step)).rename(target)
+        target = set_aside(str(self.directory / str(step)), self.workdir, str(step))
         self._manager.reload()
-        return str(target)
+        return target
 
     def write_experiment(self) -> None:
         """Writes experiment.json (once), which later runs in this workdir are checked against."""
@@ -548,6 +545,16 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
 # --------------------------------------------------------------------------------------
 
 
+def set_aside(path: str, workdir: str, name: str) -> str:
+    """Moves `path` (saved state that fails to restore) into `workdir/SET_ASIDE_SUBDIR` as
+    `<name>-<time>`, keeping it for inspection; returns where."""
+    aside = epath.Path(workdir) / SET_ASIDE_SUBDIR
+    aside.mkdir(parents=True, exist_ok=True)
+    target = aside / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    epath.Path(path).rename(target)
+    return str(target)
+
+
 def save_pytree(directory: str, tree: Any) -> None:
     """Saves `tree` (arrays) to a new `directory` with orbax, atomically (written to a
     temporary folder and renamed when complete); waits until it is on disk."""
@@ -620,5 +627,5 @@ def _failed_read_leftover(unraisable) -> bool:
 def restore_pytree(directory: str, template: Any) -> Any:
     """The pytree `save_pytree` wrote, on the shardings of `template` (ShapeDtypeStructs or
     arrays)."""
-    with ocp.StandardCheckpointer() as checkpointer:
+    with ocp.StandardCheckpointer() as checkpointer, quiet_if_the_restore_fails():
         return checkpointer.restore(epath.Path(directory), _abstract_train_state(template))

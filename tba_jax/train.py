@@ -62,6 +62,7 @@ from tba_jax.checkpoint import (
     check_experiment,
     install_stop_handlers,
     restore_failure,
+    set_aside,
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_atomically
@@ -72,6 +73,7 @@ from tba_jax.trajectories import SampledBatch, collate
 from tba_jax.warmstart import (
     WarmStartCheckpoint,
     WarmStartConfig,
+    WarmStartProgress,
     check_warm_start_data,
     warm_start,
     warm_start_optimizer,
@@ -454,6 +456,33 @@ def warm_start_logger(total_steps: int) -> Callable[[int, dict], None]:
     return log
 
 
+def restore_warm_start(
+    run: Setup, saved: WarmStartCheckpoint, cfg: WarmStartConfig
+) -> WarmStartProgress | None:
+    """The saved, unfinished warm start; None when it does not restore (a truncated file):
+    it is moved to `SET_ASIDE_SUBDIR` with a one-line warning and the warm start starts over,
+    which loses only its steps so far."""
+    optimizer = warm_start_optimizer(cfg)
+    shardings = learner.train_state_shardings(
+        optimizer, run.abstract_params, run.learner_shardings, run.meshes.learner
+    )
+    template = learner.abstract_train_state(optimizer, run.abstract_params, shardings)
+    try:
+        return saved.restore(template.params, template.opt_state)
+    except Exception as error:
+        failure = restore_failure(error)
+    where = "left in place (another process moves it)"
+    if run.topology.is_primary:
+        where = "moved it to " + set_aside(saved.directory, run.workdir, WARM_START_SUBDIR)
+    logging.warning(
+        "The saved warm start in %s does not restore (%s); %s and starting the warm start over.",
+        saved.directory,
+        failure,
+        where,
+    )
+    return None
+
+
 def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
     """The policy after `warm_start.steps` supervised steps, going on from a saved,
     unfinished warm start. When stopped part-way, saves the progress in
@@ -463,17 +492,11 @@ def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
     if cfg.steps == 0:
         return initial_policy_params(config, run.model, run.learner_shardings)
     saved = WarmStartCheckpoint(os.path.join(run.workdir, WARM_START_SUBDIR))
-    if saved.exists():
-        optimizer = warm_start_optimizer(cfg)
-        shardings = learner.train_state_shardings(
-            optimizer, run.abstract_params, run.learner_shardings, run.meshes.learner
-        )
-        template = learner.abstract_train_state(optimizer, run.abstract_params, shardings)
-        progress = saved.restore(template.params, template.opt_state)
+    progress = restore_warm_start(run, saved, cfg) if saved.exists() else None
+    if progress is not None:
         params = progress.params
         logging.info("Warm start: going on from step %d of %d.", progress.steps_done, cfg.steps)
     else:
-        progress = None
         params = initial_policy_params(config, run.model, run.learner_shardings)
         logging.info("Warm start: %d supervised steps.", cfg.steps)
     progress = warm_start(

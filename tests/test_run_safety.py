@@ -70,10 +70,8 @@ def straight_run(tmp_path_factory):
     return workdir, train_and_evaluate(get_config(SYNC), workdir)
 
 
-def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
-    straight_run, tmp_path, monkeypatch
-):
-    workdir = str(tmp_path)
+def stop_in_the_warm_start(workdir: str, monkeypatch) -> None:
+    """Runs the sync config in `workdir` until a SIGTERM in its second warm-start step."""
     with monkeypatch.context() as patch:
         original = warmstart.make_supervised_step
 
@@ -90,6 +88,13 @@ def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
 
         patch.setattr(warmstart, "make_supervised_step", step_that_is_preempted)
         assert train_and_evaluate(get_config(SYNC), workdir) == {}
+
+
+def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
+    straight_run, tmp_path, monkeypatch
+):
+    workdir = str(tmp_path)
+    stop_in_the_warm_start(workdir, monkeypatch)
     assert os.path.exists(os.path.join(workdir, WARM_START_SUBDIR, "progress.json"))
     assert not steps_saved(workdir)
     summary = train_and_evaluate(get_config(SYNC), workdir)
@@ -100,6 +105,26 @@ def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
     _, straight, _ = restore_policy(get_config(SYNC), straight_run[0])
     assert leaves_equal(resumed, straight)
     assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
+
+
+def test_a_corrupt_saved_warm_start_is_set_aside_and_started_over(
+    straight_run, tmp_path, monkeypatch, caplog
+):
+    workdir = str(tmp_path)
+    stop_in_the_warm_start(workdir, monkeypatch)
+    saved = os.path.join(workdir, WARM_START_SUBDIR)
+    truncate(largest_file(saved))
+    with caplog.at_level(logging.WARNING):
+        summary = train_and_evaluate(get_config(SYNC), workdir)
+    assert summary["learner_steps"] == STEPS
+    warned = [r.getMessage() for r in caplog.records if "does not restore" in r.getMessage()]
+    assert len(warned) == 1 and "starting the warm start over" in warned[0]
+    set_aside = os.listdir(os.path.join(workdir, SET_ASIDE_SUBDIR))
+    assert len(set_aside) == 1 and set_aside[0].startswith(WARM_START_SUBDIR + "-")  # kept
+    # started over from step 0: the run ends where a straight one does
+    _, params, _ = restore_policy(get_config(SYNC), workdir)
+    _, straight, _ = restore_policy(get_config(SYNC), straight_run[0])
+    assert leaves_equal(params, straight)
 
 
 def test_a_stop_in_the_first_evaluation_keeps_the_warm_start(straight_run, tmp_path, monkeypatch):
