@@ -108,6 +108,7 @@ class FusedSearchWorker:
         *,
         in_flight_updates: bool = False,
         prompts_per_hand_on: int = 1,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[list[Scored]]:
         """Scored samples of `examples` (read lazily; may be endless), whole prompts (a
         prompt's S samples once its last is scored), at least `prompts_per_hand_on` of them
@@ -119,7 +120,11 @@ class FusedSearchWorker:
         end first, biasing TB's batch towards short responses. Several at a time because
         its recency draws take the prompts refreshed since the latest publish, repeating
         them when too few are: prompts added one by one right after a publish made batches
-        of 16 prompt slots with as few as 3 distinct prompts (the async demo)."""
+        of 16 prompt slots with as few as 3 distinct prompts (the async demo).
+
+        With `should_stop` (an async searcher's stop), the stream ends once that returns
+        True, checked before and after each decode chunk; what is not handed on yet is
+        given up unscored."""
         by_key: dict[int, _Prompt] = {}
         samples_left: dict[int, int] = {}
 
@@ -137,11 +142,15 @@ class FusedSearchWorker:
         scored_by_key: dict[int, list[Scored]] = {}  # prompts with samples still decoding
         complete: list[int] = []  # prompts whose samples are all scored, not handed on yet
         generation = self.engine.run(
-            params_fn, requests(), rng, in_flight_updates=in_flight_updates
+            params_fn, requests(), rng, in_flight_updates=in_flight_updates, should_stop=should_stop
         )
         while True:
             with self.time_split.measure("generating"):
                 chunk = next(generation, None)
+            if should_stop is not None and should_stop():
+                generation.close()
+                return  # the samples not handed on yet are given up: nothing is scored
+
             with self.time_split.measure("scoring"):
                 # groups dispatched last time ran before the chunk now decoding
                 ready = [self._complete(group, by_key) for group in in_flight]

@@ -215,6 +215,7 @@ class Searcher(threading.Thread):
                 rng,
                 in_flight_updates=self.in_flight_updates,
                 prompts_per_hand_on=self.prompts_per_call,
+                should_stop=self.stop.is_set,
             )
             for scored in scored_groups:
                 trajectories = [item.trajectory for item in scored]

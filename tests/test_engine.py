@@ -165,6 +165,26 @@ def test_with_no_prompt_waiting_a_chunk_runs_tail_chunk_steps_or_to_the_end(
         np.testing.assert_array_equal(finished[row, 0].tokens, greedy_reference[row][0])
 
 
+def test_a_stop_ends_the_run_before_its_next_chunk_not_after_the_tail(setup):
+    """An async searcher's prompts end when it is told to stop: without `should_stop` the
+    engine would then run its live samples to the end in one tail chunk."""
+    engine = engine_for(setup, GREEDY, slots=4, chunk_steps=2, compact_below=0.0)
+
+    def stop() -> bool:
+        return engine.counters.chunks >= 1
+
+    def prompts():  # as runtime.Searcher's: it ends at a stop
+        row = 0
+        while not stop():
+            yield Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], 1)
+            row += 1
+
+    params_fn = lambda: (setup["params"], 0)
+    chunks = list(engine.run(params_fn, prompts(), jax.random.key(0), should_stop=stop))
+    assert chunks == [] and engine.counters.chunks == 1
+    assert engine.counters.decode_steps <= 2  # one chunk of chunk_steps, no tail
+
+
 def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):
     engine = engine_for(setup, GREEDY, slots=8, chunk_steps=4)
     finished = run_engine(setup, engine, samples=3)
@@ -509,6 +529,21 @@ def test_fused_stream_hands_on_each_prompts_samples_together(setup, fused_parts)
     for item in worker.search(setup["params"], 0, examples, jax.random.key(5)):
         lengths.setdefault(item.prompt_id, set()).add(item.response_length)
     assert any(len(per_prompt) > 1 for per_prompt in lengths.values())
+
+
+def test_a_stopped_fused_stream_scores_nothing_more(setup, fused_parts):
+    shared, examples = fused_parts
+    from tba_jax.metrics import RateMeter
+
+    worker = fused_worker(setup, {**shared, "rates": RateMeter()}, SAMPLED)
+    stream = worker.stream(
+        lambda: (setup["params"], 0),
+        examples,
+        jax.random.key(3),
+        should_stop=lambda: worker.engine.counters.chunks >= 2,
+    )
+    assert list(stream) == [] and worker.engine.counters.chunks == 2
+    assert worker.rates.totals().get("samples", 0) == 0
 
 
 def test_search_config_sets_the_engines_bucket_min_tokens():

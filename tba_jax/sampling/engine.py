@@ -418,12 +418,17 @@ class SlotEngine:
         rng: jax.Array,
         *,
         in_flight_updates: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[list[Finished]]:
         """Samples every request's responses; yields the samples finished by each chunk.
 
         `params_fn() -> (params, version)` is called once at the start, and before every
         chunk with `in_flight_updates`. `requests` is read lazily (one refill at a time),
-        so it may be an endless stream; the caller stops by closing the generator."""
+        so it may be an endless stream; the caller stops by closing the generator. With
+        `should_stop`, the run also ends, its live samples given up, as soon as that
+        returns True before a chunk: a stop arriving as the requests run out (an async
+        run's end, a SIGTERM) does not wait for a tail chunk that may run to
+        `max_new_tokens` steps."""
         config = self.config
         width = config.slots
         widths = config.widths()
@@ -436,6 +441,8 @@ class SlotEngine:
         harvest = None  # finished samples of the last chunk, gathered on the device
         chunk = 0
         while True:
+            if should_stop is not None and should_stop():
+                return
             # Refill free slots, up to `most_prefill_prompts` prompts per prefill call.
             while not exhausted and width == config.slots:
                 batch: list[Request] = []
