@@ -67,6 +67,7 @@ NAMED_VARIANTS = {
         "optim.learning_rate": 3e-3,
         "log_every": 10,
         "progress_bar": False,
+        "checkpoint_every": 10,
     },
 }
 
@@ -116,5 +117,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.log_every = 10
     config.progress_bar = True
+    # The train state is saved every this many steps (and on SIGTERM / Ctrl-C); a rerun
+    # goes on from the newest. The newest keep_checkpoints are kept until the model is saved.
+    config.checkpoint_every = 200
+    config.keep_checkpoints = 2
 
     return common.finalize(config, arg, SHORTCUTS, NAMED_VARIANTS)

@@ -10,14 +10,16 @@ Hugging Face folder.
 Writes `<workdir>/hf` (the model, config.json and tokenizer files; loads in transformers as
 *ForSequenceClassification and in configs/tldr_pythia.py as task.reward_model.hf_path),
 `<workdir>/rm_summary.json` (held-out pairwise accuracy before and after training) and
-`<workdir>/tensorboard/`. See tba_jax/train_reward_model.py. `--print_config` lists every
-key of the resolved config.
+`<workdir>/tensorboard/`. The train state is saved every `checkpoint_every` steps and on
+SIGTERM / Ctrl-C; rerunning the same command goes on from there. See
+tba_jax/train_reward_model.py. `--print_config` lists every key of the resolved config.
 """
 
 from absl import flags
 from ml_collections import config_flags
 
 from tba_jax import cli
+from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.train_reward_model import train_reward_model
 
@@ -27,7 +29,7 @@ _PRINT_CONFIG = cli.define_print_config_flag()
 flags.adopt_module_key_flags(cli)
 flags.mark_flag_as_required("config")
 
-USER_ERRORS = (ConfigError, FileNotFoundError)
+USER_ERRORS = (ConfigError, FileNotFoundError, CheckpointMismatchError)
 
 
 def main(argv):

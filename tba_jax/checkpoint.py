@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from etils import epath
 
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -540,9 +541,47 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
     return restore_previous_handlers
 
 
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopSignal]:
+    """A StopSignal that SIGTERM and Ctrl-C set while the block runs (main thread only)."""
+    stop_signal = StopSignal()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    restore = install_stop_handlers(stop_signal) if on_main_thread else None
+    try:
+        yield stop_signal
+    finally:
+        if restore is not None:
+            restore()
+
+
 # --------------------------------------------------------------------------------------
 # A pytree on its own (the warm start's progress), outside the run's step checkpoints.
 # --------------------------------------------------------------------------------------
+
+
+def newest_restorable(
+    checkpointer: Checkpointer, restore: Callable[[int], Any]
+) -> tuple[Any, list[str]]:
+    """(`restore(step)` of the newest step for which it succeeds, or None when none does;
+    where the steps that failed went). A step whose restore raises (a truncated file, or
+    params `restore` refuses) is moved to `SET_ASIDE_SUBDIR`, not deleted, with a one-line
+    warning, and the one before it is tried."""
+    set_aside_paths = []
+    while (step := checkpointer.latest_step()) is not None:
+        try:
+            return restore(step), set_aside_paths
+        except Exception as error:
+            failure = restore_failure(error)
+        where = checkpointer.set_aside(step)
+        set_aside_paths.append(where)
+        absl_logging.warning(
+            "Checkpoint %d in %s does not restore (%s); moved it to %s and trying the one before.",
+            step,
+            checkpointer.workdir,
+            failure,
+            where,
+        )
+    return None, set_aside_paths
 
 
 def set_aside(path: str, workdir: str, name: str) -> str:

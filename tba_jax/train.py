@@ -24,10 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -60,9 +58,10 @@ from tba_jax.checkpoint import (
     RunStopped,
     StopSignal,
     check_experiment,
-    install_stop_handlers,
+    newest_restorable,
     restore_failure,
     set_aside,
+    stop_on_signals,
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_atomically
@@ -593,30 +592,21 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
             stacked=not stacked,
         )
 
-    set_aside = []
-    while (step := run.checkpointer.latest_step()) is not None:
-        try:
-            restored, buffer_state, metadata = runs.restore_in_layout(
-                run.checkpointer, step, template, stacked, other_layout_template
-            )
-            if not bool(learner.all_finite(restored["train"]["params"])):
-                raise ValueError("its params hold NaN or infinite values")
-            return restored, buffer_state, metadata
-        except Exception as error:
-            where = run.checkpointer.set_aside(step)
-            set_aside.append(where)
-            logging.warning(
-                "Checkpoint %d in %s does not restore (%s); moved it to %s and trying the "
-                "one before.",
-                step,
-                run.workdir,
-                restore_failure(error),
-                where,
-            )
-    raise ConfigError(
-        f"No checkpoint in {run.workdir} restores; the unreadable ones were moved to "
-        f"{', '.join(set_aside)}. Pass another --workdir to start over."
-    )
+    def restore(step: int) -> tuple[dict, dict, dict]:
+        restored, buffer_state, metadata = runs.restore_in_layout(
+            run.checkpointer, step, template, stacked, other_layout_template
+        )
+        if not bool(learner.all_finite(restored["train"]["params"])):
+            raise ValueError("its params hold NaN or infinite values")
+        return restored, buffer_state, metadata
+
+    restored, set_aside_paths = newest_restorable(run.checkpointer, restore)
+    if restored is None:
+        raise ConfigError(
+            f"No checkpoint in {run.workdir} restores; the unreadable ones were moved to "
+            f"{', '.join(set_aside_paths)}. Pass another --workdir to start over."
+        )
+    return restored
 
 
 def resume(run: Setup) -> Start:
@@ -833,19 +823,6 @@ def finished_summary(run: Setup) -> dict | None:
     with open(path) as f:
         summary = json.load(f)
     return summary if summary.get("learner_steps") == latest else None
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[StopSignal]:
-    """A StopSignal that SIGTERM and Ctrl-C set while the block runs (main thread only)."""
-    stop_signal = StopSignal()
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    restore = install_stop_handlers(stop_signal) if on_main_thread else None
-    try:
-        yield stop_signal
-    finally:
-        if restore is not None:
-            restore()
 
 
 # ------------------------------------------------------------------------------ the run

@@ -21,7 +21,13 @@ the tiny variant, written as an equivalent tokenizer.json (`CharTokenizer.save_p
 the folder is complete either way. `<workdir>/rm_summary.json` holds the numbers.
 
 Training runs on one mesh over all devices (`mesh.axes`, `mesh.rules`: FSDP by default),
-with micro-batch gradient accumulation; there are no intermediate checkpoints.
+with micro-batch gradient accumulation. Every `checkpoint_every` steps, and when SIGTERM or
+Ctrl-C stops it, the train state is saved in `<workdir>/checkpoints` (the newest
+`keep_checkpoints`); rerunning the same command goes on from the newest one that restores
+(one that does not is set aside) and ends where an unstopped run would. A workdir whose
+checkpoints another config wrote is refused. Once the model folder and the summary are
+written, the checkpoints (the params with their Adam state, about 12 bytes a parameter)
+are removed: the folder supersedes them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Sequence
 
@@ -42,6 +49,7 @@ from absl import logging
 from tba_jax import compile_cache, config_lib, learner
 from tba_jax import mesh as mesh_lib
 from tba_jax.batching import fixed_size_batches
+from tba_jax.checkpoint import Checkpointer, newest_restorable, stop_on_signals
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
 from tba_jax.metrics import MetricsWriter, write_json_atomically
@@ -59,6 +67,21 @@ from tba_jax.tasks.base import CHAR_TOKENIZER, CHECKPOINT_TOKENIZER
 SUMMARY_FILENAME = "rm_summary.json"
 HF_SUBDIR = "hf"
 PAIR_ARRAYS = ("chosen_tokens", "chosen_mask", "rejected_tokens", "rejected_mask")
+# Config keys that do not change the trained model: a resumed run may change them.
+RUN_ONLY_KEYS = (
+    "variant",
+    "out_dir",
+    "log_every",
+    "progress_bar",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "compile_cache",
+)
+RANGES = {
+    **config_lib.COMPILE_CACHE_RANGES,
+    "checkpoint_every": config_lib.integer_at_least(1),
+    "keep_checkpoints": config_lib.integer_at_least(1),
+}
 
 
 # ---------------------------------------------------------------------------- the math
@@ -250,7 +273,7 @@ def save_reward_model(
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """ConfigError for settings that cannot work, before anything is loaded."""
-    config_lib.check_ranges(config, config_lib.COMPILE_CACHE_RANGES)
+    config_lib.check_ranges(config, RANGES)
     if config.tokenizer not in (CHECKPOINT_TOKENIZER, CHAR_TOKENIZER):
         raise ConfigError(
             f"tokenizer={config.tokenizer!r} is not one of "
@@ -341,8 +364,15 @@ def write_summary(workdir: str, summary: dict) -> str:
     return write_json_atomically(os.path.join(workdir, SUMMARY_FILENAME), summary)
 
 
+def experiment(config: ml_collections.ConfigDict) -> dict:
+    """What a workdir's checkpoints are checked against: every key but `RUN_ONLY_KEYS`."""
+    return {key: value for key, value in config.to_dict().items() if key not in RUN_ONLY_KEYS}
+
+
 def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains a scalar reward model on preference pairs; saves it and rm_summary.json."""
+    """Trains a scalar reward model on preference pairs; saves it and rm_summary.json.
+    Goes on from the workdir's newest checkpoint; returns {} when SIGTERM or Ctrl-C stopped
+    it (after saving)."""
     wall_start = time.time()
     check_config(config, jax.device_count())
     compile_cache.use(config)
@@ -353,6 +383,10 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     test_data = encode_pairs(tokenizer, load_pairs(config, "test", workdir), **encode)
     num_train, num_test = len(train_data["chosen_tokens"]), len(test_data["chosen_tokens"])
     steps = train_steps(config, num_train)
+    # another config's checkpoints are refused here, before the model is loaded
+    checkpointer = Checkpointer(
+        workdir, experiment=experiment(config), max_to_keep=config.keep_checkpoints
+    )
 
     mesh = mesh_lib.make_mesh(jax.devices(), config.mesh.axes)
     model, params = init_reward_model(config, tokenizer, mesh)
@@ -362,11 +396,16 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
         learner.OptimConfig(total_steps=steps, **config.optim.to_dict())
     )
     state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
-    state = learner.init_train_state(params, optimizer, state_sharding)
-    del params
     eval_fn = make_eval_fn(model, mesh, shardings)
-    before = evaluate_pairs(eval_fn, state.params, test_data, config.train.eval_batch_size)
-    logging.info("Held-out pairwise accuracy before training: %.3f", before["accuracy"])
+    progress = resumed_progress(checkpointer, optimizer, abstract, state_sharding, steps)
+    if progress is None:
+        state = learner.init_train_state(params, optimizer, state_sharding)
+        before = evaluate_pairs(eval_fn, state.params, test_data, config.train.eval_batch_size)
+        progress = {"step": 0, "before": before, "train_seconds": 0.0}
+        logging.info("Held-out pairwise accuracy before training: %.3f", before["accuracy"])
+    else:
+        state, progress = progress
+    del params
 
     train_step = make_train_step(
         model,
@@ -376,17 +415,53 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
         mesh=mesh,
     )
     batch_sharding = mesh_lib.batch_sharding(mesh)
-    train_start = time.time()
-    with MetricsWriter(
-        workdir, log_every=config.log_every, total_steps=steps, show_progress=config.progress_bar
-    ) as writer:
-        for step, rows in enumerate(
-            batch_indices(num_train, config.train.batch_size, steps, config.seed), 1
+    batches = batch_indices(num_train, config.train.batch_size, steps, config.seed)
+
+    def save(step: int) -> None:
+        progress.update(step=step, train_seconds=progress["train_seconds"] + seconds())
+        checkpointer.save(step, train_state=state, buffer_state={}, metadata=progress, force=True)
+
+    segment_start = time.time()
+
+    def seconds() -> float:  # training seconds of this segment not yet in `progress`
+        nonlocal segment_start
+        now, start = time.time(), segment_start
+        segment_start = now
+        return now - start
+
+    try:
+        with (
+            stop_on_signals() as stop_signal,
+            MetricsWriter(
+                workdir,
+                log_every=config.log_every,
+                total_steps=steps,
+                show_progress=config.progress_bar,
+            ) as writer,
         ):
-            batch = jax.device_put({k: train_data[k][rows] for k in PAIR_ARRAYS}, batch_sharding)
-            state, metrics = train_step(state, batch)
-            writer.write(step, jax.device_get(metrics))
-    train_seconds = time.time() - train_start
+            for step in range(progress["step"] + 1, steps + 1):
+                rows = batches[step - 1]
+                batch = jax.device_put(
+                    {k: train_data[k][rows] for k in PAIR_ARRAYS}, batch_sharding
+                )
+                state, metrics = train_step(state, batch)
+                writer.write(step, jax.device_get(metrics))
+                if stop_signal.requested and step < steps:
+                    save(step)
+                    logging.warning(
+                        "%s: saved the reward model's training at step %d of %d; rerun the "
+                        "same command to go on.",
+                        stop_signal.reason,
+                        step,
+                        steps,
+                    )
+                    return {}
+                if step % config.checkpoint_every == 0 and step < steps:
+                    save(step)
+        progress["train_seconds"] += seconds()
+    finally:
+        checkpointer.wait_until_finished()
+        checkpointer.close()
     after = evaluate_pairs(eval_fn, state.params, test_data, config.train.eval_batch_size)
     logging.info("Held-out pairwise accuracy after training: %.3f", after["accuracy"])
 
@@ -401,13 +476,37 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "steps": steps,
         "batch_size": config.train.batch_size,
         "sequence_length": int(train_data["chosen_tokens"].shape[1]),
-        **{f"test_{name}_before": value for name, value in before.items()},
+        **{f"test_{name}_before": value for name, value in progress["before"].items()},
         **{f"test_{name}_after": value for name, value in after.items()},
-        "train_seconds": train_seconds,
+        "train_seconds": progress["train_seconds"],
         "wall_seconds": time.time() - wall_start,
         "hf_folder": out,
         "files": sorted(os.path.basename(path) for path in files),
     }
     write_summary(workdir, summary)
+    shutil.rmtree(checkpointer.directory, ignore_errors=True)  # the folder supersedes them
     logging.info("Summary: %s", json.dumps(summary, sort_keys=True))
     return summary
+
+
+def resumed_progress(
+    checkpointer: Checkpointer, optimizer, abstract: Params, state_sharding, steps: int
+) -> tuple[learner.TrainState, dict] | None:
+    """(train state, progress) of the newest checkpoint that restores, or None when the
+    workdir holds none. ConfigError when it holds some and none restores."""
+    if checkpointer.latest_step() is None:
+        return None
+    template = learner.abstract_train_state(optimizer, abstract, state_sharding)
+
+    def restore(step: int) -> tuple[learner.TrainState, dict]:
+        state, _, progress = checkpointer.restore(train_state_template=template, step=step)
+        return state, progress
+
+    restored, set_aside = newest_restorable(checkpointer, restore)
+    if restored is None:
+        raise ConfigError(
+            f"No checkpoint in {checkpointer.workdir} restores; the unreadable ones were moved "
+            f"to {', '.join(set_aside)}. Pass another --workdir to start over."
+        )
+    logging.info("Resuming from step %d of %d.", restored[1]["step"], steps)
+    return restored

@@ -2,6 +2,8 @@
 builder and converter (tba_jax/data/preferences.py) and configs/reward_model.py."""
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import jax
@@ -13,6 +15,7 @@ from support import save_tiny_llama_folder
 from configs.reward_model import TINY_PREFERENCES_DIR, get_config
 from tba_jax import mesh as mesh_lib
 from tba_jax import train_reward_model
+from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
 from tba_jax.models import hf
@@ -158,6 +161,47 @@ def test_tiny_reward_model_learns_the_synthetic_preference(tiny_rm):
     assert summary["test_accuracy_after"] >= 0.9
     assert summary["test_loss_after"] < 0.5 * np.log(2.0)
     assert json.loads((workdir / train_reward_model.SUMMARY_FILENAME).read_text()) == summary
+
+
+def test_a_stopped_reward_model_goes_on_from_its_checkpoints_to_the_same_model(
+    tiny_rm, tmp_path, monkeypatch
+):
+    original = train_reward_model.make_train_step
+
+    def preempted_in_step_15(*args, **kwargs):
+        step_fn, calls = original(*args, **kwargs), []
+
+        def step(*step_args):
+            if len(calls) == 14:  # SIGTERM arrives during step 15 of 24
+                os.kill(os.getpid(), signal.SIGTERM)
+            calls.append(1)
+            return step_fn(*step_args)
+
+        return step
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_reward_model, "make_train_step", preempted_in_step_15)
+        assert train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path)) == {}
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "15", "experiment.json"]
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(CheckpointMismatchError, match="another experiment"):
+        train_reward_model.train_reward_model(get_config("tiny,lr=0.01"), str(tmp_path))
+    steps_run = []
+
+    def counted(*args, **kwargs):
+        step_fn = original(*args, **kwargs)
+        return lambda *step_args: steps_run.append(1) or step_fn(*step_args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_reward_model, "make_train_step", counted)
+        summary = train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path))
+    assert len(steps_run) == 24 - 15  # from the checkpoint of step 15
+    workdir, straight = tiny_rm
+    for key in ("test_accuracy_before", "test_loss_before", "test_loss_after", "steps"):
+        assert summary[key] == straight[key]
+    model_file = Path(summary["hf_folder"]) / "model.safetensors"
+    assert model_file.read_bytes() == (workdir / "hf" / "model.safetensors").read_bytes()
+    assert not (tmp_path / "checkpoints").exists()  # the model folder supersedes them
 
 
 def test_saved_reward_model_scores_the_same_in_transformers_and_as_a_reward_model(tiny_rm):
