@@ -80,15 +80,25 @@ class SearchWorker:
     drop_nonfinite: bool = False
 
     def search(
-        self, params, version: int, examples: Sequence[dict], rng: jax.Array
+        self,
+        params,
+        version: int,
+        examples: Sequence[dict],
+        rng: jax.Array,
+        *,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Trajectory]:
-        """Returns len(examples) * samples_per_prompt trajectories, prompt-major."""
+        """Returns len(examples) * samples_per_prompt trajectories, prompt-major; none when
+        `should_stop` (an async searcher's stop) returns True once they are generated: the
+        run is stopping, so they are not scored (π_ref, a reward model) only to be dropped."""
         s = self.samples_per_prompt
         prompts = [ex["prompt"] for ex in examples for _ in range(s)]
         prompt_tokens, prompt_mask = self.tokenizer.encode_prompts(prompts, self.max_prompt_len)
         with self.time_split.measure("generating"):
             gen = self.generate_fn(params, prompt_tokens, prompt_mask, rng)
             gen = jax.block_until_ready(gen)
+        if should_stop is not None and should_stop():
+            return []
         with self.time_split.measure("scoring"):
             token_logp_ref = self.score_fn(
                 self.reference_params, prompt_tokens, prompt_mask, gen.tokens, gen.mask
@@ -188,7 +198,11 @@ class Searcher(threading.Thread):
             params, version = self.store.get()
             examples = self.stream.next_batch(self.prompts_per_call)
             rng = jax.random.fold_in(self.rng, self.calls)
-            trajectories = self.worker.search(params, version, examples, rng)
+            trajectories = self.worker.search(
+                params, version, examples, rng, should_stop=self.stop.is_set
+            )
+            if self.stop.is_set():  # the run is stopping: nothing more goes in
+                break
             self.buffer.add(trajectories)
             self.calls += 1
             empty_calls = self._check_empty(trajectories, empty_calls)

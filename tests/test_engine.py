@@ -444,6 +444,29 @@ def test_fused_search_equals_batch_then_score_on_greedy_samples(
         assert have.logp_ref == pytest.approx(want.logp_ref, abs=1e-3)
 
 
+def test_a_stopped_batch_search_skips_the_scoring(setup, fused_parts):
+    from tba_jax.runtime import SearchWorker
+
+    shared, examples = fused_parts
+    scored = []
+
+    def score_fn(*args):
+        scored.append(1)
+        return shared["score_fn"](*args)
+
+    batch = SearchWorker(
+        generate_fn=make_generate_fn(
+            setup["model"], GREEDY, eos_id=EOS, pad_id=shared["tokenizer"].pad_id
+        ),
+        **{**shared, "score_fn": score_fn},
+    )
+    key = jax.random.key(0)
+    assert batch.search(setup["params"], 7, examples, key, should_stop=lambda: True) == []
+    assert not scored
+    assert len(batch.search(setup["params"], 7, examples, key, should_stop=lambda: False)) == 20
+    assert scored
+
+
 def test_length_buckets_are_never_closer_than_bucket_min_tokens():
     def lengths(limit, buckets, min_tokens=1):
         return sorted({bucket_length(n, limit, buckets, min_tokens) for n in range(limit + 1)})
