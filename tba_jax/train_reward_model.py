@@ -397,14 +397,14 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
     state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
     eval_fn = make_eval_fn(model, mesh, shardings)
-    progress = resumed_progress(checkpointer, optimizer, abstract, state_sharding, steps)
-    if progress is None:
+    resumed = resumed_progress(checkpointer, optimizer, abstract, state_sharding, steps)
+    if resumed is None:
         state = learner.init_train_state(params, optimizer, state_sharding)
         before = evaluate_pairs(eval_fn, state.params, test_data, config.train.eval_batch_size)
         progress = {"step": 0, "before": before, "train_seconds": 0.0}
         logging.info("Held-out pairwise accuracy before training: %.3f", before["accuracy"])
     else:
-        state, progress = progress
+        state, progress = resumed
     del params
 
     train_step = make_train_step(
@@ -417,17 +417,12 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     batch_sharding = mesh_lib.batch_sharding(mesh)
     batches = batch_indices(num_train, config.train.batch_size, steps, config.seed)
 
-    def save(step: int) -> None:
-        progress.update(step=step, train_seconds=progress["train_seconds"] + seconds())
+    seconds_before, segment_start = progress["train_seconds"], time.time()
+
+    def save(step: int) -> None:  # with the training seconds of every segment so far
+        train_seconds = seconds_before + time.time() - segment_start
+        progress.update(step=step, train_seconds=train_seconds)
         checkpointer.save(step, train_state=state, buffer_state={}, metadata=progress, force=True)
-
-    segment_start = time.time()
-
-    def seconds() -> float:  # training seconds of this segment not yet in `progress`
-        nonlocal segment_start
-        now, start = time.time(), segment_start
-        segment_start = now
-        return now - start
 
     try:
         with (
@@ -458,7 +453,7 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     return {}
                 if step % config.checkpoint_every == 0 and step < steps:
                     save(step)
-        progress["train_seconds"] += seconds()
+        progress["train_seconds"] = seconds_before + time.time() - segment_start
     finally:
         checkpointer.wait_until_finished()
         checkpointer.close()
