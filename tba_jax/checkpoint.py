@@ -479,6 +479,108 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------
+# A checkpoint that fails to restore: set aside (never deleted), reported in one line,
+# without orbax's leftovers.
+# --------------------------------------------------------------------------------------
+
+
+def newest_restorable(
+    checkpointer: Checkpointer, restore: Callable[[int], Any]
+) -> tuple[Any, list[str]]:
+    """(`restore(step)` of the newest step for which it succeeds, or None when none does;
+    where the steps that failed went). A step whose restore raises (a truncated file, or
+    params `restore` refuses) is moved to `SET_ASIDE_SUBDIR`, not deleted, with a one-line
+    warning, and the one before it is tried."""
+    set_aside_paths = []
+    while (step := checkpointer.latest_step()) is not None:
+        try:
+            return restore(step), set_aside_paths
+        except Exception as error:
+            failure = restore_failure(error)
+        where = checkpointer.set_aside(step)
+        set_aside_paths.append(where)
+        absl_logging.warning(
+            "Checkpoint %d in %s does not restore (%s); moved it to %s and trying the one before.",
+            step,
+            checkpointer.workdir,
+            failure,
+            where,
+        )
+    return None, set_aside_paths
+
+
+def set_aside(path: str, workdir: str, name: str) -> str:
+    """Moves `path` (saved state that fails to restore) into `workdir/SET_ASIDE_SUBDIR` as
+    `<name>-<time>`, keeping it for inspection; returns where."""
+    aside = epath.Path(workdir) / SET_ASIDE_SUBDIR
+    aside.mkdir(parents=True, exist_ok=True)
+    target = aside / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    epath.Path(path).rename(target)
+    return str(target)
+
+
+ORBAX_READ = "_read_array_index_and_device_put"  # the coroutine a failed read leaves behind
+TENSORSTORE_DETAILS = " See full TensorStore details"  # what orbax appends to a read error
+
+
+@contextlib.contextmanager
+def quiet_if_the_restore_fails() -> Iterator[None]:
+    """Around a restore that may fail (a corrupt checkpoint); if it does, for the rest of
+    the process.
+
+    A failed orbax restore leaves its shard reads behind as coroutines that raise when
+    they are collected, and TensorStore's threads post their results to orbax's closed
+    event loop, during the failure and up to seconds after it. Python prints a traceback
+    for each, dozens per checkpoint, for an error the caller reports once: "Exception
+    ignored in: <coroutine object _read_array_index_and_device_put ...>" or "coroutine ...
+    was never awaited", "RuntimeError: Event loop is closed", and asyncio's
+    "_GatheringFuture exception was never retrieved" with the read error's whole
+    TensorStore spec. Those are left out; any other unraisable exception, warning or
+    asyncio log is reported as usual. After a restore that succeeds, nothing is changed."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _failed_read_leftover(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    except BaseException:
+        warnings.filterwarnings("ignore", f"coroutine '{ORBAX_READ}'", RuntimeWarning)
+        asyncio_logger = logging.getLogger("asyncio")
+        if not any(isinstance(f, _NeverRetrievedFilter) for f in asyncio_logger.filters):
+            asyncio_logger.addFilter(_NeverRetrievedFilter())
+        raise
+    else:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+
+def restore_failure(error: Exception) -> str:
+    """What a failed restore says, in one line: the error's type and first line, without
+    the TensorStore spec orbax appends ("See full TensorStore details: ...")."""
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first_line.split(TENSORSTORE_DETAILS)[0].strip()}"
+
+
+class _NeverRetrievedFilter(logging.Filter):
+    """Drops asyncio's report of a failed read's future that nothing awaited."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in str(record.msg)
+
+
+def _failed_read_leftover(unraisable) -> bool:
+    leftover, error = unraisable.object, unraisable.exc_value
+    orbax_read = isinstance(leftover, types.CoroutineType) and (
+        f"{os.sep}orbax{os.sep}" in leftover.cr_code.co_filename
+    )
+    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+    return orbax_read or closed_loop
+
+
+# --------------------------------------------------------------------------------------
 # SIGTERM and Ctrl-C: ask the run to save and stop at its next safe point.
 # --------------------------------------------------------------------------------------
 
@@ -559,108 +661,12 @@ def stop_on_signals() -> Iterator[StopSignal]:
 # --------------------------------------------------------------------------------------
 
 
-def newest_restorable(
-    checkpointer: Checkpointer, restore: Callable[[int], Any]
-) -> tuple[Any, list[str]]:
-    """(`restore(step)` of the newest step for which it succeeds, or None when none does;
-    where the steps that failed went). A step whose restore raises (a truncated file, or
-    params `restore` refuses) is moved to `SET_ASIDE_SUBDIR`, not deleted, with a one-line
-    warning, and the one before it is tried."""
-    set_aside_paths = []
-    while (step := checkpointer.latest_step()) is not None:
-        try:
-            return restore(step), set_aside_paths
-        except Exception as error:
-            failure = restore_failure(error)
-        where = checkpointer.set_aside(step)
-        set_aside_paths.append(where)
-        absl_logging.warning(
-            "Checkpoint %d in %s does not restore (%s); moved it to %s and trying the one before.",
-            step,
-            checkpointer.workdir,
-            failure,
-            where,
-        )
-    return None, set_aside_paths
-
-
-def set_aside(path: str, workdir: str, name: str) -> str:
-    """Moves `path` (saved state that fails to restore) into `workdir/SET_ASIDE_SUBDIR` as
-    `<name>-<time>`, keeping it for inspection; returns where."""
-    aside = epath.Path(workdir) / SET_ASIDE_SUBDIR
-    aside.mkdir(parents=True, exist_ok=True)
-    target = aside / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    epath.Path(path).rename(target)
-    return str(target)
-
-
 def save_pytree(directory: str, tree: Any) -> None:
     """Saves `tree` (arrays) to a new `directory` with orbax, atomically (written to a
     temporary folder and renamed when complete); waits until it is on disk."""
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(epath.Path(directory), tree)
         checkpointer.wait_until_finished()
-
-
-ORBAX_READ = "_read_array_index_and_device_put"  # the coroutine a failed read leaves behind
-TENSORSTORE_DETAILS = " See full TensorStore details"  # what orbax appends to a read error
-
-
-@contextlib.contextmanager
-def quiet_if_the_restore_fails() -> Iterator[None]:
-    """Around a restore that may fail (a corrupt checkpoint); if it does, for the rest of
-    the process.
-
-    A failed orbax restore leaves its shard reads behind as coroutines that raise when
-    they are collected, and TensorStore's threads post their results to orbax's closed
-    event loop, during the failure and up to seconds after it. Python prints a traceback
-    for each, dozens per checkpoint, for an error the caller reports once: "Exception
-    ignored in: <coroutine object _read_array_index_and_device_put ...>" or "coroutine ...
-    was never awaited", "RuntimeError: Event loop is closed", and asyncio's
-    "_GatheringFuture exception was never retrieved" with the read error's whole
-    TensorStore spec. Those are left out; any other unraisable exception, warning or
-    asyncio log is reported as usual. After a restore that succeeds, nothing is changed."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable) -> None:
-        if not _failed_read_leftover(unraisable):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    except BaseException:
-        warnings.filterwarnings("ignore", f"coroutine '{ORBAX_READ}'", RuntimeWarning)
-        asyncio_logger = logging.getLogger("asyncio")
-        if not any(isinstance(f, _NeverRetrievedFilter) for f in asyncio_logger.filters):
-            asyncio_logger.addFilter(_NeverRetrievedFilter())
-        raise
-    else:
-        if sys.unraisablehook is hook:
-            sys.unraisablehook = previous
-
-
-def restore_failure(error: Exception) -> str:
-    """What a failed restore says, in one line: the error's type and first line, without
-    the TensorStore spec orbax appends ("See full TensorStore details: ...")."""
-    first_line = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {first_line.split(TENSORSTORE_DETAILS)[0].strip()}"
-
-
-class _NeverRetrievedFilter(logging.Filter):
-    """Drops asyncio's report of a failed read's future that nothing awaited."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "exception was never retrieved" not in str(record.msg)
-
-
-def _failed_read_leftover(unraisable) -> bool:
-    leftover, error = unraisable.object, unraisable.exc_value
-    orbax_read = isinstance(leftover, types.CoroutineType) and (
-        f"{os.sep}orbax{os.sep}" in leftover.cr_code.co_filename
-    )
-    closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-    return orbax_read or closed_loop
 
 
 def restore_pytree(directory: str, template: Any) -> Any:
