@@ -1,6 +1,7 @@
 """Helpers shared by several test files (not collected: the name has no test_ prefix)."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -157,3 +158,23 @@ def rewarded_preference(model, params, batch, temperature: float) -> float:
     logp = np.asarray(learner.sequence_logp(model, params, batch, temperature))
     rewarded = batch["reward"] > 0
     return float(logp[rewarded].mean() - logp[~rewarded].mean())
+
+
+def sigterm_in_step(patch, module, factory: str, step_index: int) -> None:
+    """Makes the step functions `module.<factory>` builds send SIGTERM to this process at
+    the start of their call number `step_index` (from 0), as a preemption arriving during
+    that step would. `patch`: a pytest monkeypatch (or its context)."""
+    original = getattr(module, factory)
+
+    def preempted_factory(*args, **kwargs):
+        step_fn, calls = original(*args, **kwargs), []
+
+        def step(*step_args):
+            if len(calls) == step_index:
+                os.kill(os.getpid(), signal.SIGTERM)
+            calls.append(1)
+            return step_fn(*step_args)
+
+        return step
+
+    patch.setattr(module, factory, preempted_factory)

@@ -19,6 +19,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from support import sigterm_in_step
 
 from configs.arithmetic import get_config
 from tba_jax import evaluation, learner, runtime, tasks, warmstart
@@ -73,20 +74,8 @@ def straight_run(tmp_path_factory):
 def stop_in_the_warm_start(workdir: str, monkeypatch) -> None:
     """Runs the sync config in `workdir` until a SIGTERM in its second warm-start step."""
     with monkeypatch.context() as patch:
-        original = warmstart.make_supervised_step
-
-        def step_that_is_preempted(*args, **kwargs):
-            step_fn, calls = original(*args, **kwargs), []
-
-            def step(*step_args):
-                if len(calls) == 1:  # during the second of the 3 warm-start steps
-                    os.kill(os.getpid(), signal.SIGTERM)
-                calls.append(1)
-                return step_fn(*step_args)
-
-            return step
-
-        patch.setattr(warmstart, "make_supervised_step", step_that_is_preempted)
+        # during the second of the 3 warm-start steps
+        sigterm_in_step(patch, warmstart, "make_supervised_step", 1)
         assert train_and_evaluate(get_config(SYNC), workdir) == {}
 
 

@@ -3,14 +3,13 @@ builder and converter (tba_jax/data/preferences.py) and configs/reward_model.py.
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import save_tiny_llama_folder
+from support import save_tiny_llama_folder, sigterm_in_step
 
 from configs.reward_model import TINY_PREFERENCES_DIR, get_config
 from tba_jax import mesh as mesh_lib
@@ -167,20 +166,8 @@ def test_a_stopped_reward_model_goes_on_from_its_checkpoints_to_the_same_model(
     tiny_rm, tmp_path, monkeypatch
 ):
     original = train_reward_model.make_train_step
-
-    def preempted_in_step_15(*args, **kwargs):
-        step_fn, calls = original(*args, **kwargs), []
-
-        def step(*step_args):
-            if len(calls) == 14:  # SIGTERM arrives during step 15 of 24
-                os.kill(os.getpid(), signal.SIGTERM)
-            calls.append(1)
-            return step_fn(*step_args)
-
-        return step
-
     with monkeypatch.context() as patch:
-        patch.setattr(train_reward_model, "make_train_step", preempted_in_step_15)
+        sigterm_in_step(patch, train_reward_model, "make_train_step", 14)  # step 15 of 24
         assert train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path)) == {}
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "15", "experiment.json"]
     assert not (tmp_path / "hf").exists()
