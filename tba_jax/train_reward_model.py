@@ -203,44 +203,60 @@ def scalar_score_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, head="score", num_labels=1)
 
 
-def init_reward_model(
-    config: ml_collections.ConfigDict, tokenizer: Tokenizer, mesh: jax.sharding.Mesh
-) -> tuple[Model, Params]:
-    """The reward model to train, its params placed on `mesh` (`mesh.rules`).
-
-    From `model.hf_path`: a *ForCausalLM checkpoint's body with a new scalar head, or a
-    one-label *ForSequenceClassification checkpoint as it is. Else a random `model.preset`.
-    """
-    rules = config.mesh.rules
-    dtypes = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+def reward_model_config(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
+    """The reward model's shape, without loading or drawing any params: `model.hf_path`'s
+    decoder with a one-label score head (a one-label classifier as it is), else the
+    `model.preset` with one."""
     if config.model.hf_path:
-        from tba_jax.models import hf
-
-        source_cfg = dataclasses.replace(hf.config_from_hf(config.model.hf_path), **dtypes)
+        source_cfg = _hf_source_config(config)
         if source_cfg.head == "score" and source_cfg.num_labels != 1:
             raise ConfigError(
                 f"model.hf_path={config.model.hf_path} is a classifier with "
                 f"{source_cfg.num_labels} labels; a scalar reward model needs 1 (or start "
                 "from a *ForCausalLM checkpoint)."
             )
-        source_model, source_abstract = abstract_model(source_cfg)
+        return source_cfg if source_cfg.head == "score" else scalar_score_config(source_cfg)
+    return preset(
+        config.model.preset,
+        vocab_size=tokenizer.vocab_size,
+        max_seq_len=config.max_len,
+        head="score",
+        num_labels=1,
+        dtype=config.model.dtype,
+        param_dtype=config.model.param_dtype,
+    )
+
+
+def _hf_source_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    from tba_jax.models import hf
+
+    dtypes = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+    return dataclasses.replace(hf.config_from_hf(config.model.hf_path), **dtypes)
+
+
+def init_reward_model(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, mesh: jax.sharding.Mesh
+) -> tuple[Model, Params]:
+    """The reward model to train (`reward_model_config`), its params placed on `mesh`
+    (`mesh.rules`).
+
+    From `model.hf_path`: a *ForCausalLM checkpoint's body with a new scalar head, or a
+    one-label *ForSequenceClassification checkpoint as it is. Else a random `model.preset`.
+    """
+    rules = config.mesh.rules
+    cfg = reward_model_config(config, tokenizer)
+    if config.model.hf_path:
+        from tba_jax.models import hf
+
+        source_model, source_abstract = abstract_model(_hf_source_config(config))
         source_shardings = mesh_lib.param_shardings(
             source_model.logical_axes, source_abstract, mesh, rules
         )
         params = hf.load_params(config.model.hf_path, source_model, shardings=source_shardings)
-        if source_cfg.head == "score":
+        if source_model.config.head == "score":
             return source_model, params
         params = {name: value for name, value in params.items() if name != "lm_head"}
-        cfg = scalar_score_config(source_cfg)
     else:
-        cfg = preset(
-            config.model.preset,
-            vocab_size=tokenizer.vocab_size,
-            max_seq_len=config.max_len,
-            head="score",
-            num_labels=1,
-            **dtypes,
-        )
         _, params = init_model(cfg, config.seed)
     model, abstract = abstract_model(cfg)
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, rules)
@@ -389,8 +405,7 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
 
     mesh = mesh_lib.make_mesh(jax.devices(), config.mesh.axes)
-    model, params = init_reward_model(config, tokenizer, mesh)
-    _, abstract = abstract_model(model.config)
+    model, abstract = abstract_model(reward_model_config(config, tokenizer))
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, config.mesh.rules)
     optimizer = learner.make_optimizer(
         learner.OptimConfig(total_steps=steps, **config.optim.to_dict())
@@ -398,14 +413,15 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state_sharding = learner.train_state_shardings(optimizer, abstract, shardings, mesh)
     eval_fn = make_eval_fn(model, mesh, shardings)
     resumed = resumed_progress(checkpointer, optimizer, abstract, state_sharding, steps)
-    if resumed is None:
+    if resumed is None:  # the checkpoint's params are loaded (or drawn) only when needed
+        _, params = init_reward_model(config, tokenizer, mesh)
         state = learner.init_train_state(params, optimizer, state_sharding)
+        del params
         before = evaluate_pairs(eval_fn, state.params, test_data, config.train.eval_batch_size)
         progress = {"step": 0, "before": before, "train_seconds": 0.0}
         logging.info("Held-out pairwise accuracy before training: %.3f", before["accuracy"])
     else:
         state, progress = resumed
-    del params
 
     train_step = make_train_step(
         model,
