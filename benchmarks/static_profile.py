@@ -21,6 +21,9 @@ its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
   `--decode_segments`) against `roofline.decode_step_bytes`: `static_step_bytes`,
   `roofline_step_bytes`, `static_over_roofline`, and `static_ceiling_percent`, the share of
   the memory roofline a decode moving these bytes at full bandwidth reaches.
+- `--program=slot_decode`: one step of the slot engine's decode chunk
+  (`sampling.engine.decode_program`) over `--batch` slots of `--prompt` + `--new` cache
+  positions, against the same roofline: the same figures, its one loop's step.
 - `--program=score`: π_ref scoring (one forward pass and the log-probs) of `--batch`
   rows, params in the compute dtype: its bytes, matmul FLOPs, roofline time, the tokens/s
   that allows (`roofline_tokens_per_s`) and its MFU ceiling against the forward FLOPs
@@ -55,6 +58,7 @@ from tba_jax import cli, hlo_traffic, learner, roofline
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
+from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
@@ -68,7 +72,7 @@ PLUGIN_HINT = (
 )
 
 _PROGRAM = flags.DEFINE_enum(
-    "program", "decode", ["decode", "score", "train"], "Program to profile."
+    "program", "decode", ["decode", "slot_decode", "score", "train"], "Program to profile."
 )
 _TARGET = flags.DEFINE_enum("target", "local", ["local", *TARGETS], "Device to compile for.")
 _SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset.")
@@ -157,6 +161,26 @@ def compile_decode(device: jax.Device):
         on_device(device, (), jax.random.key(0).dtype),
     ).lower(lowering_platforms=lowering_platforms())
     return lowered.compile(), decoder, sampling
+
+
+def compile_slot_decode(device: jax.Device):
+    """The slot engine's decode chunk (`engine.decode_program`) compiled for `device` on
+    abstract params and --batch slots of --prompt + --new cache positions."""
+    decoder = model_config(_DTYPE.value)
+    model, abstract = abstract_model(decoder)
+    params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
+    vocab = decoder.vocab_size
+    sampling = SamplingConfig(max_new_tokens=_NEW.value, temperature=TEMPERATURE)
+    decode = engine.decode_program(model, sampling, eos_id=vocab - 1, pad_id=0)
+    slots = jax.eval_shape(
+        lambda: engine.init_slots(model, _BATCH.value, _PROMPT.value, _NEW.value)
+    )
+    slots = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), slots)
+    count = on_device(device, (), jnp.int32)
+    lowered = decode.trace(
+        params, slots, on_device(device, (), jax.random.key(0).dtype), count, count, count
+    ).lower(lowering_platforms=lowering_platforms())
+    return lowered.compile(), decoder
 
 
 def compile_score(device: jax.Device):
@@ -289,6 +313,38 @@ def decode_profile(device: jax.Device) -> dict:
     }
 
 
+def slot_decode_profile(device: jax.Device) -> dict:
+    """One step of the slot engine's decode chunk against the same roofline as `generate`'s
+    step (the weights and each row's cache at its mean length); like `generate` with one
+    segment, every slot attends over its whole cache row."""
+    compiled, decoder = compile_slot_decode(device)
+    loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(compiled.as_text()))
+    if len(loops) != 1:
+        raise RuntimeError(f"expected 1 decode loop in the compiled chunk, found {len(loops)}")
+    (loop,) = loops
+    static = loop.bytes_per_iteration()
+    dtype_bytes = jnp.dtype(_DTYPE.value).itemsize
+    shape = (decoder, _BATCH.value, _PROMPT.value, _NEW.value, dtype_bytes, dtype_bytes)
+    ideal = roofline.decode_step_bytes(*shape)
+    largest = print_kernels(
+        loop,
+        f"slot decode step on {device.device_kind}: {readable(static)} moved, roofline "
+        f"{readable(ideal)}; {loop.kernels_per_iteration()} kernels:",
+    )
+    return {
+        "batch": _BATCH.value,
+        "scan_decode": _SCAN_DECODE.value,
+        "static_step_bytes": round(static),
+        "roofline_step_bytes": round(ideal),
+        "static_over_roofline": round(static / ideal, 3),
+        "static_ceiling_percent": round(100 * ideal / static, 1),
+        "kernels_per_step": loop.kernels_per_iteration(),
+        "by_kind": hlo_traffic.bytes_by_kind(loop),
+        "largest": [dataclasses.asdict(group) for group in largest],
+        **device_memory(compiled),
+    }
+
+
 def kernel_profile(compiled, device: jax.Device, what: str, model_flops: float) -> dict:
     """Bytes, matmul FLOPs and roofline time of one run of a compiled program (scoring, a
     learner step), the MFU ceiling against `model_flops`, its largest kernels printed."""
@@ -352,9 +408,12 @@ def main(argv: list[str]) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         jax.config.update("jax_platforms", "cpu")
     device = target_device(_TARGET.value)
-    profile = {"decode": decode_profile, "score": score_profile, "train": train_profile}[
-        _PROGRAM.value
-    ]
+    profile = {
+        "decode": decode_profile,
+        "slot_decode": slot_decode_profile,
+        "score": score_profile,
+        "train": train_profile,
+    }[_PROGRAM.value]
     line = {
         "benchmark": "static_profile",
         "program": _PROGRAM.value,

@@ -265,6 +265,26 @@ def test_decode_profile_at_micro_size_on_this_machine():
     assert len(line["largest"]) == 3
 
 
+def test_slot_decode_step_writes_its_cache_in_place():
+    """The slot engine writes each slot's new key at its own offset; that write must stay
+    an in-place update of one position a slot: what a step copies or updates does not grow
+    with the cache's length, while what it reads (attention over the cache) does."""
+
+    def profile(new: int) -> dict:
+        return run_profile("--program=slot_decode", "--batch=16", "--prompt=8", f"--new={new}")
+
+    short, long = profile(56), profile(120)
+    assert short["program"] == "slot_decode" and short["batch"] == 16
+    assert sum(short["by_kind"].values()) == short["static_step_bytes"]
+    assert short["roofline_step_bytes"] <= short["static_step_bytes"]
+
+    def written(line: dict) -> int:
+        return sum(line["by_kind"].get(kind, 0) for kind in ("copy", "update in place"))
+
+    assert written(long) == written(short)
+    assert long["static_step_bytes"] > short["static_step_bytes"]
+
+
 def test_train_profile_at_micro_size_counts_the_model_flops_it_computes():
     """The learner step's matmul FLOPs are the model FLOPs MFU counts (the backward pass
     included), and its roofline time is at least theirs at the peak."""

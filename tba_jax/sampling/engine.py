@@ -408,7 +408,7 @@ class SlotEngine:
         self._init, self._prefill, self._take, self._compact = _slot_programs(
             model, max_prompt_len, self.max_new, pad_id
         )
-        self._decode = _decode_program(model, sampling, eos_id, pad_id)
+        self._decode = decode_program(model, sampling, eos_id, pad_id)
         self.counters = EngineCounters()
 
     def run(
@@ -563,8 +563,9 @@ def _slot_programs(model: Model, prompt_len: int, max_new: int, pad_id: int):
 
 
 @functools.lru_cache(maxsize=PROGRAMS_KEPT)
-def _decode_program(model: Model, sampling: SamplingConfig, eos_id: int, pad_id: int):
-    """The jitted decode chunk for `sampling` (the slot state donated)."""
+def decode_program(model: Model, sampling: SamplingConfig, eos_id: int, pad_id: int):
+    """The jitted decode chunk for `sampling` (the slot state donated); engines on the same
+    model and sampling share it."""
     return jax.jit(
         functools.partial(decode_chunk, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id),
         donate_argnums=1,
