@@ -288,6 +288,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # --config.mesh.learner_axes.data=-1 --config.mesh.learner_axes.fsdp=1
     config.mesh.sampler_axes = {"data": -1, "fsdp": 1, "tensor": 1}
     config.mesh.learner_axes = {"data": 1, "fsdp": -1, "tensor": 1}
+    # Logical axis -> mesh axis. The sampler's rules also shard the task's frozen role
+    # models (reward models, red-team victim and judge), whose batches split over data.
     config.mesh.sampler_rules = [("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor")]
     config.mesh.learner_rules = learner_rules()
 

@@ -67,6 +67,7 @@ from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_atomically
 from tba_jax.models import Model, Params, abstract_model, init_model
 from tba_jax.models.tokenizers import tokenizer_mismatch
+from tba_jax.placement import RolePlacement
 from tba_jax.sampling.engine import make_generator
 from tba_jax.trajectories import SampledBatch, collate
 from tba_jax.warmstart import (
@@ -233,14 +234,21 @@ def role_shardings(
     abstract_params: Params,
     meshes: mesh_lib.RoleMeshes,
 ) -> tuple[Any, Any]:
-    """The policy params' shardings on the learner mesh and on the sampler mesh."""
-    learner_shardings = mesh_lib.param_shardings(
-        model.logical_axes, abstract_params, meshes.learner, config.mesh.learner_rules
-    )
-    sampler_shardings = mesh_lib.param_shardings(
-        model.logical_axes, abstract_params, meshes.sampler, config.mesh.sampler_rules
-    )
-    return learner_shardings, sampler_shardings
+    """The policy params' shardings on the learner mesh and on the sampler mesh; a
+    ConfigError when a rule splits a parameter unevenly."""
+    shardings = []
+    for role, mesh in (("learner", meshes.learner), ("sampler", meshes.sampler)):
+        try:
+            shardings.append(
+                mesh_lib.param_shardings(
+                    model.logical_axes, abstract_params, mesh, config.mesh[f"{role}_rules"]
+                )
+            )
+        except ValueError as error:
+            raise ConfigError(
+                f"The policy on the {role} mesh: {error} (mesh.{role}_rules, mesh.{role}_axes)"
+            ) from None
+    return tuple(shardings)
 
 
 def make_learner(
@@ -323,14 +331,23 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
     )
     compile_cache.use(config)
+    meshes = topology_lib.role_meshes(topology, config)
+    # The task's frozen role models (reward models, victim, judge) go where the sampler is;
+    # a learner-only process (roles_by_process) uses them to evaluate only: whole on its
+    # default device, as before, not a copy on each of its learner devices.
+    placement = None
+    if topology.is_searcher:
+        placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
     if topology.is_primary:
         make_workdir(workdir)
-        task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)
+        task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:
-        task = tasks.build_task(config.task, workdir, tokenizer=policy_tokenizer)
+        task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
     check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
+    model, abstract_params = abstract_model(model_cfg)
+    learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
     checkpointer = None
     if topology.is_learner:
         checkpointer = Checkpointer(
@@ -342,9 +359,6 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         )
     if topology.is_primary:
         runs.write_config(workdir, config)
-    meshes = topology_lib.role_meshes(topology, config)
-    model, abstract_params = abstract_model(model_cfg)
-    learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
     optimizer, state_sharding, critic, train_step = make_learner(
         config, model, abstract_params, learner_shardings, meshes.learner
     )

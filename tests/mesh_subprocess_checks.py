@@ -271,13 +271,99 @@ def check_engine() -> dict:
     }
 
 
+def check_roles() -> dict:
+    """4 devices: frozen role models placed on a (data 2, tensor 2) sampler mesh by the
+    sampler rules split their weights over the tensor axis and score as on one device
+    (rows split over the data axis when they divide, replicated when not); the victim
+    generates on its split weights."""
+    from tba_jax.config_lib import ConfigError
+    from tba_jax.models.tokenizers import CharTokenizer
+    from tba_jax.placement import RolePlacement
+    from tba_jax.rewards import judges, redteam
+    from tba_jax.rewards.reward_model import RewardModel, reward_model_role_config
+    from tba_jax.train import role_shardings
+
+    assert jax.device_count() == 4, jax.devices()
+    mesh = mesh_lib.make_mesh(jax.devices(), {"data": 2, "tensor": 2})
+    placement = RolePlacement(mesh, get_config().mesh.sampler_rules)
+    tokenizer = CharTokenizer.for_text()
+    prompts = ["2+3=", "what is 7*6?", "x", "hello there"] * 2
+    responses = ["5", "42", "", "general kenobi", "6", "41", "y", "hi"]
+    out: dict = {}
+    for batch_size in (4, 3):  # 4: rows split over data; 3: replicated
+        role = reward_model_role_config(preset_name="tiny", batch_size=batch_size, max_len=32)
+        kwargs = dict(role_name="task.reward_model", fallback_tokenizer=tokenizer)
+        whole = RewardModel.from_config(role, **kwargs)
+        placed = RewardModel.from_config(role, placement=placement, **kwargs)
+        out[f"rm_max_diff_batch_{batch_size}"] = float(
+            np.max(np.abs(placed.scores(prompts, responses) - whole.scores(prompts, responses)))
+        )
+    w_up = placed.frozen.params["blocks"][0]["mlp"]["w_up"]  # (embed, mlp)
+    out["rm_w_up_spec"] = [axis for axis in w_up.sharding.spec]
+    out["rm_w_up_shard_shape"] = list(w_up.addressable_shards[0].data.shape)
+    out["rm_w_up_shape"] = list(w_up.shape)
+    judge_role = redteam.judge_role_config(
+        kind="generative",
+        template="{response} is",
+        preset_name="tiny",
+        max_prompt_len=24,
+        batch_size=4,
+    )
+    whole_judge = judges.judge_from_config(judge_role, tokenizer)
+    placed_judge = judges.judge_from_config(judge_role, tokenizer, placement)
+    out["judge_max_diff"] = float(
+        np.max(
+            np.abs(
+                placed_judge.toxic_logprob(prompts, responses)
+                - whole_judge.toxic_logprob(prompts, responses)
+            )
+        )
+    )
+    victim_role = redteam.victim_role_config(
+        template="Q: {attack}\nA:",
+        preset_name="tiny",
+        num_responses=2,
+        max_prompt_len=24,
+        max_new_tokens=6,
+        temperature=1.0,
+        top_p=1.0,
+        batch_size=4,
+    )
+    victim = redteam.Victim.from_config(victim_role, tokenizer, placement)
+    answers = victim.respond(prompts[:3])
+    out["victim_answers"] = [len(per_attack) for per_attack in answers]
+    out["victim_params_devices"] = len(_all_device_ids(victim.frozen.params))
+    # micro's one KV head cannot be split over tensor (2): a ConfigError naming the role,
+    # and the same for the policy's shardings
+    micro_role = reward_model_role_config(preset_name="micro", batch_size=4, max_len=32)
+    try:
+        RewardModel.from_config(micro_role, placement=placement, **kwargs)
+    except ConfigError as error:
+        out["role_split_error"] = str(error)
+    config = get_config()
+    config.mesh.sampler_axes = {"data": 2, "fsdp": 1, "tensor": 2}
+    meshes = mesh_lib.make_role_meshes(1.0, True, config.mesh.sampler_axes, {"fsdp": -1})
+    model, params = init_model(preset("micro", vocab_size=16), 0)
+    try:
+        role_shardings(config, model, _abstract(params), meshes)
+    except ConfigError as error:
+        out["policy_split_error"] = str(error)
+    return out
+
+
+def check_fsdp_and_roles() -> dict:
+    """4 devices: check_fsdp's observations, and check_roles's under "roles" (one process
+    start for both)."""
+    return {**check_fsdp(), "roles": check_roles()}
+
+
 def check_publish_and_engine() -> dict:
     """2 devices: check_publish's observations, and check_engine's under "engine" (one
     process start for both)."""
     return {**check_publish(), "engine": check_engine()}
 
 
-CHECKS = {"publish": check_publish_and_engine, "fsdp": check_fsdp, "train": check_train}
+CHECKS = {"publish": check_publish_and_engine, "fsdp": check_fsdp_and_roles, "train": check_train}
 
 
 def main(argv: list[str]) -> None:

@@ -313,6 +313,23 @@ def test_fsdp_train_step_runs_sharded_and_matches_one_device(fsdp_result):
     assert r["max_param_diff_vs_single_device"] < 1e-5
 
 
+def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(fsdp_result):
+    r = fsdp_result["roles"]
+    # the reward model's w_up (embed, mlp) = (128, 384): mlp split over tensor (2)
+    assert r["rm_w_up_shape"] == [128, 384]
+    assert r["rm_w_up_spec"] == [None, "tensor"]
+    assert r["rm_w_up_shard_shape"] == [128, 192]
+    # rows split over data (batch 4) or replicated (batch 3): the one-device scores
+    assert r["rm_max_diff_batch_4"] < 1e-5 and r["rm_max_diff_batch_3"] < 1e-5
+    assert r["judge_max_diff"] < 1e-4
+    assert r["victim_params_devices"] == 4
+    assert r["victim_answers"] == [2, 2, 2]
+    # a rule that splits a parameter unevenly: one line naming the model and what to change
+    for key, who in (("role_split_error", "task.reward_model"), ("policy_split_error", "policy")):
+        assert who in r[key] and "cannot be split over mesh axis 'tensor'" in r[key]
+        assert "mesh.sampler_rules, mesh.sampler_axes" in r[key]
+
+
 def test_async_run_on_two_devices_end_to_end(train_result):
     s = train_result
     assert s["num_devices"] == 2

@@ -8,17 +8,39 @@ A role is described by a config section with
 
 plus `dtype` ("float32" | "bfloat16"). `load_frozen_model` checks the checkpoint's
 head against what the role needs before loading any weights.
+
+With a `Placement` (the trainer passes `tba_jax.placement.RolePlacement`: the sampler mesh
+and `mesh.sampler_rules`) a
+role's params are sharded over that mesh as the sampler's policy copy is (e.g. split over
+its tensor axis, so an 8B judge need not fit one device), and `FrozenModel.put_rows`
+splits a batch's rows over the mesh's data axis; without one the model sits whole on the
+default device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Protocol
 
 import jax
 import ml_collections
+import numpy as np
 
 from tba_jax.models import Model, ModelConfig, Params, init_model, preset
 from tba_jax.models.tokenizers import Tokenizer
+
+
+class Placement(Protocol):
+    """Where frozen role models go (`tba_jax.placement.RolePlacement`: the sampler mesh)."""
+
+    def param_shardings(self, role_name: str, model: Model, abstract_params: Params) -> Params:
+        """The shardings of the role's params (an error naming `role_name` if none fit)."""
+        ...
+
+    def row_sharding(self, rows: int) -> jax.sharding.Sharding:
+        """Where a batch of `rows` rows goes."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +51,15 @@ class FrozenModel:
     params: Params
     tokenizer: Tokenizer
     source: str  # the hf_path, or "preset:<name>:seed=<seed>" for a random stand-in
+    placement: Placement | None = None  # None: whole on the default device
+
+    def put_rows(self, *arrays: np.ndarray):
+        """`arrays` (same leading dimension: rows) where the params are: split over the
+        placement's data axis (or replicated on its mesh); as they are without one."""
+        if self.placement is None:
+            return arrays
+        sharding = self.placement.row_sharding(len(arrays[0]))
+        return tuple(jax.device_put(array, sharding) for array in arrays)
 
 
 def frozen_model_config(
@@ -73,8 +104,10 @@ def load_frozen_model(
     max_seq_len: int,
     head: str = "lm",
     num_labels: int = 1,
+    placement: Placement | None = None,
 ) -> FrozenModel:
-    """The model `role` describes (see the module docstring), on the default device.
+    """The model `role` describes (see the module docstring), sharded by `placement`, or
+    on the default device without one.
 
     `head` ("lm" | "score") is what the role needs; a checkpoint with another head is a
     ValueError naming `role_name` (e.g. "reward_model"). For a "score" head from a
@@ -92,12 +125,21 @@ def load_frozen_model(
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
         from tba_jax.models.hf_tokenizer import HFTokenizer
 
-        model, params = hf.load_model(role.hf_path, dtype=role.dtype)
+        model, params = hf.load_model(
+            role.hf_path,
+            dtype=role.dtype,
+            shardings_fn=None
+            if placement is None
+            else functools.partial(placement.param_shardings, role_name),
+        )
         tokenizer = HFTokenizer.from_pretrained(role.hf_path)
-        return FrozenModel(model, params, tokenizer, role.hf_path)
+        return FrozenModel(model, params, tokenizer, role.hf_path, placement)
     model, params = init_model(config, role.seed)
-    params = jax.device_put(params)
-    return FrozenModel(model, params, fallback_tokenizer, f"preset:{role.preset}:seed={role.seed}")
+    params = jax.device_put(
+        params, None if placement is None else placement.param_shardings(role_name, model, params)
+    )
+    source = f"preset:{role.preset}:seed={role.seed}"
+    return FrozenModel(model, params, fallback_tokenizer, source, placement)
 
 
 def frozen_role_config(

@@ -34,7 +34,7 @@ import numpy as np
 
 from tba_jax.batching import fixed_batches
 from tba_jax.models import FAMILIES, Model, Params, positions_from_mask, sequence_scores
-from tba_jax.models.frozen import FrozenModel, load_frozen_model
+from tba_jax.models.frozen import FrozenModel, Placement, load_frozen_model
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
 from tba_jax.rewards.templates import (
     ATTACK_FIELD,
@@ -124,7 +124,9 @@ class ScoreHeadClassifier:
         )
         out = np.zeros((len(rows), self.num_labels), np.float32)
         for batch, real in fixed_batches(len(rows), self.batch_size):
-            scores = self._scores(self.frozen.params, tokens[batch], mask[batch])
+            scores = self._scores(
+                self.frozen.params, *self.frozen.put_rows(tokens[batch], mask[batch])
+            )
             out[batch[:real]] = np.asarray(jax.device_get(scores))[:real]
         return out
 
@@ -257,8 +259,7 @@ class GenerativeJudge:
         for batch, real in fixed_batches(len(rows), self.batch_size):
             logp = self._score(
                 self.frozen.params,
-                tokens[batch],
-                mask[batch],
+                *self.frozen.put_rows(tokens[batch], mask[batch]),
                 self.candidate_tokens,
                 self.candidate_mask,
             )
@@ -296,8 +297,13 @@ def stand_in_verdict_tokens(role: ml_collections.ConfigDict, tokenizer: Tokenize
     return max(len(tokenizer.encode(text, add_bos=False, add_eos=False)) for text in texts)
 
 
-def judge_from_config(role: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer) -> Judge:
-    """The judge a `judge_role_config` section describes (loads its model)."""
+def judge_from_config(
+    role: ml_collections.ConfigDict,
+    fallback_tokenizer: Tokenizer,
+    placement: Placement | None = None,
+) -> Judge:
+    """The judge a `judge_role_config` section describes (loads its model: a decoder
+    sharded by `placement`; an encoder classifier whole on the default device)."""
     if role.kind == "generative":
         frozen = load_frozen_model(
             role,
@@ -305,6 +311,7 @@ def judge_from_config(role: ml_collections.ConfigDict, fallback_tokenizer: Token
             fallback_tokenizer=fallback_tokenizer,
             max_seq_len=role.max_prompt_len + stand_in_verdict_tokens(role, fallback_tokenizer),
             head="lm",
+            placement=placement,
         )
         return GenerativeJudge(
             frozen,
@@ -327,6 +334,7 @@ def judge_from_config(role: ml_collections.ConfigDict, fallback_tokenizer: Token
             max_seq_len=role.max_prompt_len,
             head="score",
             num_labels=role.num_labels,
+            placement=placement,
         )
         num_labels = frozen.model.config.num_labels
         classifier = ScoreHeadClassifier(

@@ -35,7 +35,12 @@ import numpy as np
 
 from tba_jax.batching import fixed_batches
 from tba_jax.config_lib import ConfigError
-from tba_jax.models.frozen import FrozenModel, frozen_role_config, load_frozen_model
+from tba_jax.models.frozen import (
+    FrozenModel,
+    Placement,
+    frozen_role_config,
+    load_frozen_model,
+)
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
 from tba_jax.rewards.judges import Judge
 from tba_jax.rewards.templates import (
@@ -97,14 +102,21 @@ class Victim:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, role: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer) -> Victim:
-        """The victim a `victim_role_config` section describes (loads its model)."""
+    def from_config(
+        cls,
+        role: ml_collections.ConfigDict,
+        fallback_tokenizer: Tokenizer,
+        placement: Placement | None = None,
+    ) -> Victim:
+        """The victim a `victim_role_config` section describes (loads its model, sharded by
+        `placement`)."""
         frozen = load_frozen_model(
             role,
             role_name="victim",
             fallback_tokenizer=fallback_tokenizer,
             max_seq_len=role.max_prompt_len + role.max_new_tokens,
             head="lm",
+            placement=placement,
         )
         settings = VictimSettings(
             template=role.template,
@@ -146,7 +158,8 @@ class Victim:
         )
         texts: list[str] = []
         for rows, real in fixed_batches(len(prompts), settings.batch_size):
-            out = self._generate(self.frozen.params, tokens[rows], mask[rows], self._next_key())
+            batch_tokens, batch_mask = self.frozen.put_rows(tokens[rows], mask[rows])
+            out = self._generate(self.frozen.params, batch_tokens, batch_mask, self._next_key())
             generated = np.asarray(jax.device_get(out.tokens))
             texts.extend(tokenizer.decode(generated[row]) for row in range(real))
         return texts

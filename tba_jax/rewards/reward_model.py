@@ -36,7 +36,12 @@ import ml_collections
 import numpy as np
 
 from tba_jax.models import Model, sequence_scores
-from tba_jax.models.frozen import FrozenModel, frozen_role_config, load_frozen_model
+from tba_jax.models.frozen import (
+    FrozenModel,
+    Placement,
+    frozen_role_config,
+    load_frozen_model,
+)
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
 
 MIN_BUCKET_LEN = 64  # the shortest padded length; buckets double from here up to max_len
@@ -164,9 +169,15 @@ class RewardModel:
 
     @classmethod
     def from_config(
-        cls, role: ml_collections.ConfigDict, *, role_name: str, fallback_tokenizer: Tokenizer
+        cls,
+        role: ml_collections.ConfigDict,
+        *,
+        role_name: str,
+        fallback_tokenizer: Tokenizer,
+        placement: Placement | None = None,
     ) -> RewardModel:
-        """The reward model a role section describes (`reward_model_role_config`)."""
+        """The reward model a role section describes (`reward_model_role_config`), sharded
+        by `placement`."""
         frozen = load_frozen_model(
             role,
             role_name=role_name,
@@ -174,6 +185,7 @@ class RewardModel:
             max_seq_len=role.max_len,
             head="score",
             num_labels=1,
+            placement=placement,
         )
         return cls(
             frozen,
@@ -215,6 +227,7 @@ class RewardModel:
             tokens, mask = pad_sequences_with_mask(
                 batch, length, pad_id=self.tokenizer.pad_id, left_pad=False
             )
+            tokens, mask = self.frozen.put_rows(tokens, mask)
             scores.append(np.asarray(self._score_fn(self.frozen.params, tokens, mask))[:real])
         return np.concatenate(scores).astype(np.float32) if scores else np.zeros(0, np.float32)
 

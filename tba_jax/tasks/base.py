@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from absl import logging
 
 from tba_jax.config_lib import ConfigError
 from tba_jax.models import Model
+from tba_jax.models.frozen import Placement
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
 from tba_jax.rewards import score_pairs
 from tba_jax.sampling.engine import EngineConfig, make_generator
@@ -67,8 +69,10 @@ class Task:
     eval_metric: str = ACCURACY
 
 
-# (task config, workdir, tokenizer or None for the task's own) -> Task
-TaskBuilder = Callable[[ml_collections.ConfigDict, str, Tokenizer | None], Task]
+# (task config, workdir, tokenizer or None for the task's own) -> Task; a task with frozen
+# role models (reward models, a victim, a judge) also takes `placement=` (where they go;
+# None: the default device)
+TaskBuilder = Callable[..., Task]
 _TASKS: dict[str, TaskBuilder] = {}
 # Per task: config keys that only change how a run is evaluated (e.g. the gold reward
 # model), so a checkpoint may be evaluated with other values.
@@ -92,12 +96,21 @@ def registered_tasks() -> list[str]:
 
 
 def build_task(
-    task_config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer | None = None
+    task_config: ml_collections.ConfigDict,
+    workdir: str,
+    tokenizer: Tokenizer | None = None,
+    placement: Placement | None = None,
 ) -> Task:
-    """The task `task_config.name`; `tokenizer` (e.g. a checkpoint's) replaces the task's own."""
+    """The task `task_config.name`; `tokenizer` (e.g. a checkpoint's) replaces the task's own;
+    its frozen role models (reward models, red-team victim and judge) are sharded by
+    `placement` (the trainer's: the sampler mesh and rules), or sit whole on the default
+    device without one."""
     if task_config.name not in _TASKS:
         raise ValueError(f"task.name={task_config.name!r} is not one of {registered_tasks()}.")
-    return _TASKS[task_config.name](task_config, workdir, tokenizer)
+    builder = _TASKS[task_config.name]
+    if "placement" in inspect.signature(builder).parameters:
+        return builder(task_config, workdir, tokenizer, placement=placement)
+    return builder(task_config, workdir, tokenizer)  # no frozen role models
 
 
 # Where data is cached or read from, not what it is: not part of a task's identity.

@@ -36,6 +36,7 @@ import numpy as np
 
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import redteam as redteam_data
+from tba_jax.models.frozen import Placement
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import judges, redteam
 from tba_jax.sampling.generate import generated_batches
@@ -115,10 +116,16 @@ class LazyRedTeamReward:
     models to load; searcher threads share one load (a lock). Call it as `Task.rewards`.
     """
 
-    def __init__(self, task_config: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer):
+    def __init__(
+        self,
+        task_config: ml_collections.ConfigDict,
+        fallback_tokenizer: Tokenizer,
+        placement: Placement | None = None,
+    ):
         redteam.check_roles(task_config.victim, task_config.judge)
         self._task_config = task_config
         self._fallback_tokenizer = fallback_tokenizer
+        self._placement = placement
         self._reward: redteam.RedTeamReward | None = None
         self._lock = threading.Lock()
 
@@ -126,9 +133,11 @@ class LazyRedTeamReward:
         with self._lock:
             if self._reward is None:
                 victim = redteam.Victim.from_config(
-                    self._task_config.victim, self._fallback_tokenizer
+                    self._task_config.victim, self._fallback_tokenizer, self._placement
                 )
-                judge = judges.judge_from_config(self._task_config.judge, self._fallback_tokenizer)
+                judge = judges.judge_from_config(
+                    self._task_config.judge, self._fallback_tokenizer, self._placement
+                )
                 self._reward = redteam.RedTeamReward(victim, judge)
             return self._reward
 
@@ -256,11 +265,14 @@ def make_evaluator(
     ),
 )
 def redteam_task(
-    task_config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer | None = None
+    task_config: ml_collections.ConfigDict,
+    workdir: str,
+    tokenizer: Tokenizer | None = None,
+    placement: Placement | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, CHECKPOINT_HINT)
     check_attacker_prompt(task_config, tokenizer)
-    reward = LazyRedTeamReward(task_config, tokenizer)  # cheap checks of the roles now
+    reward = LazyRedTeamReward(task_config, tokenizer, placement)  # cheap checks now
     return Task(
         name="redteam",
         train=train_examples(task_config, task_data_dir(task_config, workdir), tokenizer),

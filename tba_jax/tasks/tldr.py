@@ -38,6 +38,7 @@ from absl import logging
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import tldr
 from tba_jax.models import Model, Params
+from tba_jax.models.frozen import Placement
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import ended_with_eos
 from tba_jax.rewards.reward_model import RewardModel
@@ -269,6 +270,7 @@ class TldrEvaluator:
                 self.task_config.gold_reward_model,
                 role_name="task.gold_reward_model",
                 fallback_tokenizer=self.tokenizer,
+                placement=self.reward_model.frozen.placement,  # beside the reward model
             )
         return self._gold
 
@@ -395,7 +397,10 @@ def check_reward_roles(task_config: ml_collections.ConfigDict) -> None:
     evaluation_keys=("gold_reward_model", "reference_hf_path", "eval_score_rows_per_chunk"),
 )
 def tldr_task(
-    task_config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer | None = None
+    task_config: ml_collections.ConfigDict,
+    workdir: str,
+    tokenizer: Tokenizer | None = None,
+    placement: Placement | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, task_config.checkpoint_hint)
     check_reward_roles(task_config)
@@ -403,7 +408,10 @@ def tldr_task(
     train = tldr_split(task_config, "train", data_dir, tokenizer)
     test = tldr_split(task_config, "test", data_dir, tokenizer)
     reward_model = RewardModel.from_config(
-        task_config.reward_model, role_name="task.reward_model", fallback_tokenizer=tokenizer
+        task_config.reward_model,
+        role_name="task.reward_model",
+        fallback_tokenizer=tokenizer,
+        placement=placement,
     )
     return Task(
         name="tldr",
