@@ -298,6 +298,11 @@ def check_roles() -> dict:
         out[f"rm_max_diff_batch_{batch_size}"] = float(
             np.max(np.abs(placed.scores(prompts, responses) - whole.scores(prompts, responses)))
         )
+    for rows in (4, 3):
+        (put,) = placed.frozen.put_rows(np.zeros((rows, 5), np.int32))
+        out[f"rows_{rows}_shard_rows"] = sorted(
+            {shard.data.shape[0] for shard in put.addressable_shards}
+        )
     w_up = placed.frozen.params["blocks"][0]["mlp"]["w_up"]  # (embed, mlp)
     out["rm_w_up_spec"] = [axis for axis in w_up.sharding.spec]
     out["rm_w_up_shard_shape"] = list(w_up.addressable_shards[0].data.shape)
