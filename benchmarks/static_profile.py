@@ -278,6 +278,31 @@ def segment_steps(sampling: SamplingConfig) -> list[int]:
     return [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
+def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) -> dict:
+    """A decode step's bytes (`step_bytes`; `loop`: the step whose kernels are listed,
+    under `title`) against `roofline.decode_step_bytes` at the flags' shape."""
+    dtype_bytes = jnp.dtype(_DTYPE.value).itemsize
+    shape = (decoder, _BATCH.value, _PROMPT.value, _NEW.value, dtype_bytes, dtype_bytes)
+    ideal = roofline.decode_step_bytes(*shape)
+    largest = print_kernels(
+        loop,
+        f"{title}: {readable(step_bytes)} moved, roofline {readable(ideal)}; "
+        f"{loop.kernels_per_iteration()} kernels a step:",
+    )
+    return {
+        "batch": _BATCH.value,
+        "scan_decode": _SCAN_DECODE.value,
+        "static_step_bytes": round(step_bytes),
+        "roofline_step_bytes": round(ideal),
+        "static_over_roofline": round(step_bytes / ideal, 3),
+        "static_ceiling_percent": round(100 * ideal / step_bytes, 1),
+        "kernels_per_step": loop.kernels_per_iteration(),
+        "by_kind": hlo_traffic.bytes_by_kind(loop),
+        "largest": [dataclasses.asdict(group) for group in largest],
+        **device_memory(compiled),
+    }
+
+
 def decode_profile(device: jax.Device) -> dict:
     compiled, decoder, sampling = compile_decode(device)
     loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(compiled.as_text()))
@@ -287,29 +312,12 @@ def decode_profile(device: jax.Device) -> dict:
             f"expected {len(steps)} decode loops in the compiled program, found {len(loops)}"
         )
     moved = sum(loop.bytes_per_iteration() * n for loop, n in zip(loops, steps, strict=True))
-    static = moved / sum(steps)
-    dtype_bytes = jnp.dtype(_DTYPE.value).itemsize
-    shape = (decoder, _BATCH.value, _PROMPT.value, _NEW.value, dtype_bytes, dtype_bytes)
-    ideal = roofline.decode_step_bytes(*shape)
-    last = loops[-1]  # the last segment attends over the whole cache
-    largest = print_kernels(
-        last,
-        f"decode step on {device.device_kind}: {readable(static)} moved, roofline "
-        f"{readable(ideal)}; the last segment's {last.kernels_per_iteration()} kernels:",
-    )
+    last = loops[-1]  # the last segment attends over the whole cache: its kernels are listed
+    title = f"decode step on {device.device_kind} (kernels: the last segment's)"
     return {
-        "batch": _BATCH.value,
-        "scan_decode": _SCAN_DECODE.value,
         "decode_segments": _SEGMENTS.value,
-        "static_step_bytes": round(static),
         "segment_step_bytes": [loop.bytes_per_iteration() for loop in loops],
-        "roofline_step_bytes": round(ideal),
-        "static_over_roofline": round(static / ideal, 3),
-        "static_ceiling_percent": round(100 * ideal / static, 1),
-        "kernels_per_step": last.kernels_per_iteration(),
-        "by_kind": hlo_traffic.bytes_by_kind(last),
-        "largest": [dataclasses.asdict(group) for group in largest],
-        **device_memory(compiled),
+        **decode_step_figures(compiled, decoder, moved / sum(steps), last, title),
     }
 
 
@@ -322,27 +330,8 @@ def slot_decode_profile(device: jax.Device) -> dict:
     if len(loops) != 1:
         raise RuntimeError(f"expected 1 decode loop in the compiled chunk, found {len(loops)}")
     (loop,) = loops
-    static = loop.bytes_per_iteration()
-    dtype_bytes = jnp.dtype(_DTYPE.value).itemsize
-    shape = (decoder, _BATCH.value, _PROMPT.value, _NEW.value, dtype_bytes, dtype_bytes)
-    ideal = roofline.decode_step_bytes(*shape)
-    largest = print_kernels(
-        loop,
-        f"slot decode step on {device.device_kind}: {readable(static)} moved, roofline "
-        f"{readable(ideal)}; {loop.kernels_per_iteration()} kernels:",
-    )
-    return {
-        "batch": _BATCH.value,
-        "scan_decode": _SCAN_DECODE.value,
-        "static_step_bytes": round(static),
-        "roofline_step_bytes": round(ideal),
-        "static_over_roofline": round(static / ideal, 3),
-        "static_ceiling_percent": round(100 * ideal / static, 1),
-        "kernels_per_step": loop.kernels_per_iteration(),
-        "by_kind": hlo_traffic.bytes_by_kind(loop),
-        "largest": [dataclasses.asdict(group) for group in largest],
-        **device_memory(compiled),
-    }
+    title = f"slot decode step on {device.device_kind}"
+    return decode_step_figures(compiled, decoder, loop.bytes_per_iteration(), loop, title)
 
 
 def kernel_profile(compiled, device: jax.Device, what: str, model_flops: float) -> dict:
