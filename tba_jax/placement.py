@@ -3,7 +3,7 @@
 The trainer builds the task's reward models, red-team victim and judge with
 `RolePlacement(meshes.sampler, config.mesh.sampler_rules)` (`models.frozen.Placement`), so
 they are sharded as the sampler's copy of the policy is and score their batches with the
-rows split over the mesh's data axis.
+rows split over the mesh's data axis (padded to a multiple of its size).
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ class RolePlacement:
                 f"{role_name} on the sampler mesh: {error} (mesh.sampler_rules, mesh.sampler_axes)"
             ) from None
 
-    def row_sharding(self, rows: int) -> jax.sharding.NamedSharding:
-        """Rows split over the data (and fsdp) axes when they divide evenly, else replicated."""
-        if rows % mesh_lib.batch_shards(self.mesh):
-            return mesh_lib.replicated(self.mesh)
+    def row_sharding(self) -> jax.sharding.NamedSharding:
+        """A batch's rows split over the data (and fsdp) axes."""
         return mesh_lib.batch_sharding(self.mesh)
+
+    def row_multiple(self) -> int:
+        """What a batch's row count must be a multiple of: the data (× fsdp) shards."""
+        return mesh_lib.batch_shards(self.mesh)

@@ -274,7 +274,7 @@ def check_engine() -> dict:
 def check_roles() -> dict:
     """4 devices: frozen role models placed on a (data 2, tensor 2) sampler mesh by the
     sampler rules split their weights over the tensor axis and score as on one device
-    (rows split over the data axis when they divide, replicated when not); the victim
+    (rows split over the data axis, padded to a multiple of its size); the victim
     generates on its split weights."""
     from tba_jax.config_lib import ConfigError
     from tba_jax.models.tokenizers import CharTokenizer
@@ -290,7 +290,7 @@ def check_roles() -> dict:
     prompts = ["2+3=", "what is 7*6?", "x", "hello there"] * 2
     responses = ["5", "42", "", "general kenobi", "6", "41", "y", "hi"]
     out: dict = {}
-    for batch_size in (4, 3):  # 4: rows split over data; 3: replicated
+    for batch_size in (4, 3):  # rows split over data (2); 3 rows: padded to 4
         role = reward_model_role_config(preset_name="tiny", batch_size=batch_size, max_len=32)
         kwargs = dict(role_name="task.reward_model", fallback_tokenizer=tokenizer)
         whole = RewardModel.from_config(role, **kwargs)
@@ -332,11 +332,13 @@ def check_roles() -> dict:
         max_new_tokens=6,
         temperature=1.0,
         top_p=1.0,
-        batch_size=4,
+        batch_size=3,
     )
     victim = redteam.Victim.from_config(victim_role, tokenizer, placement)
-    answers = victim.respond(prompts[:3])
+    answers = victim.respond(prompts[:3])  # 6 rows: 2 batches of 3, each padded to 4
     out["victim_answers"] = [len(per_attack) for per_attack in answers]
+    whole_victim = redteam.Victim.from_config(victim_role, tokenizer)
+    out["victim_same_answers"] = whole_victim.respond(prompts[:3]) == answers
     out["victim_params_devices"] = len(_all_device_ids(victim.frozen.params))
     # micro's one KV head cannot be split over tensor (2): a ConfigError naming the role,
     # and the same for the policy's shardings

@@ -319,13 +319,15 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
     assert r["rm_w_up_shape"] == [128, 384]
     assert r["rm_w_up_spec"] == [None, "tensor"]
     assert r["rm_w_up_shard_shape"] == [128, 192]
-    # rows split over data (batch 4) or replicated (batch 3): the one-device scores
+    # rows split over data, batches of 4 rows or of 3 (padded to 4): one device's scores
     assert r["rm_max_diff_batch_4"] < 1e-5 and r["rm_max_diff_batch_3"] < 1e-5
     assert r["rows_4_shard_rows"] == [2]  # 4 rows over data (2): 2 a device
-    assert r["rows_3_shard_rows"] == [3]  # 3 rows do not divide: every device has all
+    assert r["rows_3_shard_rows"] == [2]  # 3 rows, padded to 4: 2 a device
     assert r["judge_max_diff"] < 1e-4
     assert r["victim_params_devices"] == 4
     assert r["victim_answers"] == [2, 2, 2]
+    # sampled on split params and padded rows: the one-device answers (the same keys)
+    assert r["victim_same_answers"]
     # a rule that splits a parameter unevenly: one line naming the model and what to change
     for key, who in (("role_split_error", "task.reward_model"), ("policy_split_error", "policy")):
         assert who in r[key] and "cannot be split over mesh axis 'tensor'" in r[key]

@@ -13,8 +13,8 @@ With a `Placement` (the trainer passes `tba_jax.placement.RolePlacement`: the sa
 and `mesh.sampler_rules`) a
 role's params are sharded over that mesh as the sampler's policy copy is (e.g. split over
 its tensor axis, so an 8B judge need not fit one device), and `FrozenModel.put_rows`
-splits a batch's rows over the mesh's data axis; without one the model sits whole on the
-default device.
+splits a batch's rows over the mesh's data axis (padding them to a multiple of its size);
+without one the model sits whole on the default device.
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ class Placement(Protocol):
         """The shardings of the role's params (an error naming `role_name` if none fit)."""
         ...
 
-    def row_sharding(self, rows: int) -> jax.sharding.Sharding:
-        """Where a batch of `rows` rows goes."""
+    def row_sharding(self) -> jax.sharding.Sharding:
+        """Where a batch's rows go."""
+        ...
+
+    def row_multiple(self) -> int:
+        """What a batch's row count must be a multiple of."""
         ...
 
 
@@ -54,11 +58,17 @@ class FrozenModel:
     placement: Placement | None = None  # None: whole on the default device
 
     def put_rows(self, *arrays: np.ndarray):
-        """`arrays` (same leading dimension: rows) where the params are: split over the
-        placement's data axis (or replicated on its mesh); as they are without one."""
+        """`arrays` (same leading dimension: rows) where the params are, rows split over
+        the placement's data axis: padded (the last row repeated) to a multiple of its
+        size, so callers keep the first rows of what comes back; as they are without a
+        placement."""
         if self.placement is None:
             return arrays
-        sharding = self.placement.row_sharding(len(arrays[0]))
+        rows = len(arrays[0])
+        extra = -rows % self.placement.row_multiple()
+        if extra:
+            arrays = tuple(np.concatenate([a, np.repeat(a[-1:], extra, axis=0)]) for a in arrays)
+        sharding = self.placement.row_sharding()
         return tuple(jax.device_put(array, sharding) for array in arrays)
 
 
