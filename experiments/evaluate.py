@@ -53,6 +53,7 @@ from tba_jax.checkpoint import (
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
+from tba_jax.placement import over_all_devices
 
 OUT_FILENAME = "eval.json"  # the default evaluation of the run's latest step
 EVALS_SUBDIR = "evals"  # every evaluation: one file per step and settings
@@ -340,7 +341,9 @@ def latest_checkpoint_step(config, workdir: str) -> int:
 def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict:
     """The metrics of the run's policy at `identity.step` on its task's test split, with
     the evaluation's identity (step, settings id, settings)."""
-    task = tasks.build_task(config.task, workdir, tokenizer=runs.policy_tokenizer(config))
+    # its role models (reward models, victim, judge) sharded as the trainer's are
+    placement = over_all_devices(config)
+    task = tasks.build_task(config.task, workdir, runs.policy_tokenizer(config), placement)
     run = runs.restore_run(config, workdir, identity.step)
     metrics = evaluation.evaluate_policy(
         run.model, run.params, task, settings, reference_params=run.reference_params

@@ -4,6 +4,8 @@ The trainer builds the task's reward models, red-team victim and judge with
 `RolePlacement(meshes.sampler, config.mesh.sampler_rules)` (`models.frozen.Placement`), so
 they are sharded as the sampler's copy of the policy is and score their batches with the
 rows split over the mesh's data axis (padded to a multiple of its size).
+`experiments/evaluate.py` uses the same axes and rules over every device
+(`over_all_devices`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import ml_collections
+import numpy as np
+from absl import logging
 
 from tba_jax import mesh as mesh_lib
 from tba_jax.config_lib import ConfigError
@@ -44,3 +49,27 @@ class RolePlacement:
     def row_multiple(self) -> int:
         """What a batch's row count must be a multiple of: the data (× fsdp) shards."""
         return mesh_lib.batch_shards(self.mesh)
+
+
+def over_all_devices(config: ml_collections.ConfigDict) -> RolePlacement | None:
+    """Where `experiments/evaluate.py` (one process, no learner; any device count) puts the
+    role models: the sampler's rules on a mesh of its fsdp and tensor sizes whose data axis
+    takes the rest of this machine's devices (those that do not fill a data shard are left
+    out); None (the default device, with a warning) when fsdp × tensor is more than the
+    devices."""
+    axes = {name: int(size) for name, size in config.mesh.sampler_axes.items()}
+    if -1 not in axes.values():
+        axes["data"] = -1
+    split = int(np.prod([size for size in axes.values() if size != -1]))
+    devices = jax.devices()
+    if split > len(devices):
+        logging.warning(
+            "mesh.sampler_axes=%s split each role model over %d devices; this machine has "
+            "%d, so they sit whole on the default device.",
+            axes,
+            split,
+            len(devices),
+        )
+        return None
+    usable = devices[: len(devices) // split * split]
+    return RolePlacement(mesh_lib.make_mesh(usable, axes), config.mesh.sampler_rules)

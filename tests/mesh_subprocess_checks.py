@@ -278,7 +278,7 @@ def check_roles() -> dict:
     generates on its split weights."""
     from tba_jax.config_lib import ConfigError
     from tba_jax.models.tokenizers import CharTokenizer
-    from tba_jax.placement import RolePlacement
+    from tba_jax.placement import RolePlacement, over_all_devices
     from tba_jax.rewards import judges, redteam
     from tba_jax.rewards.reward_model import RewardModel, reward_model_role_config
     from tba_jax.train import role_shardings
@@ -347,7 +347,10 @@ def check_roles() -> dict:
         RewardModel.from_config(micro_role, placement=placement, **kwargs)
     except ConfigError as error:
         out["role_split_error"] = str(error)
+    # evaluate.py's placement: the run's tensor size, data taking the other devices
     config = get_config()
+    config.mesh.sampler_axes = {"data": 1, "fsdp": 1, "tensor": 2}
+    out["evaluation_mesh"] = dict(over_all_devices(config).mesh.shape)
     config.mesh.sampler_axes = {"data": 2, "fsdp": 1, "tensor": 2}
     meshes = mesh_lib.make_role_meshes(1.0, True, config.mesh.sampler_axes, {"fsdp": -1})
     model, params = init_model(preset("micro", vocab_size=16), 0)

@@ -21,6 +21,7 @@ from configs.arithmetic import get_config
 from tba_jax import mesh as mesh_lib
 from tba_jax import runtime
 from tba_jax.models import init_model, preset
+from tba_jax.placement import over_all_devices
 
 CHECKS_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "mesh_subprocess_checks.py"
@@ -45,6 +46,15 @@ def test_one_device_is_shared_by_both_roles():
     meshes = mesh_lib.make_role_meshes(0.5, False, {"data": -1}, {"fsdp": -1}, devices=devices)
     assert meshes.colocated
     assert list(meshes.sampler.devices.flat) == list(meshes.learner.devices.flat) == devices
+
+
+def test_evaluation_puts_role_models_on_this_one_device_or_whole_when_the_run_split_them():
+    config = get_config()
+    placement = over_all_devices(config)  # the default axes: data takes the one device
+    assert dict(placement.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert placement.rules == config.mesh.sampler_rules
+    config.mesh.sampler_axes = {"data": 1, "fsdp": 1, "tensor": 2}  # a run's, on 2+ devices
+    assert over_all_devices(config) is None  # whole on the default device (a warning)
 
 
 @pytest.mark.parametrize(
@@ -328,6 +338,7 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
     assert r["victim_answers"] == [2, 2, 2]
     # sampled on split params and padded rows: the one-device answers (the same keys)
     assert r["victim_same_answers"]
+    assert r["evaluation_mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
     # a rule that splits a parameter unevenly: one line naming the model and what to change
     for key, who in (("role_split_error", "task.reward_model"), ("policy_split_error", "policy")):
         assert who in r[key] and "cannot be split over mesh axis 'tensor'" in r[key]
