@@ -40,6 +40,8 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from etils import epath
 
+from tba_jax.config_lib import ConfigError
+
 CHECKPOINTS_SUBDIR = "checkpoints"
 EXPERIMENT_FILENAME = "experiment.json"
 TRAIN_STATE_ITEM = "train_state"
@@ -484,17 +486,15 @@ class Checkpointer:
 # --------------------------------------------------------------------------------------
 
 
-def newest_restorable(
-    checkpointer: Checkpointer, restore: Callable[[int], Any]
-) -> tuple[Any, list[str]]:
-    """(`restore(step)` of the newest step for which it succeeds, or None when none does;
-    where the steps that failed went). A step whose restore raises (a truncated file, or
-    params `restore` refuses) is moved to `SET_ASIDE_SUBDIR`, not deleted, with a one-line
-    warning, and the one before it is tried."""
+def newest_restorable(checkpointer: Checkpointer, restore: Callable[[int], Any]) -> Any:
+    """`restore(step)` of the newest step for which it succeeds. A step whose restore
+    raises (a truncated file, or params `restore` refuses) is moved to `SET_ASIDE_SUBDIR`,
+    not deleted, with a one-line warning, and the one before it is tried; a ConfigError
+    when none restores (the workdir must hold a checkpoint)."""
     set_aside_paths = []
     while (step := checkpointer.latest_step()) is not None:
         try:
-            return restore(step), set_aside_paths
+            return restore(step)
         except Exception as error:
             failure = restore_failure(error)
         where = checkpointer.set_aside(step)
@@ -506,7 +506,10 @@ def newest_restorable(
             failure,
             where,
         )
-    return None, set_aside_paths
+    raise ConfigError(
+        f"No checkpoint in {checkpointer.workdir} restores; the unreadable ones were moved to "
+        f"{', '.join(set_aside_paths)}. Pass another --workdir to start over."
+    )
 
 
 def set_aside(path: str, workdir: str, name: str) -> str:

@@ -614,13 +614,7 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
             raise ValueError("its params hold NaN or infinite values")
         return restored, buffer_state, metadata
 
-    restored, set_aside_paths = newest_restorable(run.checkpointer, restore)
-    if restored is None:
-        raise ConfigError(
-            f"No checkpoint in {run.workdir} restores; the unreadable ones were moved to "
-            f"{', '.join(set_aside_paths)}. Pass another --workdir to start over."
-        )
-    return restored
+    return newest_restorable(run.checkpointer, restore)
 
 
 def resume(run: Setup) -> Start:

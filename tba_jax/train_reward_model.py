@@ -513,11 +513,6 @@ def resumed_progress(
         state, _, progress = checkpointer.restore(train_state_template=template, step=step)
         return state, progress
 
-    restored, set_aside = newest_restorable(checkpointer, restore)
-    if restored is None:
-        raise ConfigError(
-            f"No checkpoint in {checkpointer.workdir} restores; the unreadable ones were moved "
-            f"to {', '.join(set_aside)}. Pass another --workdir to start over."
-        )
+    restored = newest_restorable(checkpointer, restore)
     logging.info("Resuming from step %d of %d.", restored[1]["step"], steps)
     return restored
