@@ -290,9 +290,9 @@ def check_roles() -> dict:
     prompts = ["2+3=", "what is 7*6?", "x", "hello there"] * 2
     responses = ["5", "42", "", "general kenobi", "6", "41", "y", "hi"]
     out: dict = {}
+    kwargs = dict(role_name="task.reward_model", fallback_tokenizer=tokenizer)
     for batch_size in (4, 3):  # rows split over data (2); 3 rows: padded to 4
         role = reward_model_role_config(preset_name="tiny", batch_size=batch_size, max_len=32)
-        kwargs = dict(role_name="task.reward_model", fallback_tokenizer=tokenizer)
         whole = RewardModel.from_config(role, **kwargs)
         placed = RewardModel.from_config(role, placement=placement, **kwargs)
         out[f"rm_max_diff_batch_{batch_size}"] = float(
