@@ -1,9 +1,10 @@
 """Where a run's frozen role models go: `RolePlacement`, the sampler mesh and its rules.
 
-The trainer builds the task's reward models, red-team victim and judge with
-`RolePlacement(meshes.sampler, config.mesh.sampler_rules)` (`models.frozen.Placement`), so
-they are sharded as the sampler's copy of the policy is and score their batches with the
-rows split over the mesh's data axis (padded to a multiple of its size).
+The trainer builds the task's reward models, red-team victim and judge (a decoder, or a
+BERT / RoBERTa classifier) with `RolePlacement(meshes.sampler, config.mesh.sampler_rules)`
+(`models.frozen.Placement`), so they are sharded as the sampler's copy of the policy is
+and score their batches with the rows split over the mesh's data axis (padded to a
+multiple of its size).
 `experiments/evaluate.py` uses the same axes and rules over every device
 (`over_all_devices`).
 """
@@ -19,7 +20,7 @@ from absl import logging
 
 from tba_jax import mesh as mesh_lib
 from tba_jax.config_lib import ConfigError
-from tba_jax.models import Model, Params
+from tba_jax.models import Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +31,14 @@ class RolePlacement:
     mesh: jax.sharding.Mesh
     rules: mesh_lib.Rules
 
-    def param_shardings(self, role_name: str, model: Model, abstract_params: Params) -> Params:
-        """The role's params' shardings; a ConfigError naming the role when a rule splits
-        one of its parameters unevenly."""
+    def param_shardings(
+        self, role_name: str, logical_axes: Params, abstract_params: Params
+    ) -> Params:
+        """The role's params' shardings (`logical_axes`: a decoder's `Model.logical_axes`,
+        an encoder's `encoder_checkpoint.logical_axes`); a ConfigError naming the role when
+        a rule splits one of its parameters unevenly."""
         try:
-            return mesh_lib.param_shardings(
-                model.logical_axes, abstract_params, self.mesh, self.rules
-            )
+            return mesh_lib.param_shardings(logical_axes, abstract_params, self.mesh, self.rules)
         except ValueError as error:
             raise ConfigError(
                 f"{role_name} on the sampler mesh: {error} (mesh.sampler_rules, mesh.sampler_axes)"

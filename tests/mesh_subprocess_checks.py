@@ -271,11 +271,48 @@ def check_engine() -> dict:
     }
 
 
+def _bert_judge_folder(layers: int = 2) -> str:
+    """A BertForSequenceClassification folder made with NumPy from the packaged
+    all-MiniLM-L6-v2 (its first `layers` layers, its tokenizer, a random 2-label head)."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import load_file, save_file
+
+    from tba_jax.rewards.diversity import minilm_path
+
+    source = pathlib.Path(minilm_path())
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="bert_judge_"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "config.json").read_text())
+    labels = {"0": "safe", "1": "toxic"}
+    config.update(
+        architectures=["BertForSequenceClassification"],
+        num_hidden_layers=layers,
+        id2label=labels,
+        label2id={name: int(index) for index, name in labels.items()},
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    kept = tuple(f"encoder.layer.{i}." for i in range(layers))
+    tensors = {
+        name: value
+        for name, value in load_file(str(source / "model.safetensors")).items()
+        if not name.startswith("encoder.layer.") or name.startswith(kept)
+    }
+    rng = np.random.default_rng(0)
+    tensors["classifier.weight"] = rng.normal(0, 0.5, (2, config["hidden_size"])).astype(np.float32)
+    tensors["classifier.bias"] = np.zeros(2, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return str(folder)
+
+
 def check_roles() -> dict:
     """4 devices: frozen role models placed on a (data 2, tensor 2) sampler mesh by the
     sampler rules split their weights over the tensor axis and score as on one device
     (rows split over the data axis, padded to a multiple of its size); the victim
-    generates on its split weights."""
+    generates on its split weights; a BERT judge is split the same way."""
     from tba_jax.config_lib import ConfigError
     from tba_jax.models.tokenizers import CharTokenizer
     from tba_jax.placement import RolePlacement, over_all_devices
@@ -340,6 +377,32 @@ def check_roles() -> dict:
     whole_victim = redteam.Victim.from_config(victim_role, tokenizer)
     out["victim_same_answers"] = whole_victim.respond(prompts[:3]) == answers
     out["victim_params_devices"] = len(_all_device_ids(victim.frozen.params))
+    bert_folder = _bert_judge_folder()
+    for batch_size in (4, 3):  # 3 rows a batch: padded to 4
+        bert_role = redteam.judge_role_config(
+            kind="classifier",
+            template="{attack} {response}",
+            toxic_label="toxic",
+            max_prompt_len=64,
+            batch_size=batch_size,
+        )
+        bert_role.hf_path = bert_folder
+        whole_bert = judges.judge_from_config(bert_role, tokenizer)
+        placed_bert = judges.judge_from_config(bert_role, tokenizer, placement)
+        out[f"bert_judge_max_diff_batch_{batch_size}"] = float(
+            np.max(
+                np.abs(
+                    placed_bert.toxic_logprob(prompts, responses)
+                    - whole_bert.toxic_logprob(prompts, responses)
+                )
+            )
+        )
+    bert_params = placed_bert.classifier.encoder.params
+    out["bert_mlp_in_spec"] = list(bert_params["layers"]["mlp_in"]["kernel"].sharding.spec)
+    out["bert_query_shard_shape"] = list(
+        bert_params["layers"]["query"]["kernel"].addressable_shards[0].data.shape
+    )
+    out["bert_whole_devices"] = len(_all_device_ids(whole_bert.classifier.encoder.params))
     # micro's one KV head cannot be split over tensor (2): a ConfigError naming the role,
     # and the same for the policy's shardings
     micro_role = reward_model_role_config(preset_name="micro", batch_size=4, max_len=32)

@@ -9,6 +9,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -281,6 +282,21 @@ def test_bfloat16_classifier_is_close_to_float32(roberta_classifier_folder):
     logits = low.classify(TEXTS)
     assert logits.dtype == np.float32
     assert np.abs(logits - exact).max() < 0.1 * max(1.0, np.abs(exact).max())
+
+
+def test_logical_axes_name_every_dimension_of_every_parameter(
+    bert_folder, roberta_classifier_folder
+):
+    """The sharding rules read `logical_axes`: one name per dimension, the params' tree."""
+    for folder, head in ((bert_folder, "base"), (roberta_classifier_folder, "classifier")):
+        encoder = TextEncoder.from_pretrained(str(folder))
+        assert encoder.config.head == head
+        axes = encoder_lib.logical_axes(encoder.config)
+        is_axes = lambda node: isinstance(node, tuple)
+        assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(encoder.params)
+        ranks = jax.tree.map(lambda a, p: (len(a), p.ndim), axes, encoder.params, is_leaf=is_axes)
+        assert all(named == ndim for named, ndim in jax.tree.leaves(ranks, is_leaf=is_axes))
+        assert axes["layers"]["mlp_in"]["kernel"] == ("layers", "embed", "mlp")
 
 
 # --------------------------------------------------------------------- loading variants

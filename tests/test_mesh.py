@@ -339,6 +339,13 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
     # sampled on split params and padded rows: the one-device answers (the same keys)
     assert r["victim_same_answers"]
     assert r["evaluation_mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
+    # a BERT judge (MiniLM's first two layers): its MLP split over tensor, the query's
+    # [layers, embed, heads] = [2, 384, 384] to 192 heads' columns a device; the logits as
+    # on one device, in batches of 4 and of 3 (padded to 4)
+    assert r["bert_mlp_in_spec"] == [None, None, "tensor"]
+    assert r["bert_query_shard_shape"] == [2, 384, 192]
+    assert r["bert_whole_devices"] == 1
+    assert r["bert_judge_max_diff_batch_4"] < 1e-4 and r["bert_judge_max_diff_batch_3"] < 1e-4
     # a rule that splits a parameter unevenly: one line naming the model and what to change
     for key, who in (("role_split_error", "task.reward_model"), ("policy_split_error", "policy")):
         assert who in r[key] and "cannot be split over mesh axis 'tensor'" in r[key]

@@ -23,6 +23,12 @@ longer than `max_length` tokens are truncated, as sentence-transformers and tran
 pipelines do. Batches are padded to
 power-of-two row counts (at most `batch_size`) and power-of-two lengths (at least
 `MIN_LENGTH_BUCKET`, at most `max_length`), so the forward compiles a few times, not per call.
+
+With a `placement` (`tba_jax.placement.RolePlacement`, as a red-team judge on the sampler
+mesh) the params are sharded by its rules over `encoder_checkpoint.logical_axes` (e.g. the
+heads and the MLP split over a tensor axis) and each batch's rows are split over its data
+axis (row counts rounded up to a multiple of its size); without one the encoder sits whole
+on the default device.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ from tba_jax.models.encoder_checkpoint import (
     encoder_fields_from_hf,
     id2label_from_hf,
     load_encoder_params,
+    logical_axes,
     read_sentence_modules,
 )
 from tba_jax.models.encoder_config import EncoderConfig
 from tba_jax.models.encoder_tokenizer import load_tokenizer, lowercases_texts, max_length_of
+from tba_jax.models.frozen import Placement
 from tba_jax.models.hf_checkpoint import Params, read_hf_config
 
 # The functions of `encoder_config.ACTIVATION_NAMES`.
@@ -261,7 +269,9 @@ class TextEncoder:
         max_length: int,
         lowercase: bool = False,
         source: str = "",
+        placement: Placement | None = None,
     ):
+        """`params` already where `placement` puts them (see `from_pretrained`)."""
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
@@ -270,18 +280,27 @@ class TextEncoder:
         self.max_length = max_length
         self.lowercase = lowercase
         self.source = source
+        self.placement = placement
         self._embed_fn = jax.jit(functools.partial(_embed_batch, cfg=config, pooling=pooling))
         self._classify_fn = jax.jit(functools.partial(_classify_batch, cfg=config))
 
     @classmethod
     def from_pretrained(
-        cls, path: str, dtype: str = "float32", *, max_length: int | None = None
+        cls,
+        path: str,
+        dtype: str = "float32",
+        *,
+        max_length: int | None = None,
+        placement: Placement | None = None,
+        role_name: str = "encoder",
     ) -> TextEncoder:
         """Loads the local folder `path` (a transformers or sentence-transformers layout).
 
         `dtype`: params and activations ("float32" | "bfloat16" | "float16"; outputs are
         float32). `max_length` overrides the tokens per text (see
-        `encoder_tokenizer.max_length_of`).
+        `encoder_tokenizer.max_length_of`). `placement`: where the params and batches go
+        (None: the default device); a rule that cannot split a parameter is its error,
+        naming `role_name`.
         """
         folder = pathlib.Path(path)
         if not folder.is_dir():
@@ -296,7 +315,11 @@ class TextEncoder:
         config = EncoderConfig(**fields, dtype=dtype)
         tokens = max_length_of(model_folder, config.max_tokens, max_length)
         tokenizer = load_tokenizer(model_folder, config.family, tokens)
-        params = load_encoder_params(str(model_folder), config)
+        shardings_fn = None
+        if placement is not None:
+            axes = logical_axes(config)
+            shardings_fn = functools.partial(placement.param_shardings, role_name, axes)
+        params = load_encoder_params(str(model_folder), config, shardings_fn)
         return cls(
             config,
             params,
@@ -306,6 +329,7 @@ class TextEncoder:
             max_length=tokens,
             lowercase=lowercases_texts(model_folder),
             source=str(folder),
+            placement=placement,
         )
 
     @property
@@ -379,12 +403,17 @@ class TextEncoder:
         _check_batch_size(batch_size)
         out = np.zeros((len(rows), width), np.float32)
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        multiple = 1 if self.placement is None else self.placement.row_multiple()
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             num_rows = bucket(len(chunk), smallest=1, largest=batch_size)
+            num_rows += -num_rows % multiple  # padding rows: every token invalid
             longest = len(rows[chunk[0]][0])
             length = bucket(longest, smallest=MIN_LENGTH_BUCKET, largest=self.max_length)
             arrays = _pad_rows([rows[i] for i in chunk], num_rows, length, self.config.pad_token_id)
+            if self.placement is not None:
+                sharding = self.placement.row_sharding()
+                arrays = tuple(jax.device_put(array, sharding) for array in arrays)
             out[chunk] = np.asarray(fn(self.params, *arrays))[: len(chunk)]
         return out
 

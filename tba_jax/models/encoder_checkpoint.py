@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from tba_jax.models.hf_checkpoint import (
     read_json,
     read_json_object,
     read_tensors,
+    set_path,
 )
 
 BASE_ARCHITECTURE = {"bert": "BertModel", "roberta": "RobertaModel"}
@@ -245,12 +247,53 @@ def _stack_layers(flat: dict[Path, np.ndarray], num_layers: int) -> dict[Path, n
     return stacked
 
 
-def load_encoder_params(folder: str, cfg: EncoderConfig) -> Params:
-    """The checkpoint's params (NumPy reads, no torch), in `cfg.dtype`, on the default device.
+def logical_axes(cfg: EncoderConfig) -> Params:
+    """Each param's logical axis names, in `load_encoder_params`' layout, for the sharding
+    rules of `tba_jax.mesh` (the decoder's names: "heads" for the attention projections'
+    heads × head_dim side, "mlp" for the MLP's hidden side, "layers" for the stack)."""
+
+    def linear(in_axis: str, out_axis: str) -> Params:
+        return {"kernel": (LAYERS, in_axis, out_axis), "bias": (LAYERS, out_axis)}
+
+    def norm(*stack: str) -> Params:
+        return {"scale": (*stack, "norm"), "bias": (*stack, "norm")}
+
+    axes: Params = {
+        "embeddings": {
+            "word": ("vocab", "embed"),
+            "position": ("positions", "embed"),
+            "token_type": ("token_types", "embed"),
+            "norm": norm(),
+        },
+        LAYERS: {
+            "query": linear("embed", "heads"),
+            "key": linear("embed", "heads"),
+            "value": linear("embed", "heads"),
+            "attn_out": linear("heads", "embed"),
+            "mlp_in": linear("embed", "mlp"),
+            "mlp_out": linear("mlp", "embed"),
+            "attn_norm": norm(LAYERS),
+            "mlp_norm": norm(LAYERS),
+        },
+    }
+    if cfg.head == "classifier":
+        axes["head"] = {
+            "dense": {"kernel": ("embed", "pooled"), "bias": ("pooled",)},
+            "out": {"kernel": ("pooled", "labels"), "bias": ("labels",)},
+        }
+    return axes
+
+
+def load_encoder_params(
+    folder: str, cfg: EncoderConfig, shardings_fn: Callable[[Params], Any] | None = None
+) -> Params:
+    """The checkpoint's params (NumPy reads, no torch), in `cfg.dtype`.
 
     Layout: embeddings {word [V,D], position [P,D], token_type [T,D], norm}; layers {query,
     key, value, attn_out, mlp_in, mlp_out: {kernel [L,in,out], bias [L,out]}, attn_norm,
     mlp_norm: {scale [L,D], bias [L,D]}}; classifiers add head {dense, out}.
+    `shardings_fn(host_params)` (NumPy arrays in that layout) returns their shardings, each
+    array put straight there; None: the default device.
     """
     tensors = read_tensors(
         folder,
@@ -263,7 +306,14 @@ def load_encoder_params(folder: str, cfg: EncoderConfig) -> Params:
             f"{CLASSIFIER_ARCHITECTURE[cfg.family]} needs its classifier tensors)."
         ),
     )
-    return place_tensors(_stack_layers(dict(tensors), cfg.num_layers).items())
+    stacked = _stack_layers(dict(tensors), cfg.num_layers)
+    shardings = None
+    if shardings_fn is not None:
+        host: Params = {}
+        for path, value in stacked.items():
+            set_path(host, path, value)
+        shardings = shardings_fn(host)
+    return place_tensors(stacked.items(), shardings)
 
 
 # ----------------------------------------------------------------------------------------

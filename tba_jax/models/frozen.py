@@ -20,7 +20,6 @@ without one the model sits whole on the default device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Protocol
 
 import jax
@@ -34,8 +33,11 @@ from tba_jax.models.tokenizers import Tokenizer
 class Placement(Protocol):
     """Where frozen role models go (`tba_jax.placement.RolePlacement`: the sampler mesh)."""
 
-    def param_shardings(self, role_name: str, model: Model, abstract_params: Params) -> Params:
-        """The shardings of the role's params (an error naming `role_name` if none fit)."""
+    def param_shardings(
+        self, role_name: str, logical_axes: Params, abstract_params: Params
+    ) -> Params:
+        """The shardings of the role's params, whose logical axis names `logical_axes`
+        mirrors (an error naming `role_name` if none fit)."""
         ...
 
     def row_sharding(self) -> jax.sharding.Sharding:
@@ -140,13 +142,18 @@ def load_frozen_model(
             dtype=role.dtype,
             shardings_fn=None
             if placement is None
-            else functools.partial(placement.param_shardings, role_name),
+            else lambda model, abstract: placement.param_shardings(
+                role_name, model.logical_axes, abstract
+            ),
         )
         tokenizer = HFTokenizer.from_pretrained(role.hf_path)
         return FrozenModel(model, params, tokenizer, role.hf_path, placement)
     model, params = init_model(config, role.seed)
     params = jax.device_put(
-        params, None if placement is None else placement.param_shardings(role_name, model, params)
+        params,
+        None
+        if placement is None
+        else placement.param_shardings(role_name, model.logical_axes, params),
     )
     source = f"preset:{role.preset}:seed={role.seed}"
     return FrozenModel(model, params, fallback_tokenizer, source, placement)

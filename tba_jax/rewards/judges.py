@@ -302,8 +302,8 @@ def judge_from_config(
     fallback_tokenizer: Tokenizer,
     placement: Placement | None = None,
 ) -> Judge:
-    """The judge a `judge_role_config` section describes (loads its model: a decoder
-    sharded by `placement`; an encoder classifier whole on the default device)."""
+    """The judge a `judge_role_config` section describes (loads its model, a decoder or a
+    BERT / RoBERTa classifier, sharded by `placement`; None: the default device)."""
     if role.kind == "generative":
         frozen = load_frozen_model(
             role,
@@ -324,7 +324,9 @@ def judge_from_config(
     if role.hf_path and is_encoder_folder(role.hf_path):
         from tba_jax.models.encoder import TextEncoder
 
-        encoder = TextEncoder.from_pretrained(role.hf_path, dtype=role.dtype)
+        encoder = TextEncoder.from_pretrained(
+            role.hf_path, dtype=role.dtype, placement=placement, role_name="judge"
+        )
         classifier = EncoderClassifier(encoder, role.batch_size)
     else:
         frozen = load_frozen_model(
