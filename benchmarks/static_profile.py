@@ -4,6 +4,8 @@ hardware allows: a static profile made from the optimized program, without runni
     python benchmarks/static_profile.py                          # this machine's backend
     python benchmarks/static_profile.py --target=h100            # an H100 program, no GPU
     python benchmarks/static_profile.py --target=h100 --program=train --attention=cudnn
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/static_profile.py \
+        --target=h100 --program=reward_model --shape=pythia-2.8b --microbatches=8
 
 `--target=h100` compiles for an H100 without one (XLA's deviceless GPU compilation, from
 `benchmarks/targets/h100_sxm.txtpb`); it needs JAX's CUDA plugin at the installed JAX's
@@ -35,6 +37,14 @@ its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
   (`roofline.train_flops_per_token`), the sum of its kernels' roofline times
   (`roofline_seconds`) and `mfu_ceiling_percent`: the MFU of a step whose every kernel
   ran at its roofline (cuDNN's attention kernel is counted by its bytes only).
+- `--program=reward_model`: one step of `experiments/train_reward_model.py` (the
+  Bradley–Terry loss, `train_reward_model.make_train_step`): the shape with a scalar score
+  head, `--pairs` preference pairs (2 rows each) of prompt + new tokens in
+  `--microbatches`, float32 params and Adam state, `--remat` and `--attention`; the same
+  figures as `train`. Its `device_gib` says whether a reward model trains on one device
+  (e.g. pythia-2.8b at the TL;DR lengths, 512 + 54). At such row counts XLA's default
+  Triton matmuls may fail to compile for the H100 target ("Couldn't find output tile
+  sizes"); `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` uses cuBLAS's.
 
 Each prints the largest kernels (grouped by kind and output shape), and one JSON object as
 the last line, with `by_kind`, `largest` and XLA's memory plan: `argument_bytes` (params,
@@ -54,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from tba_jax import cli, hlo_traffic, learner, roofline
+from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
@@ -72,7 +82,10 @@ PLUGIN_HINT = (
 )
 
 _PROGRAM = flags.DEFINE_enum(
-    "program", "decode", ["decode", "slot_decode", "score", "train"], "Program to profile."
+    "program",
+    "decode",
+    ["decode", "slot_decode", "score", "train", "reward_model"],
+    "Program to profile.",
 )
 _TARGET = flags.DEFINE_enum("target", "local", ["local", *TARGETS], "Device to compile for.")
 _SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset.")
@@ -87,7 +100,12 @@ _SCAN_DECODE = flags.DEFINE_bool("scan_decode", False, "model.scan_decode (and s
 _SEGMENTS = flags.DEFINE_integer("decode_segments", 1, "sampling.decode_segments.", lower_bound=1)
 _TRAIN_PROMPTS = flags.DEFINE_integer("train_prompts", 8, "Train: B.", lower_bound=1)
 _TRAIN_K = flags.DEFINE_integer("train_k", 20, "Train: K samples per prompt.", lower_bound=1)
-_MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Train: micro-batches.", lower_bound=1)
+_MICROBATCHES = flags.DEFINE_integer(
+    "microbatches", 8, "Train and reward_model: micro-batches.", lower_bound=1
+)
+_PAIRS = flags.DEFINE_integer(
+    "pairs", 64, "reward_model: preference pairs a step (2 rows each).", lower_bound=1
+)
 _REMAT = flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "model.remat.")
 _ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
@@ -234,6 +252,33 @@ def compile_train_step(device: jax.Device):
     }
     lowered = step.trace(state, batch).lower(lowering_platforms=lowering_platforms())
     return lowered.compile(), mixed, rows
+
+
+def compile_reward_model_step(device: jax.Device):
+    """A reward-model (Bradley–Terry) step compiled for `device` on an abstract train state
+    and `--pairs` pairs of prompt + new tokens."""
+    scorer = train_reward_model.scalar_score_config(model_config("float32"))
+    model, abstract = abstract_model(scorer)
+    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
+    state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer, device)
+    state = learner.abstract_train_state(optimizer, abstract, state_sharding)
+    step = train_reward_model.make_train_step(
+        model,
+        optimizer,
+        num_microbatches=_MICROBATCHES.value,
+        state_sharding=state_sharding,
+        mesh=mesh,
+    )
+    shape = (_PAIRS.value, _PROMPT.value + _NEW.value)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    batch = {
+        name: jax.ShapeDtypeStruct(
+            shape, np.bool_ if name.endswith("mask") else np.int32, sharding=batch_sharding
+        )
+        for name in train_reward_model.PAIR_ARRAYS
+    }
+    lowered = step.trace(state, batch).lower(lowering_platforms=lowering_platforms())
+    return lowered.compile(), scorer
 
 
 def readable(size: float, units=(("GB", 1e9), ("MB", 1e6), ("kB", 1e3)), base: str = "B") -> str:
@@ -390,6 +435,21 @@ def train_profile(device: jax.Device) -> dict:
     }
 
 
+def reward_model_profile(device: jax.Device) -> dict:
+    compiled, scorer = compile_reward_model_step(device)
+    seq_len = _PROMPT.value + _NEW.value
+    rows = 2 * _PAIRS.value
+    model_flops = rows * seq_len * roofline.train_flops_per_token(scorer, seq_len)
+    return {
+        "pairs": _PAIRS.value,
+        "seq_len": seq_len,
+        "microbatches": _MICROBATCHES.value,
+        "remat": scorer.remat,
+        "attention": scorer.attention,
+        **kernel_profile(compiled, device, "reward-model step", model_flops),
+    }
+
+
 def main(argv: list[str]) -> None:
     del argv
     if _TARGET.value != "local":
@@ -402,6 +462,7 @@ def main(argv: list[str]) -> None:
         "slot_decode": slot_decode_profile,
         "score": score_profile,
         "train": train_profile,
+        "reward_model": reward_model_profile,
     }[_PROGRAM.value]
     line = {
         "benchmark": "static_profile",

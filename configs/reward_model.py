@@ -21,8 +21,9 @@ choices. Inputs are prompt + " " + summary + EOS, at most 512 + 53 + 1 tokens (t
 TL;DR run's prompt and response limits), the prompt truncated from the left beyond that.
 
 Variant keys: any dotted path or a shortcut (steps, lr, batch, hf_path, manual_dir,
-model); named variant: `tiny`. The optimiser's fields and defaults and the learner's
-sharding rules are configs/common.py's.
+model); named variants: `2.8b` (a Pythia-2.8B reward model on one 80 GB GPU) and `tiny`.
+The optimiser's fields and defaults and the learner's sharding rules are
+configs/common.py's.
 """
 
 import os
@@ -50,6 +51,14 @@ SHORTCUTS = {
 }
 
 NAMED_VARIANTS = {
+    # A Pythia-2.8B SFT policy's reward model on one 80 GB GPU: 8 micro-batches of 8 pairs.
+    # XLA plans the step at 67 GiB on an H100 this way, 106 GiB in the default 4 (python
+    # benchmarks/static_profile.py --target=h100 --program=reward_model --shape=pythia-2.8b;
+    # README, "Reward models on one GPU"). model.remat=nothing_saveable in 4 plans 59 GiB.
+    "2.8b": {
+        "model.preset": "pythia-2.8b",
+        "train.num_microbatches": 8,
+    },
     # A random micro model over printable-ASCII characters learns the fixture's synthetic
     # preference (lower-case summaries over SHOUTED ones) in a few dozen CPU steps. Its
     # zero score head ties every pair, so held-out accuracy starts at exactly 1/2.
@@ -89,6 +98,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.dtype = "bfloat16"  # compute
     config.model.param_dtype = "float32"  # stored params, Adam state and the saved folder
     config.model.score_init_scale = 1.0  # head std = scale / sqrt(d_model + 1); 0: zeros
+    # How the passes are computed, not what (a resumed run may change them): a
+    # jax.checkpoint policy per block (none | nothing_saveable | dots_saveable |
+    # dots_with_no_batch_dims_saveable) and the attention kernel (einsum | dot_product | cudnn).
+    config.model.remat = "none"
+    config.model.attention = "einsum"
 
     config.data = ml_collections.ConfigDict()
     config.data.manual_dir = ""  # train.jsonl and test.jsonl of {prompt, chosen, rejected}

@@ -21,7 +21,9 @@ the tiny variant, written as an equivalent tokenizer.json (`CharTokenizer.save_p
 the folder is complete either way. `<workdir>/rm_summary.json` holds the numbers.
 
 Training runs on one mesh over all devices (`mesh.axes`, `mesh.rules`: FSDP by default),
-with micro-batch gradient accumulation. Every `checkpoint_every` steps, and when SIGTERM or
+with micro-batch gradient accumulation; `model.remat` and `model.attention` set how the
+forward and backward passes are computed (`ModelConfig`'s execution fields), not what, so
+a resumed run may change them. Every `checkpoint_every` steps, and when SIGTERM or
 Ctrl-C stops it, the train state is saved in `<workdir>/checkpoints` (the newest
 `keep_checkpoints`); rerunning the same command goes on from the newest one that restores
 (one that does not is set aside) and ends where an unstopped run would. A workdir whose
@@ -55,6 +57,7 @@ from tba_jax.data import preferences
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
 from tba_jax.models import sequence_scores as model_sequence_scores
+from tba_jax.models.config import ATTENTIONS, HALF_DTYPES, REMAT_POLICIES
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer, pad_sequences_with_mask
 from tba_jax.rewards.reward_model import (
     SCORE_LABEL,
@@ -77,10 +80,14 @@ RUN_ONLY_KEYS = (
     "keep_checkpoints",
     "compile_cache",
 )
+# config.model keys that set how the model is computed, not what: a resumed run may too.
+EXECUTION_KEYS = ("remat", "attention")
 RANGES = {
     **config_lib.COMPILE_CACHE_RANGES,
     "checkpoint_every": config_lib.integer_at_least(1),
     "keep_checkpoints": config_lib.integer_at_least(1),
+    "model.remat": config_lib.one_of(REMAT_POLICIES),
+    "model.attention": config_lib.one_of(ATTENTIONS),
 }
 
 
@@ -206,7 +213,12 @@ def scalar_score_config(cfg: ModelConfig) -> ModelConfig:
 def reward_model_config(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
     """The reward model's shape, without loading or drawing any params: `model.hf_path`'s
     decoder with a one-label score head (a one-label classifier as it is), else the
-    `model.preset` with one."""
+    `model.preset` with one; computed as `model.remat` and `model.attention` say."""
+    execution = {key: config.model[key] for key in EXECUTION_KEYS}
+    return dataclasses.replace(_reward_model_shape(config, tokenizer), **execution)
+
+
+def _reward_model_shape(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
     if config.model.hf_path:
         source_cfg = _hf_source_config(config)
         if source_cfg.head == "score" and source_cfg.num_labels != 1:
@@ -305,6 +317,11 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(f"model.hf_path={hf_path!r} is not a Hugging Face model folder.")
     if hf_path and config.tokenizer == CHAR_TOKENIZER:
         raise ConfigError("tokenizer='char' is for random presets; clear model.hf_path.")
+    if config.model.attention == "cudnn" and config.model.dtype not in HALF_DTYPES:
+        raise ConfigError(
+            f"model.attention='cudnn' needs a half-precision model.dtype {HALF_DTYPES}, not "
+            f"{config.model.dtype!r}; use attention='dot_product' for float32."
+        )
     train = config.train
     if train.batch_size < 1 or train.batch_size % train.num_microbatches:
         raise ConfigError(
@@ -381,8 +398,12 @@ def write_summary(workdir: str, summary: dict) -> str:
 
 
 def experiment(config: ml_collections.ConfigDict) -> dict:
-    """What a workdir's checkpoints are checked against: every key but `RUN_ONLY_KEYS`."""
-    return {key: value for key, value in config.to_dict().items() if key not in RUN_ONLY_KEYS}
+    """What a workdir's checkpoints are checked against: every key but `RUN_ONLY_KEYS` and
+    the model's `EXECUTION_KEYS`."""
+    identity = {key: value for key, value in config.to_dict().items() if key not in RUN_ONLY_KEYS}
+    model = identity["model"]
+    identity["model"] = {key: value for key, value in model.items() if key not in EXECUTION_KEYS}
+    return identity
 
 
 def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:

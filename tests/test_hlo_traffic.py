@@ -14,6 +14,7 @@ import pytest
 from support import run_repo_script
 
 from tba_jax import hlo_traffic, roofline
+from tba_jax.models import preset
 
 # A decode-like loop in optimized-HLO form: each iteration reads one row of an [8, 1024]
 # f32 table with a dynamic slice, writes one row into an [8, 1024] cache in place, and runs
@@ -304,6 +305,23 @@ def test_train_profile_at_micro_size_counts_the_model_flops_it_computes():
     assert sum(line["seconds_by_kind"].values()) == pytest.approx(
         line["roofline_seconds"], rel=1e-3
     )
+
+
+def test_reward_model_profile_at_micro_size_plans_the_params_and_adam_state():
+    """The reward-model step: 4 pairs (8 rows) of 8 tokens; its matmuls are the model
+    FLOPs of a train step on 8 rows, and its arguments hold float32 params and both Adam
+    moments (12 bytes a parameter) besides the batch."""
+    line = run_profile(
+        "--program=reward_model", "--prompt=4", "--new=4", "--pairs=4", "--microbatches=2"
+    )
+    assert line["program"] == "reward_model" and line["pairs"] == 4 and line["seq_len"] == 8
+    assert line["microbatches"] == 2 and line["remat"] == "none"
+    scorer = preset("micro", vocab_size=64, num_layers=2, head="score", num_labels=1)
+    assert line["model_flops"] == pytest.approx(
+        2 * 4 * 8 * roofline.train_flops_per_token(scorer, 8)
+    )
+    assert 0.9 * line["model_flops"] <= line["matmul_flops"] <= 1.2 * line["model_flops"]
+    assert line["argument_bytes"] >= 12 * scorer.num_params()
 
 
 def test_score_profile_at_micro_size_counts_a_forward_pass():

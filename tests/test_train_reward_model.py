@@ -8,16 +8,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from support import save_tiny_llama_folder, sigterm_in_step
 
 from configs.reward_model import TINY_PREFERENCES_DIR, get_config
+from tba_jax import learner, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax import train_reward_model
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
-from tba_jax.models import hf
+from tba_jax.models import hf, init_model
 from tba_jax.models.frozen import load_frozen_model
 from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.rewards.reward_model import RewardModel, reward_model_role_config
@@ -136,6 +137,10 @@ def test_config_errors_come_before_any_work(tmp_path):
         train_reward_model.train_reward_model(
             get_config("tiny,compile_cache.max_gib=0"), str(tmp_path)
         )
+    with pytest.raises(ConfigError, match=r"attention='cudnn' needs a half-precision"):
+        train_reward_model.train_reward_model(
+            get_config("tiny,model.attention=cudnn"), str(tmp_path)
+        )
     with pytest.raises(ConfigError, match=r"multiple of train\.num_microbatches"):
         train_reward_model.train_reward_model(get_config("tiny,batch=9"), str(tmp_path))
     with pytest.raises(ConfigError, match="48 training pairs make no batch"):
@@ -143,6 +148,50 @@ def test_config_errors_come_before_any_work(tmp_path):
             get_config(f"tiny,batch=64,data.data_dir={tmp_path}/data"), str(tmp_path)
         )
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_2_8b_variant_plans_one_80_gb_gpu_in_smaller_micro_batches():
+    config = get_config("2.8b")
+    assert config.model.preset == "pythia-2.8b" and config.train.batch_size == 64
+    assert config.train.batch_size // config.train.num_microbatches == 8  # pairs at a time
+
+
+def test_remat_and_attention_change_how_a_step_computes_not_what():
+    """The execution knobs reach the model, leave the checkpoints' identity alone (a
+    resumed run may change them) and give the same step up to float rounding."""
+    plain = get_config("tiny")
+    remat = get_config("tiny,model.remat=nothing_saveable,model.attention=dot_product")
+    assert train_reward_model.experiment(remat) == train_reward_model.experiment(plain)
+    assert train_reward_model.experiment(get_config("tiny,lr=0.01")) != (
+        train_reward_model.experiment(plain)
+    )
+    tokenizer = train_reward_model.rm_tokenizer(plain)
+    pairs = [
+        {"prompt": "POST: a long day.", "chosen": "a day.", "rejected": "A DAY!"},
+        {"prompt": "POST: rain again", "chosen": "it rains", "rejected": "RAIN"},
+    ] * 2
+    batch = train_reward_model.encode_pairs(
+        tokenizer, pairs, max_len=plain.max_len, append_eos=True
+    )
+    results = []
+    for config in (plain, remat):
+        cfg = train_reward_model.reward_model_config(config, tokenizer)
+        model, params = init_model(cfg, seed=0)
+        params["score"] = train_reward_model.score_head_init(cfg.d_model, 1.0, 0, jnp.float32)
+        optimizer = optax.adam(1e-2)
+        state, state_sharding, mesh = learner.one_device_train_state(model, params, optimizer)
+        step = train_reward_model.make_train_step(
+            model, optimizer, num_microbatches=2, state_sharding=state_sharding, mesh=mesh
+        )
+        state, metrics = step(state, batch)
+        results.append((cfg, jax.device_get(state.params), jax.device_get(metrics)))
+    (cfg_plain, params_plain, metrics_plain), (cfg_remat, params_remat, metrics_remat) = results
+    assert (cfg_plain.remat, cfg_plain.attention) == ("none", "einsum")
+    assert (cfg_remat.remat, cfg_remat.attention) == ("nothing_saveable", "dot_product")
+    for name, value in metrics_plain.items():
+        assert metrics_remat[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    for a, b in zip(jax.tree.leaves(params_plain), jax.tree.leaves(params_remat), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
