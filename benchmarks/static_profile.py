@@ -218,13 +218,29 @@ def compile_score(device: jax.Device):
     return lowered.compile(), scorer
 
 
-def compile_train_step(device: jax.Device):
-    """A TB learner step compiled for `device` on an abstract train state and batch."""
-    mixed = model_config("float32")
-    model, abstract = abstract_model(mixed)
+def abstract_learner(cfg, device: jax.Device):
+    """(model, optimizer, train state, its shardings, mesh): float32 params and Adam state
+    of `cfg` on a one-device mesh over `device`, abstract (nothing allocated)."""
+    model, abstract = abstract_model(cfg)
     optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
     state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer, device)
     state = learner.abstract_train_state(optimizer, abstract, state_sharding)
+    return model, optimizer, state, state_sharding, mesh
+
+
+def abstract_batch(shapes: dict, mesh: jax.sharding.Mesh) -> dict:
+    """{name: (shape, dtype)} as abstract arrays with the learner's batch sharding."""
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    return {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
+        for name, (shape, dtype) in shapes.items()
+    }
+
+
+def compile_train_step(device: jax.Device):
+    """A TB learner step compiled for `device` on an abstract train state and batch."""
+    mixed = model_config("float32")
+    model, optimizer, state, state_sharding, mesh = abstract_learner(mixed, device)
     step = learner.constant_beta_tb_step(
         model,
         optimizer,
@@ -236,20 +252,18 @@ def compile_train_step(device: jax.Device):
         temperature=TEMPERATURE,
     )
     rows = _TRAIN_PROMPTS.value * _TRAIN_K.value
-    shapes = {
-        "prompt_tokens": ((rows, _PROMPT.value), np.int32),
-        "prompt_mask": ((rows, _PROMPT.value), np.bool_),
-        "response_tokens": ((rows, _NEW.value), np.int32),
-        "response_mask": ((rows, _NEW.value), np.float32),
-        "reward": ((rows,), np.float32),
-        "logp_ref": ((rows,), np.float32),
-        "logp_behaviour": ((rows,), np.float32),
-    }
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-    batch = {
-        name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
-        for name, (shape, dtype) in shapes.items()
-    }
+    batch = abstract_batch(
+        {
+            "prompt_tokens": ((rows, _PROMPT.value), np.int32),
+            "prompt_mask": ((rows, _PROMPT.value), np.bool_),
+            "response_tokens": ((rows, _NEW.value), np.int32),
+            "response_mask": ((rows, _NEW.value), np.float32),
+            "reward": ((rows,), np.float32),
+            "logp_ref": ((rows,), np.float32),
+            "logp_behaviour": ((rows,), np.float32),
+        },
+        mesh,
+    )
     lowered = step.trace(state, batch).lower(lowering_platforms=lowering_platforms())
     return lowered.compile(), mixed, rows
 
@@ -258,10 +272,7 @@ def compile_reward_model_step(device: jax.Device):
     """A reward-model (Bradley–Terry) step compiled for `device` on an abstract train state
     and `--pairs` pairs of prompt + new tokens."""
     scorer = train_reward_model.scalar_score_config(model_config("float32"))
-    model, abstract = abstract_model(scorer)
-    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
-    state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer, device)
-    state = learner.abstract_train_state(optimizer, abstract, state_sharding)
+    model, optimizer, state, state_sharding, mesh = abstract_learner(scorer, device)
     step = train_reward_model.make_train_step(
         model,
         optimizer,
@@ -270,13 +281,13 @@ def compile_reward_model_step(device: jax.Device):
         mesh=mesh,
     )
     shape = (_PAIRS.value, _PROMPT.value + _NEW.value)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-    batch = {
-        name: jax.ShapeDtypeStruct(
-            shape, np.bool_ if name.endswith("mask") else np.int32, sharding=batch_sharding
-        )
-        for name in train_reward_model.PAIR_ARRAYS
-    }
+    batch = abstract_batch(
+        {
+            name: (shape, np.bool_ if name.endswith("mask") else np.int32)
+            for name in train_reward_model.PAIR_ARRAYS
+        },
+        mesh,
+    )
     lowered = step.trace(state, batch).lower(lowering_platforms=lowering_platforms())
     return lowered.compile(), scorer
 
