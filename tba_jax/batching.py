@@ -7,7 +7,7 @@ callers keep only the first `real` rows of its outputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -27,3 +27,12 @@ def fixed_batches(num_items: int, batch_size: int) -> Iterator[tuple[np.ndarray,
     the last batch is filled by repeating row 0, so every call has the same shape."""
     for index, rows in enumerate(fixed_size_batches(num_items, batch_size)):
         yield rows, min(batch_size, num_items - index * batch_size)
+
+
+def pad_rows(arrays: Sequence[np.ndarray], multiple: int) -> tuple[np.ndarray, ...]:
+    """`arrays` (same leading dimension: rows) with the last row repeated until their rows
+    are a multiple of `multiple`; callers keep the first rows of what they compute."""
+    extra = -len(arrays[0]) % multiple
+    if not extra:
+        return tuple(arrays)
+    return tuple(np.concatenate([a, np.repeat(a[-1:], extra, axis=0)]) for a in arrays)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tba_jax.batching import pad_rows
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -144,6 +146,21 @@ def abstract_on(shapes: Any, shardings: Any) -> Any:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (example) dimension split over data and fsdp; the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def split_rows_like(params: Any, *arrays: np.ndarray) -> tuple:
+    """`arrays` (same leading dimension: rows) split over the data (× fsdp) axes of the
+    mesh `params` live on, padded (the last row repeated) to a multiple of its shards, so
+    each sampler device computes its share of a batch's rows; as they are when `params`
+    are not on a mesh of several batch shards. Callers keep the first rows of what comes
+    back."""
+    leaves = jax.tree.leaves(params)
+    sharding = getattr(leaves[0], "sharding", None) if leaves else None
+    if not isinstance(sharding, NamedSharding) or batch_shards(sharding.mesh) == 1:
+        return arrays
+    rows = batch_sharding(sharding.mesh)
+    padded = pad_rows(arrays, batch_shards(sharding.mesh))
+    return tuple(jax.device_put(array, rows) for array in padded)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -94,17 +94,23 @@ class SearchWorker:
         s = self.samples_per_prompt
         prompts = [ex["prompt"] for ex in examples for _ in range(s)]
         prompt_tokens, prompt_mask = self.tokenizer.encode_prompts(prompts, self.max_prompt_len)
+        # on a sampler mesh, each device generates and scores its share of the rows
+        placed_tokens, placed_mask = mesh_lib.split_rows_like(params, prompt_tokens, prompt_mask)
         with self.time_split.measure("generating"):
-            gen = self.generate_fn(params, prompt_tokens, prompt_mask, rng)
+            gen = self.generate_fn(params, placed_tokens, placed_mask, rng)
             gen = jax.block_until_ready(gen)
         if should_stop is not None and should_stop():
             return []
         with self.time_split.measure("scoring"):
             token_logp_ref = self.score_fn(
-                self.reference_params, prompt_tokens, prompt_mask, gen.tokens, gen.mask
+                self.reference_params, placed_tokens, placed_mask, gen.tokens, gen.mask
             )
-            tokens, lengths, token_logp, token_logp_ref = jax.device_get(
-                (gen.tokens, gen.lengths, gen.token_logp, token_logp_ref)
+            rows = len(prompt_tokens)  # the padding rows are left out
+            tokens, lengths, token_logp, token_logp_ref = (
+                array[:rows]
+                for array in jax.device_get(
+                    (gen.tokens, gen.lengths, gen.token_logp, token_logp_ref)
+                )
             )
             created_at = time.time()
             sample_examples = [examples[row // s] for row in range(len(prompt_tokens))]

@@ -271,6 +271,91 @@ def check_engine() -> dict:
     }
 
 
+def check_data_split_search() -> dict:
+    """2 devices: on a (data 2) sampler mesh a search call's rows are split over the two
+    devices (9 rows padded to 10) and its trajectories are the one-device call's; so are
+    `generated_batches`' greedy batches (3 rows padded to 4)."""
+    from tba_jax.metrics import RateMeter, TimeSplit
+    from tba_jax.models.tokenizers import CharTokenizer
+    from tba_jax.runtime import SearchWorker
+    from tba_jax.sampling.generate import SamplingConfig, generated_batches, make_generate_fn
+    from tba_jax.sampling.scoring import make_score_fn
+
+    assert jax.device_count() == 2, jax.devices()
+    tokenizer = CharTokenizer.for_text()
+    model, params = init_model(preset("micro", vocab_size=tokenizer.vocab_size, init_std=0.5), 0)
+    mesh = mesh_lib.make_mesh(jax.devices(), {"data": -1})
+    placed = jax.device_put(
+        params,
+        mesh_lib.param_shardings(
+            model.logical_axes, _abstract(params), mesh, get_config().mesh.sampler_rules
+        ),
+    )
+    sampled = make_generate_fn(
+        model,
+        SamplingConfig(max_new_tokens=8, temperature=1.0),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+    )
+    row_shards = []
+
+    def recorded(*args):
+        out = sampled(*args)
+        row_shards.append(sorted(shard.data.shape[0] for shard in out.tokens.addressable_shards))
+        return out
+
+    examples = [{"id": i, "prompt": text} for i, text in enumerate(["2+3=", "hello", "x y z"])]
+
+    def search(search_params) -> list:
+        worker = SearchWorker(
+            generate_fn=recorded,
+            score_fn=make_score_fn(model, temperature=1.0),
+            reference_params=search_params,
+            tokenizer=tokenizer,
+            rewards_fn=lambda batch, texts: np.array([len(t) for t in texts], np.float32),
+            max_prompt_len=8,
+            samples_per_prompt=3,
+            time_split=TimeSplit(),
+            rates=RateMeter(),
+        )
+        return worker.search(search_params, 1, examples, jax.random.key(0))
+
+    whole, split = search(params), search(placed)
+    greedy = make_generate_fn(
+        model,
+        SamplingConfig(max_new_tokens=8, greedy=True),
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+    )
+
+    def greedy_tokens(greedy_params) -> list:
+        batches = generated_batches(
+            greedy,
+            greedy_params,
+            examples * 2,
+            tokenizer,
+            max_prompt_len=8,
+            batch_size=3,
+            rng=jax.random.key(1),
+        )
+        return [np.asarray(out.tokens).tolist() for *_, out in batches]
+
+    return {
+        "rows": len(split),
+        "row_shards": row_shards,
+        "same_responses": all(
+            a.response_tokens.tolist() == b.response_tokens.tolist() and a.reward == b.reward
+            for a, b in zip(whole, split, strict=True)
+        ),
+        "max_logp_diff": max(
+            float(np.max(np.abs(a.token_logp_behaviour - b.token_logp_behaviour), initial=0))
+            + float(np.max(np.abs(a.token_logp_ref - b.token_logp_ref), initial=0))
+            for a, b in zip(whole, split, strict=True)
+        ),
+        "same_greedy_batches": greedy_tokens(params) == greedy_tokens(placed),
+    }
+
+
 def _bert_judge_folder(layers: int = 2) -> str:
     """A BertForSequenceClassification folder made with NumPy from the packaged
     all-MiniLM-L6-v2 (its first `layers` layers, its tokenizer, a random 2-label head)."""
@@ -431,9 +516,9 @@ def check_fsdp_and_roles() -> dict:
 
 
 def check_publish_and_engine() -> dict:
-    """2 devices: check_publish's observations, and check_engine's under "engine" (one
-    process start for both)."""
-    return {**check_publish(), "engine": check_engine()}
+    """2 devices: check_publish's observations, check_engine's under "engine" and
+    check_data_split_search's under "search" (one process start for all three)."""
+    return {**check_publish(), "engine": check_engine(), "search": check_data_split_search()}
 
 
 CHECKS = {"publish": check_publish_and_engine, "fsdp": check_fsdp_and_roles, "train": check_train}

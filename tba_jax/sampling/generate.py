@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tba_jax.batching import fixed_batches
+from tba_jax.mesh import split_rows_like
 from tba_jax.models import Model, Params, positions_from_mask
 from tba_jax.models.tokenizers import Tokenizer
 
@@ -337,5 +338,9 @@ def generated_batches(
         prompts, prompt_mask = tokenizer.encode_prompts(
             [examples[i]["prompt"] for i in rows], max_prompt_len
         )
-        out = generate_fn(params, prompts, prompt_mask, jax.random.fold_in(rng, index))
+        # on a mesh, each device decodes its share of the rows (padded to a multiple)
+        placed = split_rows_like(params, prompts, prompt_mask)
+        out = generate_fn(params, *placed, jax.random.fold_in(rng, index))
+        if len(placed[0]) != batch_size:
+            out = Generation(*(np.asarray(field)[:batch_size] for field in out))
         yield [examples[i] for i in rows[:real]], prompts, prompt_mask, out
