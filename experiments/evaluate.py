@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 
+import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -341,12 +342,23 @@ def latest_checkpoint_step(config, workdir: str) -> int:
 def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict:
     """The metrics of the run's policy at `identity.step` on its task's test split, with
     the evaluation's identity (step, settings id, settings)."""
-    # its role models (reward models, victim, judge) sharded as the trainer's are
+    # the policy, π_ref and the role models (reward models, victim, judge) sharded as the
+    # trainer's sampler holds them, the batches' rows split over the other devices
     placement = over_all_devices(config)
     task = tasks.build_task(config.task, workdir, runs.policy_tokenizer(config), placement)
     run = runs.restore_run(config, workdir, identity.step)
+    params, reference_params = run.params, run.reference_params
+    if placement is not None:
+        shardings = placement.param_shardings("The policy", run.model.logical_axes, params)
+        params = jax.device_put(params, shardings)
+        if reference_params is not None:
+            reference_params = jax.device_put(reference_params, shardings)
+        if placement.mesh.size > 1:
+            logging.info(
+                "Evaluating on %d devices: %s.", placement.mesh.size, dict(placement.mesh.shape)
+            )
     metrics = evaluation.evaluate_policy(
-        run.model, run.params, task, settings, reference_params=run.reference_params
+        run.model, params, task, settings, reference_params=reference_params
     )
     return {
         "config_name": config.name,

@@ -23,6 +23,9 @@ from tba_jax import runtime
 from tba_jax.models import init_model, preset
 from tba_jax.placement import over_all_devices
 
+EVALUATE_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "evaluate.py"
+)
 CHECKS_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "mesh_subprocess_checks.py"
 )
@@ -261,7 +264,7 @@ def train_result(tmp_path_factory):
     summary = _run_check("train", 2, str(workdir), timeout=400)
     with open(workdir / "summary.json") as f:
         assert json.load(f) == summary
-    return summary
+    return {**summary, "workdir": str(workdir)}
 
 
 def test_two_devices_split_into_disjoint_roles(publish_result):
@@ -361,6 +364,44 @@ def test_async_run_on_two_devices_end_to_end(train_result):
     assert s["samples_generated"] > 0
     for key in ("eval_accuracy_start", "eval_accuracy_end"):
         assert isinstance(s[key], float) and 0.0 <= s[key] <= 1.0, (key, s[key])
+
+
+def test_evaluate_splits_the_policy_batches_over_the_devices_and_agrees_with_one(
+    train_result, tmp_path
+):
+    """experiments/evaluate.py on 2 devices: the policy on both, each batch's rows split
+    over data; the same metrics as on one device."""
+    workdir = train_result["workdir"]
+    metrics = {}
+    for devices in (2, 1):
+        out = tmp_path / f"eval_{devices}.json"
+        env = {
+            **os.environ,
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu",
+        }
+        done = subprocess.run(
+            [
+                sys.executable,
+                EVALUATE_SCRIPT,
+                f"--workdir={workdir}",
+                "--num_samples=2",
+                "--ks=1,2",
+                f"--out={out}",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("Evaluating on 2 devices: {'data': 2" in done.stderr) == (devices == 2)
+        metrics[devices] = {
+            key: value
+            for key, value in json.loads(out.read_text()).items()
+            if "pass@" in key or key.endswith(("reward", "length"))
+        }
+    assert metrics[2] == metrics[1] and "greedy_pass@1" in metrics[1]
 
 
 def test_slot_engine_on_a_tensor_parallel_sampler_mesh_equals_one_device_greedy(publish_result):
