@@ -332,6 +332,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     )
     compile_cache.use(config)
     meshes = topology_lib.role_meshes(topology, config)
+    warn_if_slots_repeat_rows(config, meshes.sampler)
     # The task's frozen role models (reward models, victim, judge) go where the sampler is;
     # a learner-only process (roles_by_process) uses them to evaluate only: whole on its
     # default device, as before, not a copy on each of its learner devices.
@@ -380,6 +381,20 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         group=topology_lib.LearnerGroup(meshes.learner),
         reference_shardings=learner_shardings if topology.multi_process else sampler_shardings,
     )
+
+
+def warn_if_slots_repeat_rows(config: ml_collections.ConfigDict, sampler: jax.sharding.Mesh):
+    """A warning when the slot engine runs on a sampler mesh of several data shards: its
+    slots sit whole on each of them (each computes every row), where the batch engine
+    splits a call's rows over them (`mesh.split_rows_like`)."""
+    shards = mesh_lib.batch_shards(sampler)
+    if config.search.engine == "slots" and shards > 1:
+        logging.warning(
+            "search.engine=slots keeps its slots whole on each of the sampler mesh's %d "
+            "data shards, so each computes every row; search.engine=batch splits a call's "
+            "rows over them, or put the sampler devices on mesh.sampler_axes.tensor.",
+            shards,
+        )
 
 
 def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], float]:

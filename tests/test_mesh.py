@@ -436,3 +436,21 @@ def test_every_mesh_axis_of_both_roles_can_be_set_from_a_variant():
     config = get_config("mesh.learner_axes.data=-1")
     with pytest.raises(ValueError, match=r"learner_axes\.fsdp=1"):
         mesh_lib.make_mesh(jax.devices()[:1], config.mesh.learner_axes)
+
+
+def test_the_slot_engine_on_several_data_shards_warns_that_each_computes_every_row(caplog):
+    from tba_jax.train import warn_if_slots_repeat_rows
+
+    data_split = AbstractMesh((2, 1, 1), mesh_lib.MESH_AXES)
+    tensor_split = AbstractMesh((1, 1, 2), mesh_lib.MESH_AXES)
+    for engine, mesh, warns in (
+        ("slots", data_split, True),
+        ("slots", tensor_split, False),
+        ("batch", data_split, False),
+    ):
+        caplog.clear()
+        warn_if_slots_repeat_rows(get_config(f"search.engine={engine}"), mesh)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(warned) == warns, (engine, dict(mesh.shape), warned)
+        if warns:
+            assert "2 data shards, so each computes every row" in warned[0]
