@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from tba_jax.mesh import split_rows_like
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import response_rewards
@@ -212,7 +213,11 @@ class FusedSearchWorker:
             )
             length = len(sample.tokens)
             tokens[row, :length], mask[row, :length], lengths[row] = sample.tokens, 1.0, length
-        logp_ref = self.score_fn(self.reference_params, prompt_tokens, prompt_mask, tokens, mask)
+        # on a sampler mesh, each device scores its share of the rows (padding rows dropped)
+        logp_ref = self.score_fn(
+            self.reference_params,
+            *split_rows_like(self.reference_params, prompt_tokens, prompt_mask, tokens, mask),
+        )
         n = len(samples)
         rewards = response_rewards(
             self.rewards_fn,

@@ -156,11 +156,23 @@ def split_rows_like(params: Any, *arrays: np.ndarray) -> tuple:
     back."""
     leaves = jax.tree.leaves(params)
     sharding = getattr(leaves[0], "sharding", None) if leaves else None
-    if not isinstance(sharding, NamedSharding) or batch_shards(sharding.mesh) == 1:
+    if not isinstance(sharding, NamedSharding):
         return arrays
-    rows = batch_sharding(sharding.mesh)
-    padded = pad_rows(arrays, batch_shards(sharding.mesh))
-    return tuple(jax.device_put(array, rows) for array in padded)
+    shards = row_shards(sharding.mesh)
+    if shards == 1:
+        return arrays
+    rows = NamedSharding(sharding.mesh, PartitionSpec(row_axes(sharding.mesh)))
+    return tuple(jax.device_put(array, rows) for array in pad_rows(arrays, shards))
+
+
+def row_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The batch axes (data, fsdp) `mesh` has: a batch's rows are split over them."""
+    return tuple(axis for axis in BATCH_AXES if axis in mesh.shape)
+
+
+def row_shards(mesh: Mesh) -> int:
+    """How many parts a batch's rows are split into on `mesh` (its `row_axes`)."""
+    return int(np.prod([mesh.shape[axis] for axis in row_axes(mesh)]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

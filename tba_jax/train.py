@@ -384,15 +384,17 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
 
 
 def warn_if_slots_repeat_rows(config: ml_collections.ConfigDict, sampler: jax.sharding.Mesh):
-    """A warning when the slot engine runs on a sampler mesh of several data shards: its
-    slots sit whole on each of them (each computes every row), where the batch engine
-    splits a call's rows over them (`mesh.split_rows_like`)."""
+    """A warning when the slot engine's slots do not divide over the sampler mesh's data
+    shards: then they sit whole on each shard (each computes every row), where otherwise
+    each shard decodes its share of them."""
     shards = mesh_lib.batch_shards(sampler)
-    if config.search.engine == "slots" and shards > 1:
+    slots = config.search.slots or config_lib.samples_per_search_call(config)
+    if config.search.engine == "slots" and slots % shards:
         logging.warning(
-            "search.engine=slots keeps its slots whole on each of the sampler mesh's %d "
-            "data shards, so each computes every row; search.engine=batch splits a call's "
-            "rows over them, or put the sampler devices on mesh.sampler_axes.tensor.",
+            "search.slots=%d does not divide over the sampler mesh's %d data shards, so "
+            "each shard runs every slot; pick a multiple of %d.",
+            slots,
+            shards,
             shards,
         )
 

@@ -218,18 +218,15 @@ def check_train(workdir: str) -> dict:
 
 def check_engine() -> dict:
     """2 devices: the slot engine on params split over a 2-device tensor-parallel sampler
-    mesh gives the one-device batch generator's greedy responses."""
+    mesh, and on a (data 2) one with its slots split over the two devices, gives the
+    one-device batch generator's greedy responses."""
     from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine
     from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
     assert jax.device_count() == 2, jax.devices()
     eos, pad, prompt_len, prompts = 2, 0, 5, 8
     model, params = init_model(preset("micro", vocab_size=16, init_std=0.5, num_kv_heads=2), 0)
-    mesh = mesh_lib.make_mesh(jax.devices(), {"tensor": 2})
     rules = get_config().mesh.sampler_rules
-    sharded = jax.device_put(
-        params, mesh_lib.param_shardings(model.logical_axes, _abstract(params), mesh, rules)
-    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 16, size=(prompts, prompt_len)).astype(np.int32)
     mask = np.arange(prompt_len)[None] >= rng.integers(0, prompt_len, size=(prompts, 1))
@@ -240,35 +237,45 @@ def check_engine() -> dict:
             params, tokens, mask, jax.random.key(0)
         )
     )
-    engine = SlotEngine(
-        model,
-        greedy,
-        EngineConfig(slots=4, chunk_steps=3, min_width=2, compact_min_steps=0),
-        max_prompt_len=prompt_len,
-        eos_id=eos,
-        pad_id=pad,
-    )
-    requests = [Request(row, tokens[row], mask[row], 1) for row in range(prompts)]
-    finished = {
-        item.key: item
-        for chunk in engine.run(lambda: (sharded, 0), requests, jax.random.key(0))
-        for item in chunk
-    }
     lengths = [int(n) for n in reference.lengths]
-    return {
-        "params_split": len(_all_device_ids(sharded)),
-        "lengths": lengths,
-        "same_tokens": all(
-            finished[row].tokens.tolist() == reference.tokens[row, : lengths[row]].tolist()
-            for row in range(prompts)
-        ),
-        "max_logp_diff": max(
-            float(
-                np.max(np.abs(finished[row].token_logp - reference.token_logp[row, : lengths[row]]))
-            )
-            for row in range(prompts)
-        ),
-    }
+    out: dict = {"lengths": lengths}
+    for name, axes in (("tensor", {"tensor": 2}), ("data", {"data": 2})):
+        mesh = mesh_lib.make_mesh(jax.devices(), axes)
+        sharded = jax.device_put(
+            params, mesh_lib.param_shardings(model.logical_axes, _abstract(params), mesh, rules)
+        )
+        engine = SlotEngine(
+            model,
+            greedy,
+            EngineConfig(slots=4, chunk_steps=3, min_width=2, compact_min_steps=0),
+            max_prompt_len=prompt_len,
+            eos_id=eos,
+            pad_id=pad,
+        )
+        requests = [Request(row, tokens[row], mask[row], 1) for row in range(prompts)]
+        finished = {
+            item.key: item
+            for chunk in engine.run(lambda p=sharded: (p, 0), requests, jax.random.key(0))
+            for item in chunk
+        }
+        empty = engine._empty_slots(4, sharded)
+        out[name] = {
+            "params_split": len(_all_device_ids(sharded)),
+            "slot_shards": sorted(s.data.shape[0] for s in empty.live.addressable_shards),
+            "same_tokens": all(
+                finished[row].tokens.tolist() == reference.tokens[row, : lengths[row]].tolist()
+                for row in range(prompts)
+            ),
+            "max_logp_diff": max(
+                float(
+                    np.max(
+                        np.abs(finished[row].token_logp - reference.token_logp[row, : lengths[row]])
+                    )
+                )
+                for row in range(prompts)
+            ),
+        }
+    return out
 
 
 def check_data_split_search() -> dict:

@@ -404,12 +404,15 @@ def test_evaluate_splits_the_policy_batches_over_the_devices_and_agrees_with_one
     assert metrics[2] == metrics[1] and "greedy_pass@1" in metrics[1]
 
 
-def test_slot_engine_on_a_tensor_parallel_sampler_mesh_equals_one_device_greedy(publish_result):
+def test_slot_engine_on_a_sampler_mesh_equals_one_device_greedy(publish_result):
     r = publish_result["engine"]
-    assert r["params_split"] == 2
     assert len(set(r["lengths"])) >= 3, r["lengths"]  # refills happen at many lengths
-    assert r["same_tokens"]
-    assert r["max_logp_diff"] < 1e-4
+    # tensor (2): the params split, every slot on both devices
+    assert r["tensor"]["params_split"] == 2 and r["tensor"]["slot_shards"] == [4, 4]
+    # data (2): the params on both, the 4 slots split 2 + 2
+    assert r["data"]["params_split"] == 2 and r["data"]["slot_shards"] == [2, 2]
+    for mesh in ("tensor", "data"):
+        assert r[mesh]["same_tokens"] and r[mesh]["max_logp_diff"] < 1e-4, mesh
 
 
 def test_a_search_call_splits_its_rows_over_the_sampler_data_axis(publish_result):
@@ -438,19 +441,20 @@ def test_every_mesh_axis_of_both_roles_can_be_set_from_a_variant():
         mesh_lib.make_mesh(jax.devices()[:1], config.mesh.learner_axes)
 
 
-def test_the_slot_engine_on_several_data_shards_warns_that_each_computes_every_row(caplog):
+def test_slots_that_do_not_divide_over_the_data_shards_are_warned_of(caplog):
     from tba_jax.train import warn_if_slots_repeat_rows
 
     data_split = AbstractMesh((2, 1, 1), mesh_lib.MESH_AXES)
     tensor_split = AbstractMesh((1, 1, 2), mesh_lib.MESH_AXES)
-    for engine, mesh, warns in (
-        ("slots", data_split, True),
-        ("slots", tensor_split, False),
-        ("batch", data_split, False),
+    for variant, mesh, warns in (
+        ("search.engine=slots,search.slots=7", data_split, True),
+        ("search.engine=slots,search.slots=8", data_split, False),
+        ("search.engine=slots,search.slots=7", tensor_split, False),
+        ("search.engine=batch,search.slots=7", data_split, False),
     ):
         caplog.clear()
-        warn_if_slots_repeat_rows(get_config(f"search.engine={engine}"), mesh)
+        warn_if_slots_repeat_rows(get_config(variant), mesh)
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert bool(warned) == warns, (engine, dict(mesh.shape), warned)
+        assert bool(warned) == warns, (variant, dict(mesh.shape), warned)
         if warns:
-            assert "2 data shards, so each computes every row" in warned[0]
+            assert "search.slots=7 does not divide over the sampler mesh's 2 data" in warned[0]

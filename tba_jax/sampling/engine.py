@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax.mesh import replicated
+from tba_jax.mesh import replicated, row_axes, row_shards
 from tba_jax.models import KVCache, Model, Params, positions_from_mask
 from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
 
@@ -519,7 +519,7 @@ class SlotEngine:
         """`width` empty slots where the prefill and decode programs leave the state when
         they run on `params`, so that a run's first prefill is the program every later
         prefill of its shape runs (with fresh, uncommitted slots JAX compiles it twice)."""
-        return _placed_like(self._init(width), params)
+        return _placed_like(self._init(width), params, self.model.cache_batch_axis)
 
     def _prefill_requests(
         self, params, state: SlotState, slots: _SlotTable, batch: list[Request], version: int
@@ -572,20 +572,33 @@ def decode_program(model: Model, sampling: SamplingConfig, eos_id: int, pad_id: 
     )
 
 
-def _placed_like(state: SlotState, params: Params) -> SlotState:
-    """`state` committed where programs running on `params` put their outputs: replicated
-    over the mesh of mesh-placed params, on the device of device-placed ones; as it is for
-    uncommitted params. (On a mesh of several devices XLA may shard the cache of a
-    program's output instead, so there the first prefill still compiles once more.)"""
+def _placed_like(state: SlotState, params: Params, cache_batch_axis: int) -> SlotState:
+    """`state` committed where programs running on `params` keep it: on the device of
+    device-placed params; over the mesh of mesh-placed ones, its slots split over the
+    mesh's data (× fsdp) axes when their count divides (each device decodes its share of
+    the slots, as the batch generator splits a call's rows), else replicated; as it is for
+    uncommitted params. (On a mesh of several devices XLA may place a program's output
+    otherwise, so there the first prefill still compiles once more.)"""
     leaf = jax.tree.leaves(params)[0]
     if not getattr(leaf, "committed", False):
         return state
     sharding = leaf.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        sharding = replicated(sharding.mesh)
-    elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(state, sharding)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
         return state
-    return jax.device_put(state, sharding)
+    mesh = sharding.mesh
+    axes, shards = row_axes(mesh), row_shards(mesh)
+    if shards == 1 or state.live.shape[0] % shards:
+        return jax.device_put(state, replicated(mesh))
+
+    def rows_on(axis: int) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * axis, axes))
+
+    rows = rows_on(0)
+    placed = jax.tree.map(lambda _: rows, state._replace(cache=None))
+    cache = jax.tree.map(lambda _: rows_on(cache_batch_axis), state.cache)
+    return jax.device_put(state, placed._replace(cache=cache))
 
 
 def _check_request(request: Request, config: EngineConfig, max_prompt_len: int) -> None:
