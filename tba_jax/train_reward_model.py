@@ -214,8 +214,10 @@ def reward_model_config(config: ml_collections.ConfigDict, tokenizer: Tokenizer)
     """The reward model's shape, without loading or drawing any params: `model.hf_path`'s
     decoder with a one-label score head (a one-label classifier as it is), else the
     `model.preset` with one; computed as `model.remat` and `model.attention` say."""
-    execution = {key: config.model[key] for key in EXECUTION_KEYS}
-    return dataclasses.replace(_reward_model_shape(config, tokenizer), **execution)
+    shape = _reward_model_shape(config, tokenizer)
+    # a config written before these keys existed computes as it did then (the defaults)
+    execution = {key: config.model.get(key, getattr(shape, key)) for key in EXECUTION_KEYS}
+    return dataclasses.replace(shape, **execution)
 
 
 def _reward_model_shape(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
@@ -317,7 +319,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(f"model.hf_path={hf_path!r} is not a Hugging Face model folder.")
     if hf_path and config.tokenizer == CHAR_TOKENIZER:
         raise ConfigError("tokenizer='char' is for random presets; clear model.hf_path.")
-    if config.model.attention == "cudnn" and config.model.dtype not in HALF_DTYPES:
+    if config.model.get("attention") == "cudnn" and config.model.dtype not in HALF_DTYPES:
         raise ConfigError(
             f"model.attention='cudnn' needs a half-precision model.dtype {HALF_DTYPES}, not "
             f"{config.model.dtype!r}; use attention='dot_product' for float32."
