@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 
-import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -346,19 +345,18 @@ def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict
     # trainer's sampler holds them, the batches' rows split over the other devices
     placement = over_all_devices(config)
     task = tasks.build_task(config.task, workdir, runs.policy_tokenizer(config), placement)
-    run = runs.restore_run(config, workdir, identity.step)
-    params, reference_params = run.params, run.reference_params
-    if placement is not None:
-        shardings = placement.param_shardings("The policy", run.model.logical_axes, params)
-        params = jax.device_put(params, shardings)
-        if reference_params is not None:
-            reference_params = jax.device_put(reference_params, shardings)
+    if placement is None:
+        run = runs.restore_run(config, workdir, identity.step)
+    else:
+        run = runs.restore_run(
+            config, workdir, identity.step, mesh=placement.mesh, rules=placement.rules
+        )
         if placement.mesh.size > 1:
             logging.info(
                 "Evaluating on %d devices: %s.", placement.mesh.size, dict(placement.mesh.shape)
             )
     metrics = evaluation.evaluate_policy(
-        run.model, params, task, settings, reference_params=reference_params
+        run.model, run.params, task, settings, reference_params=run.reference_params
     )
     return {
         "config_name": config.name,

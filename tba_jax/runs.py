@@ -10,7 +10,8 @@ training loop:
   the tokenizer of any run;
 - `experiment_identity(config, model_cfg)`: what a workdir's checkpoints must match;
 - `checkpoint_template(...)`: the abstract pytree a checkpoint restores into;
-- `restore_run(config, workdir, step)`: the trained policy and π_ref on one device.
+- `restore_run(config, workdir, step)`: the trained policy and π_ref on one device (or a
+  given mesh).
 """
 
 from __future__ import annotations
@@ -386,22 +387,30 @@ class RestoredRun(NamedTuple):
 
 
 def restore_run(
-    config: ml_collections.ConfigDict, workdir: str, step: int | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    step: int | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: mesh_lib.Rules = (),
 ) -> RestoredRun:
     """Loads the trained policy and reference of the run `config` in `workdir` (latest step
-    by default), onto the default device. Raises a clear error if the workdir has no
-    checkpoint or one of another experiment. The model has the checkpoint's params layout
+    by default), onto the default device, or straight onto `mesh` sharded by `rules`
+    (`experiments/evaluate.py`: the sampler's rules, so a policy split over `tensor` never
+    sits whole on one device). Raises a clear error if the workdir has no checkpoint or
+    one of another experiment. The model has the checkpoint's params layout
     (`scan_layers` as that segment of the run had it)."""
     model_cfg = stored_model_config(workdir)
     layout = stored_experiment(workdir).get(PROCESSES_KEY)  # any run's policy loads here
     checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg, layout))
     stacked = checkpoint_stacked(checkpointer.read_metadata(step), workdir)
     model, abstract_params = abstract_model(model_cfg.in_layout(stacked))
-    mesh = mesh_lib.make_mesh(jax.devices()[:1], {})
-    shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, [])
+    if mesh is None:
+        mesh, rules = mesh_lib.make_mesh(jax.devices()[:1], {}), ()
+    shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, rules)
     optimizer = learner.make_optimizer(optim_config(config))
     state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
-    critic = critic_parts(config, model, mesh, [])
+    critic = critic_parts(config, model, mesh, rules)
     template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings, critic)
     step = max(checkpointer.all_steps()) if step is None else step  # read_metadata checked it
     unreadable = None

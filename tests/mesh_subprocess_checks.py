@@ -208,12 +208,25 @@ def check_fsdp() -> dict:
 
 
 def check_train(workdir: str) -> dict:
-    """2 devices: the async smoke run end to end."""
+    """2 devices: the async smoke run end to end (its summary), and its checkpoint restored
+    straight onto a 2-device mesh as `evaluate.py` restores it (under "restored_on_mesh")."""
+    from tba_jax import runs
     from tba_jax.train import train_and_evaluate
 
     assert jax.device_count() == 2, jax.devices()
-    summary = train_and_evaluate(get_config("smoke"), workdir)
-    return summary
+    config = get_config("smoke")
+    summary = train_and_evaluate(config, workdir)
+    mesh = mesh_lib.make_mesh(jax.devices(), {"data": -1})
+    whole = runs.restore_run(config, workdir)
+    placed = runs.restore_run(config, workdir, mesh=mesh, rules=config.mesh.sampler_rules)
+    leaves = zip(jax.tree.leaves(whole.params), jax.tree.leaves(placed.params), strict=True)
+    restored = {
+        "whole_devices": _all_device_ids(whole.params),
+        "params_devices": _all_device_ids(placed.params),
+        "reference_devices": _all_device_ids(placed.reference_params),
+        "same_params": all(np.array_equal(a, b) for a, b in leaves),
+    }
+    return {**summary, "restored_on_mesh": restored}
 
 
 def check_engine() -> dict:

@@ -262,9 +262,10 @@ def fsdp_result():
 def train_result(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("mesh_train")
     summary = _run_check("train", 2, str(workdir), timeout=400)
+    restored = summary.pop("restored_on_mesh")
     with open(workdir / "summary.json") as f:
         assert json.load(f) == summary
-    return {**summary, "workdir": str(workdir)}
+    return {**summary, "workdir": str(workdir), "restored_on_mesh": restored}
 
 
 def test_two_devices_split_into_disjoint_roles(publish_result):
@@ -364,6 +365,13 @@ def test_async_run_on_two_devices_end_to_end(train_result):
     assert s["samples_generated"] > 0
     for key in ("eval_accuracy_start", "eval_accuracy_end"):
         assert isinstance(s[key], float) and 0.0 <= s[key] <= 1.0, (key, s[key])
+
+
+def test_a_checkpoint_restores_straight_onto_the_evaluation_mesh(train_result):
+    r = train_result["restored_on_mesh"]
+    assert r["whole_devices"] == [0]
+    assert r["params_devices"] == [0, 1] and r["reference_devices"] == [0, 1]
+    assert r["same_params"]
 
 
 def test_evaluate_splits_the_policy_batches_over_the_devices_and_agrees_with_one(
