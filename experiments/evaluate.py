@@ -345,16 +345,10 @@ def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict
     # trainer's sampler holds them, the batches' rows split over the other devices
     placement = over_all_devices(config)
     task = tasks.build_task(config.task, workdir, runs.policy_tokenizer(config), placement)
-    if placement is None:
-        run = runs.restore_run(config, workdir, identity.step)
-    else:
-        run = runs.restore_run(
-            config, workdir, identity.step, mesh=placement.mesh, rules=placement.rules
-        )
-        if placement.mesh.size > 1:
-            logging.info(
-                "Evaluating on %d devices: %s.", placement.mesh.size, dict(placement.mesh.shape)
-            )
+    mesh, rules = (None, ()) if placement is None else (placement.mesh, placement.rules)
+    run = runs.restore_run(config, workdir, identity.step, mesh=mesh, rules=rules)
+    if mesh is not None and mesh.size > 1:
+        logging.info("Evaluating on %d devices: %s.", mesh.size, dict(mesh.shape))
     metrics = evaluation.evaluate_policy(
         run.model, run.params, task, settings, reference_params=run.reference_params
     )

@@ -156,13 +156,17 @@ def split_rows_like(params: Any, *arrays: np.ndarray) -> tuple:
     back."""
     leaves = jax.tree.leaves(params)
     sharding = getattr(leaves[0], "sharding", None) if leaves else None
-    if not isinstance(sharding, NamedSharding):
+    if not isinstance(sharding, NamedSharding) or row_shards(sharding.mesh) == 1:
         return arrays
-    shards = row_shards(sharding.mesh)
-    if shards == 1:
-        return arrays
-    rows = NamedSharding(sharding.mesh, PartitionSpec(row_axes(sharding.mesh)))
-    return tuple(jax.device_put(array, rows) for array in pad_rows(arrays, shards))
+    return split_rows(sharding.mesh, *arrays)
+
+
+def split_rows(mesh: Mesh, *arrays: np.ndarray) -> tuple:
+    """`arrays` (same leading dimension: rows) on `mesh`, rows split over its `row_axes`:
+    padded (the last row repeated) to a multiple of its `row_shards`, so callers keep the
+    first rows of what comes back."""
+    rows = NamedSharding(mesh, PartitionSpec(row_axes(mesh)))
+    return tuple(jax.device_put(array, rows) for array in pad_rows(arrays, row_shards(mesh)))
 
 
 def row_axes(mesh: Mesh) -> tuple[str, ...]:

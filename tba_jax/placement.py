@@ -44,13 +44,11 @@ class RolePlacement:
                 f"{role_name} on the sampler mesh: {error} (mesh.sampler_rules, mesh.sampler_axes)"
             ) from None
 
-    def row_sharding(self) -> jax.sharding.NamedSharding:
-        """A batch's rows split over the data (and fsdp) axes."""
-        return mesh_lib.batch_sharding(self.mesh)
-
-    def row_multiple(self) -> int:
-        """What a batch's row count must be a multiple of: the data (× fsdp) shards."""
-        return mesh_lib.batch_shards(self.mesh)
+    def put_rows(self, *arrays: np.ndarray) -> tuple:
+        """A batch's `arrays` on the mesh, rows split over the data (and fsdp) axes
+        (`mesh.split_rows`: padded to a multiple of their shards; callers keep the first
+        rows)."""
+        return mesh_lib.split_rows(self.mesh, *arrays)
 
 
 def over_all_devices(config: ml_collections.ConfigDict) -> RolePlacement | None:

@@ -57,7 +57,7 @@ from tba_jax.data import preferences
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
 from tba_jax.models import sequence_scores as model_sequence_scores
-from tba_jax.models.config import ATTENTIONS, HALF_DTYPES, REMAT_POLICIES
+from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer, pad_sequences_with_mask
 from tba_jax.rewards.reward_model import (
     SCORE_LABEL,
@@ -319,11 +319,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(f"model.hf_path={hf_path!r} is not a Hugging Face model folder.")
     if hf_path and config.tokenizer == CHAR_TOKENIZER:
         raise ConfigError("tokenizer='char' is for random presets; clear model.hf_path.")
-    if config.model.get("attention") == "cudnn" and config.model.dtype not in HALF_DTYPES:
-        raise ConfigError(
-            f"model.attention='cudnn' needs a half-precision model.dtype {HALF_DTYPES}, not "
-            f"{config.model.dtype!r}; use attention='dot_product' for float32."
-        )
+    config_lib.check_attention(config)
     train = config.train
     if train.batch_size < 1 or train.batch_size % train.num_microbatches:
         raise ConfigError(

@@ -137,7 +137,8 @@ def test_config_errors_come_before_any_work(tmp_path):
         train_reward_model.train_reward_model(
             get_config("tiny,compile_cache.max_gib=0"), str(tmp_path)
         )
-    with pytest.raises(ConfigError, match=r"attention='cudnn' needs a half-precision"):
+    needs_half = r"model\.attention=cudnn needs model\.dtype in \['bfloat16', 'float16'\]"
+    with pytest.raises(ConfigError, match=needs_half):
         train_reward_model.train_reward_model(
             get_config("tiny,model.attention=cudnn"), str(tmp_path)
         )

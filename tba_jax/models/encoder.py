@@ -403,17 +403,14 @@ class TextEncoder:
         _check_batch_size(batch_size)
         out = np.zeros((len(rows), width), np.float32)
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        multiple = 1 if self.placement is None else self.placement.row_multiple()
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             num_rows = bucket(len(chunk), smallest=1, largest=batch_size)
-            num_rows += -num_rows % multiple  # padding rows: every token invalid
             longest = len(rows[chunk[0]][0])
             length = bucket(longest, smallest=MIN_LENGTH_BUCKET, largest=self.max_length)
             arrays = _pad_rows([rows[i] for i in chunk], num_rows, length, self.config.pad_token_id)
-            if self.placement is not None:
-                sharding = self.placement.row_sharding()
-                arrays = tuple(jax.device_put(array, sharding) for array in arrays)
+            if self.placement is not None:  # rows split over its data axis (padded)
+                arrays = self.placement.put_rows(*arrays)
             out[chunk] = np.asarray(fn(self.params, *arrays))[: len(chunk)]
         return out
 

@@ -40,12 +40,10 @@ class Placement(Protocol):
         mirrors (an error naming `role_name` if none fit)."""
         ...
 
-    def row_sharding(self) -> jax.sharding.Sharding:
-        """Where a batch's rows go."""
-        ...
-
-    def row_multiple(self) -> int:
-        """What a batch's row count must be a multiple of."""
+    def put_rows(self, *arrays: np.ndarray) -> tuple:
+        """`arrays` (same leading dimension: rows) where a batch's rows go: padded (the
+        last row repeated) to what the placement splits evenly; callers keep the first
+        rows of what comes back."""
         ...
 
 
@@ -64,14 +62,7 @@ class FrozenModel:
         the placement's data axis: padded (the last row repeated) to a multiple of its
         size, so callers keep the first rows of what comes back; as they are without a
         placement."""
-        if self.placement is None:
-            return arrays
-        rows = len(arrays[0])
-        extra = -rows % self.placement.row_multiple()
-        if extra:
-            arrays = tuple(np.concatenate([a, np.repeat(a[-1:], extra, axis=0)]) for a in arrays)
-        sharding = self.placement.row_sharding()
-        return tuple(jax.device_put(array, sharding) for array in arrays)
+        return arrays if self.placement is None else self.placement.put_rows(*arrays)
 
 
 def frozen_model_config(
