@@ -410,6 +410,43 @@ class Checkpointer:
             )
         return train_state, restored[BUFFER_ITEM], restored[METADATA_ITEM]
 
+    def restore_subset(self, *, template: Any, step: int | None = None) -> tuple[Any, dict]:
+        """Restores (train_state, metadata) from `step` (default: latest), reading only the
+        train-state leaves `template` names (a sub-tree of the saved one, ShapeDtypeStructs
+        with .sharding): the params without the optimizer state, and no replay buffer.
+        What using a trained policy needs; resuming training needs `restore`."""
+        self._manager.wait_until_finished()
+        step = self._resolve_step(step)
+        template = _abstract_train_state(template)
+        restore_args = jax.tree.map(
+            lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding, dtype=leaf.dtype), template
+        )
+        # orbax's standard handler restores whole trees only; its PyTree handler reads the
+        # same files and restores part of one.
+        with (
+            ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(read_only=True),
+                item_handlers={
+                    TRAIN_STATE_ITEM: ocp.PyTreeCheckpointHandler(),
+                    METADATA_ITEM: ocp.JsonCheckpointHandler(),
+                },
+            ) as reader,
+            quiet_if_the_restore_fails(),
+        ):
+            restored = reader.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        TRAIN_STATE_ITEM: ocp.args.PyTreeRestore(
+                            item=template, restore_args=restore_args, partial_restore=True
+                        ),
+                        METADATA_ITEM: ocp.args.JsonRestore(),
+                    }
+                ),
+            )
+        return restored[TRAIN_STATE_ITEM], restored[METADATA_ITEM]
+
     def read_metadata(self, step: int | None = None) -> dict:
         """The metadata of `step` (default: latest) alone: what to know before restoring."""
         self._manager.wait_until_finished()

@@ -399,7 +399,8 @@ def restore_run(
     (`experiments/evaluate.py`: the sampler's rules, so a policy split over `tensor` never
     sits whole on one device). Raises a clear error if the workdir has no checkpoint or
     one of another experiment. The model has the checkpoint's params layout
-    (`scan_layers` as that segment of the run had it)."""
+    (`scan_layers` as that segment of the run had it). Reads the params alone: not the
+    optimizer state (twice the policy's bytes with Adam) nor the replay buffer."""
     model_cfg = stored_model_config(workdir)
     layout = stored_experiment(workdir).get(PROCESSES_KEY)  # any run's policy loads here
     checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg, layout))
@@ -408,14 +409,15 @@ def restore_run(
     if mesh is None:
         mesh, rules = mesh_lib.make_mesh(jax.devices()[:1], {}), ()
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, rules)
-    optimizer = learner.make_optimizer(optim_config(config))
-    state_sharding = learner.train_state_shardings(optimizer, abstract_params, shardings, mesh)
+    params = mesh_lib.abstract_on(abstract_params, shardings)
+    template = {"train": {"params": params}, "reference": params}  # no Adam state, no buffer
     critic = critic_parts(config, model, mesh, rules)
-    template = checkpoint_template(optimizer, abstract_params, state_sharding, shardings, critic)
+    if critic is not None:
+        template["critic"] = {"params": critic.abstract_state.params}
     step = max(checkpointer.all_steps()) if step is None else step  # read_metadata checked it
     unreadable = None
     try:
-        restored, _, metadata = checkpointer.restore(train_state_template=template, step=step)
+        restored, metadata = checkpointer.restore_subset(template=template, step=step)
     except Exception as error:
         unreadable = checkpoint_unreadable(
             checkpointer,

@@ -160,6 +160,26 @@ def test_restore_buffer_reads_the_buffer_and_metadata_of_a_step(tmp_path):
     assert (latest_metadata, step_2_metadata) == (make_metadata(4), make_metadata(2))
 
 
+def test_restore_subset_reads_the_named_leaves_and_not_the_buffer(tmp_path, monkeypatch):
+    from tba_jax import checkpoint
+
+    def no_buffer_read(*args, **kwargs):
+        raise AssertionError("restore_subset read the replay buffer")
+
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [2, 4], force=True)
+    monkeypatch.setattr(checkpoint.NumpyDictCheckpointHandler, "restore", no_buffer_read)
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        template = {"params": abstract(make_train_state(seed=9)["params"])}
+        restored, metadata = checkpointer.restore_subset(template=template, step=2)
+        latest, latest_metadata = checkpointer.restore_subset(template=template)
+    # the params alone, as saved (an nnx.State, like the template), without opt_state or step
+    assert_trees_equal(restored, {"params": make_train_state(2)["params"]})
+    assert isinstance(restored["params"], nnx.State)
+    assert_trees_equal(latest, {"params": make_train_state(4)["params"]})
+    assert (metadata, latest_metadata) == (make_metadata(2), make_metadata(4))
+
+
 def test_read_metadata_reads_a_steps_metadata_alone(tmp_path):
     with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
         save_steps(checkpointer, [2, 4], force=True)
