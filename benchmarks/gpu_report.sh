@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in five parts that each fit a 10-minute command:
+# in six parts that each fit a 10-minute command:
 #
 #   bash benchmarks/gpu_report.sh decode  PEER   # decode at 3 shapes beside transformers'
 #                                                # generate (PEER: a copy of
 #                                                # ../shared/bench/hf_generate_baseline.py)
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
 #   bash benchmarks/gpu_report.sh engine         # batch-then-score vs the slot engine
+#   bash benchmarks/gpu_report.sh reward_model   # reward-model steps: time, MFU, peak memory
 #   bash benchmarks/gpu_report.sh smoke_tldr     # the paper-scale smoke runs, one a part
 #   bash benchmarks/gpu_report.sh smoke_gsm8k GSM8K  # (GSM8K: a folder with GSM8K's
 #                                                # train.jsonl and test.jsonl)
@@ -16,7 +17,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-part=${1:?"which part: decode PEER | learner | engine | smoke_tldr | smoke_gsm8k GSM8K_DIR"}
+part=${1:?"which part: decode PEER | learner | engine | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR"}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 limit=${REPORT_TIMEOUT:-240}
@@ -62,6 +63,15 @@ case "$part" in
       --max_prompt_len=256 --max_new_tokens=512 --width=72 --samples_per_prompt=24 \
       --prompts=36 --repeats=2 --eos_bias=-0.5
     ;;
+  reward_model)
+    # the README's "Reward models on one GPU" plans, run: 64 pairs of 512 + 54 tokens (TL;DR),
+    # float32 params and Adam state, bfloat16 compute; the 2.8B one without remat at 4
+    # micro-batches (planned 106 GiB) is left out as it cannot fit
+    rm="$G --skip=decode,score,train --pairs=64 --prompt=512 --new=54 --vocab=50304 --repeats=2"
+    run $rm --shape=pythia-1b --microbatches=4
+    run $rm --shape=pythia-2.8b --microbatches=8
+    run $rm --shape=pythia-2.8b --microbatches=4 --remat=nothing_saveable
+    ;;
   smoke_tldr|smoke_gsm8k)
     # sampler and learner share the device; each run gets most of a 10-minute command (the
     # GSM8K one had trained only its first step after 4 minutes on an H100)
@@ -76,7 +86,7 @@ case "$part" in
     fi
     ;;
   *)
-    echo "unknown part $part: decode PEER | learner | engine | smoke_tldr | smoke_gsm8k GSM8K_DIR" >&2
+    echo "unknown part $part: decode PEER | learner | engine | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR" >&2
     exit 2
     ;;
 esac

@@ -8,7 +8,11 @@ Adam state). Decoding samples
 exactly `--new` tokens per row at temperature 0.7 (EOS is an id that is never drawn, as
 transformers' `min_new_tokens` forces in ../shared/bench/hf_generate_baseline.py, the peer
 figure to run in the same command). Scoring is the searcher's π_ref pass; the learner step
-is a full TB step (forward, backward over `--microbatches`, AdamW) on B×K sequences.
+is a full TB step (forward, backward over `--microbatches`, AdamW) on B×K sequences;
+`--pairs=N` also times a reward model's Bradley–Terry step on N preference pairs of
+prompt + new tokens (`experiments/train_reward_model.py`'s step, the shape with a scalar
+head), with the device's peak memory beside what `static_profile.py --program=reward_model`
+plans.
 Prints one JSON line per measurement: the median of `--repeats` timed runs after a
 compiling warm-up, with tokens/s; for decode, the memory-bound roofline at `--hbm_tb_s`
 (`tba_jax.roofline`: the weights and each row's KV cache read once a step) and the share
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax import device_trace, learner, roofline, run_totals
+from tba_jax import device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
@@ -104,6 +108,9 @@ def main() -> None:
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
     parser.add_argument("--skip", default="", help="comma list of decode,score,train")
+    parser.add_argument(
+        "--pairs", type=int, default=0, help="> 0: also time a reward-model step on N pairs"
+    )
     parser.add_argument("--vocab", type=int, default=None, help="for presets without one")
     parser.add_argument(
         "--profile", type=int, default=0, help="> 0: also trace one run, print its N top ops"
@@ -193,67 +200,133 @@ def main() -> None:
         )
         if args.profile:
             profile("score", run_score, args.profile)
-    del params
+    params = (
+        None  # the decode params freed before the learner steps (the closures above keep the name)
+    )
 
     if "train" not in skip:
         mixed = preset(args.shape, dtype=args.dtype, param_dtype="float32", **sizes, **execution)
-        model, abstract = abstract_model(mixed)
-        optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
-        state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer)
-        _, params = init_model(mixed, seed=0)
-        state = learner.init_train_state(params, optimizer, state_sharding)
-        del params
-        step = learner.constant_beta_tb_step(
-            model,
-            optimizer,
-            state_sharding,
-            mesh,
-            beta=BETA,
-            samples_per_prompt=args.train_k,
-            num_microbatches=args.microbatches,
-            temperature=TEMPERATURE,
-        )
-        n = args.train_prompts * args.train_k
-        batch = {
-            "prompt_tokens": random_prompts(rng, n, args.prompt, vocab - 1),
-            "prompt_mask": np.ones((n, args.prompt), bool),
-            "response_tokens": random_prompts(rng, n, args.new, vocab - 1),
-            "response_mask": np.ones((n, args.new), np.float32),
-            "reward": rng.random(n).astype(np.float32),
-            "logp_ref": -rng.random(n).astype(np.float32) * 100,
-            "logp_behaviour": -rng.random(n).astype(np.float32) * 100,
-        }
-        batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
-        holder = {"state": state}
+        measure_train_step(args, mixed, rng)
+    if args.pairs:
+        mixed = preset(args.shape, dtype=args.dtype, param_dtype="float32", **sizes, **execution)
+        measure_reward_model_step(args, train_reward_model.scalar_score_config(mixed), rng)
 
-        def run_step():
-            holder["state"], metrics = step(holder["state"], batch)
-            return metrics
 
-        first, times = timed(run_step, args.repeats)
-        tokens = n * total
-        flops_per_token = roofline.train_flops_per_token(mixed, total)  # 6·params + attention
-        flops = tokens * flops_per_token
-        median = statistics.median(times)
-        report(
-            "train_step",
-            first,
-            times,
-            sequences=n,
-            seq_len=total,
-            microbatches=args.microbatches,
-            scan_layers=mixed.scan_layers,
-            remat=mixed.remat,
-            attention=mixed.attention,
-            logprob_chunk=mixed.logprob_chunk,
-            tokens_per_s=tokens / median,
-            flops_per_token=flops_per_token,
-            model_tflops_per_s=flops / median / 1e12,
-            mfu_percent=100 * flops / median / 1e12 / args.peak_tflops,
-        )
-        if args.profile:
-            profile("train_step", run_step, args.profile)
-        time_publish(holder, run_step, median, args.repeats)
+def new_train_state(mixed):
+    """(model, optimizer, float32 params + Adam state of `mixed` on one device, its shardings,
+    the one-device mesh)."""
+    model, abstract = abstract_model(mixed)
+    optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
+    state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer)
+    _, params = init_model(mixed, seed=0)
+    state = learner.init_train_state(params, optimizer, state_sharding)
+    return model, optimizer, state, state_sharding, mesh
+
+
+def timed_steps(step, state, batch, repeats: int):
+    """(first, times, run_step, holder): `step(state, batch)` timed, the newest state in
+    holder["state"] (each step donates the one before)."""
+    holder = {"state": state}
+
+    def run_step():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
+    first, times = timed(run_step, repeats)
+    return first, times, run_step, holder
+
+
+def step_figures(mixed, rows: int, seq_len: int, median: float, peak_tflops: float) -> dict:
+    """Tokens/s, FLOPs per token (6·params + attention, written out) and MFU of a learner
+    step on `rows` sequences of `seq_len` tokens that took `median` seconds."""
+    tokens = rows * seq_len
+    flops_per_token = roofline.train_flops_per_token(mixed, seq_len)
+    flops = tokens * flops_per_token
+    return {
+        "remat": mixed.remat,
+        "attention": mixed.attention,
+        "tokens_per_s": tokens / median,
+        "flops_per_token": flops_per_token,
+        "model_tflops_per_s": flops / median / 1e12,
+        "mfu_percent": 100 * flops / median / 1e12 / peak_tflops,
+    }
+
+
+def measure_train_step(args, mixed, rng: np.random.Generator) -> None:
+    """A full TB step (forward, backward over --microbatches, AdamW) on B×K sequences, then
+    a publish of its params."""
+    model, optimizer, state, state_sharding, mesh = new_train_state(mixed)
+    step = learner.constant_beta_tb_step(
+        model,
+        optimizer,
+        state_sharding,
+        mesh,
+        beta=BETA,
+        samples_per_prompt=args.train_k,
+        num_microbatches=args.microbatches,
+        temperature=TEMPERATURE,
+    )
+    n, vocab = args.train_prompts * args.train_k, mixed.vocab_size
+    batch = {
+        "prompt_tokens": random_prompts(rng, n, args.prompt, vocab - 1),
+        "prompt_mask": np.ones((n, args.prompt), bool),
+        "response_tokens": random_prompts(rng, n, args.new, vocab - 1),
+        "response_mask": np.ones((n, args.new), np.float32),
+        "reward": rng.random(n).astype(np.float32),
+        "logp_ref": -rng.random(n).astype(np.float32) * 100,
+        "logp_behaviour": -rng.random(n).astype(np.float32) * 100,
+    }
+    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
+    first, times, run_step, holder = timed_steps(step, state, batch, args.repeats)
+    median = statistics.median(times)
+    report(
+        "train_step",
+        first,
+        times,
+        sequences=n,
+        seq_len=args.prompt + args.new,
+        microbatches=args.microbatches,
+        scan_layers=mixed.scan_layers,
+        logprob_chunk=mixed.logprob_chunk,
+        **step_figures(mixed, n, args.prompt + args.new, median, args.peak_tflops),
+    )
+    if args.profile:
+        profile("train_step", run_step, args.profile)
+    time_publish(holder, run_step, median, args.repeats)
+
+
+def measure_reward_model_step(args, scorer, rng: np.random.Generator) -> None:
+    """A reward model's Bradley–Terry step (`train_reward_model.make_train_step`: chosen and
+    rejected rows of prompt + new tokens, --microbatches, AdamW) on --pairs pairs, with the
+    device's peak memory: what `static_profile.py --program=reward_model` plans."""
+    model, optimizer, state, state_sharding, mesh = new_train_state(scorer)
+    step = train_reward_model.make_train_step(
+        model,
+        optimizer,
+        num_microbatches=args.microbatches,
+        state_sharding=state_sharding,
+        mesh=mesh,
+    )
+    seq_len = args.prompt + args.new
+    shape = (args.pairs, seq_len)
+    batch = {
+        "chosen_tokens": random_prompts(rng, *shape, scorer.vocab_size),
+        "chosen_mask": np.ones(shape, bool),
+        "rejected_tokens": random_prompts(rng, *shape, scorer.vocab_size),
+        "rejected_mask": np.ones(shape, bool),
+    }
+    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
+    first, times, _, _ = timed_steps(step, state, batch, args.repeats)
+    median = statistics.median(times)
+    report(
+        "reward_model_step",
+        first,
+        times,
+        pairs=args.pairs,
+        seq_len=seq_len,
+        microbatches=args.microbatches,
+        **step_figures(scorer, 2 * args.pairs, seq_len, median, args.peak_tflops),
+    )
 
 
 def time_publish(holder: dict, run_step, step_s: float, repeats: int) -> None:

@@ -10,7 +10,7 @@ import json
 import pytest
 from support import run_repo_script
 
-from tba_jax import roofline
+from tba_jax import roofline, train_reward_model
 from tba_jax.models import preset
 
 SHAPE = dict(batch=2, prompt=4, new=4)
@@ -28,6 +28,7 @@ ARGS = [
     "--microbatches=1",
     "--repeats=1",
     "--profile=3",
+    "--pairs=2",
     *(f"--{name}={value}" for name, value in SHAPE.items()),
 ]
 
@@ -43,6 +44,7 @@ def test_micro_run_prints_decode_score_and_learner_lines():
         "score",
         "train_step",
         "publish",
+        "reward_model_step",
         "decode_profile",
         "score_profile",
         "train_step_profile",
@@ -68,3 +70,10 @@ def test_micro_run_prints_decode_score_and_learner_lines():
     peak = roofline.H100_DENSE_BF16_FLOPS
     mfu = 100 * train["tokens_per_s"] * train["flops_per_token"] / peak
     assert train["mfu_percent"] == pytest.approx(mfu, abs=0.051)
+    # the reward model's step: 2 pairs of prompt + new tokens, FLOPs of the scalar-head shape
+    scored = lines["reward_model_step"]
+    assert (scored["pairs"], scored["seq_len"], scored["remat"]) == (2, 8, "dots_saveable")
+    scorer = train_reward_model.scalar_score_config(cfg)
+    assert scored["flops_per_token"] == pytest.approx(roofline.train_flops_per_token(scorer, 8))
+    assert scored["flops_per_token"] < train["flops_per_token"]  # no vocabulary projection
+    assert scored["tokens_per_s"] > 0
