@@ -37,7 +37,7 @@ import numpy as np
 
 from tba_jax import device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import abstract_model, init_model, preset
+from tba_jax.models import init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -215,12 +215,9 @@ def main() -> None:
 def new_train_state(mixed):
     """(model, optimizer, float32 params + Adam state of `mixed` on one device, its shardings,
     the one-device mesh)."""
-    model, abstract = abstract_model(mixed)
+    model, params = init_model(mixed, seed=0)
     optimizer = learner.make_optimizer(learner.OptimConfig(learning_rate=LEARNING_RATE))
-    state_sharding, mesh = learner.one_device_shardings(model, abstract, optimizer)
-    _, params = init_model(mixed, seed=0)
-    state = learner.init_train_state(params, optimizer, state_sharding)
-    return model, optimizer, state, state_sharding, mesh
+    return model, optimizer, *learner.one_device_train_state(model, params, optimizer)
 
 
 def timed_steps(step, state, batch, repeats: int):
