@@ -19,12 +19,17 @@ from absl import logging
 
 from tba_jax import exchange, runtime
 from tba_jax import mesh as mesh_lib
-from tba_jax.checkpoint import StopSignal
+from tba_jax.checkpoint import RunStopped, StopSignal
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.models import Params
 from tba_jax.replay import ReplayBuffer
 from tba_jax.run_totals import EXCHANGING, Meters
-from tba_jax.sources import SEARCHER_JOIN_TIMEOUT_S, SourceState, make_searcher_pool
+from tba_jax.sources import (
+    SAMPLES_DROPPED_STALE,
+    SEARCHER_JOIN_TIMEOUT_S,
+    SourceState,
+    make_searcher_pool,
+)
 from tba_jax.topology import LearnerGroup, Topology
 from tba_jax.trajectories import SampledBatch, Trajectory, collate
 
@@ -89,6 +94,10 @@ class RemoteSource:
         self._stop_signal: StopSignal | None = None
         self._fresh: list[Trajectory] = []
         self.remote_counts = {"samples": 0.0, "tokens": 0.0}
+        self.max_policy_lag = 0 if self.is_sync else config.replay.max_policy_lag
+        self.dropped_stale = 0  # samples past replay.max_policy_lag, this segment
+        # the last round's learners all held enough prompts fresh for the next step
+        self._next_step_ready = False
 
     # -- the exchange --------------------------------------------------------------------
 
@@ -97,6 +106,7 @@ class RemoteSource:
         flags[exchange.FLAG_STOP] = self._stop_signal is not None and self._stop_signal.requested
         flags[exchange.FLAG_NEXT] = next_op
         flags[exchange.FLAG_READY] = ready
+        flags[exchange.FLAG_PROMPTS] = 0 if self.buffer is None else self.buffer.num_prompts
         block = exchange.empty_block(
             self.rows, self.config.max_prompt_len, self.config.max_response_len
         )
@@ -117,9 +127,9 @@ class RemoteSource:
                 self._stop_signal.request(f"a stop request on process {asked[0]}")
         self._publish_next = next_op == exchange.NEXT_PUBLISH and not self._stop_agreed
         self._fresh = exchange.blocks_of(blocks, self.my_searchers)
-        self._all_ready = bool(
-            all_flags[list(self.topology.learner_processes), exchange.FLAG_READY].all()
-        )
+        learners = list(self.topology.learner_processes)
+        self._all_ready = bool(all_flags[learners, exchange.FLAG_READY].all())
+        self._every_learner_has_prompts = bool(all_flags[learners, exchange.FLAG_PROMPTS].all())
         if self.buffer is not None and self._fresh:
             self.buffer.add(self._fresh)
 
@@ -164,6 +174,8 @@ class RemoteSource:
         return self._stop_agreed
 
     def next_batch(self, step: int) -> SampledBatch:
+        if self.max_policy_lag:
+            self._drop_stale(step)
         last = step + 1 >= self.config.learner_steps
         publish = (step + 1) % self.publish_every == 0
         next_op = (
@@ -171,7 +183,8 @@ class RemoteSource:
             if last
             else (exchange.NEXT_PUBLISH if publish else exchange.NEXT_ROUND)
         )
-        self._round(next_op)
+        self._round(next_op, ready=self._fresh_enough(step + 1))
+        self._next_step_ready = self._all_ready
         batch_cfg = self.config.batch
         prompts = batch_cfg.prompts_per_batch // self.topology.num_learners
         if self.is_sync:
@@ -181,6 +194,35 @@ class RemoteSource:
             batch_cfg.samples_per_prompt,
             np.random.default_rng([self.config.seed, step, self.topology.process_index]),
         )
+
+    def _fresh_enough(self, step: int) -> bool:
+        """Whether this learner's buffer holds `replay.min_prompts` prompts with samples
+        fresh enough for `step` (before the round's samples arrive: they only add)."""
+        if self.buffer is None:
+            return True
+        if self.max_policy_lag:
+            prompts = self.buffer.num_prompts_since(step - self.max_policy_lag)
+        else:
+            prompts = self.buffer.num_prompts
+        return prompts >= self.config.replay.min_prompts
+
+    def _drop_stale(self, step: int) -> None:
+        """Drops samples more than `replay.max_policy_lag` versions behind `step`; unless the
+        last round said every learner still holds `replay.min_prompts` prompts after that,
+        rounds follow until they all do. A stop agreed meanwhile ends the rounds (the
+        searcher processes are gone): the step trains if every learner holds a prompt,
+        else the run stops before it (`RunStopped`; the step before is saved)."""
+        self.dropped_stale += self.buffer.drop_older_than(step - self.max_policy_lag)
+        if self._next_step_ready:
+            return
+        while True:  # the rounds' time counts as exchanging, as the first fill's does
+            self._round(exchange.NEXT_ROUND, ready=self._fresh_enough(step))
+            if self._all_ready:
+                return
+            if self._stop_agreed:
+                if self._every_learner_has_prompts:
+                    return
+                raise RunStopped("the run stopped while the learners waited for fresh samples")
 
     def _collate_fresh(self, prompts: int, k: int) -> SampledBatch:
         if len(self._fresh) != prompts * k:
@@ -208,7 +250,10 @@ class RemoteSource:
     def metrics(self, step: int) -> dict[str, float]:
         if self.buffer is None:
             return {}
-        return {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
+        metrics = {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
+        if self.max_policy_lag:
+            metrics[SAMPLES_DROPPED_STALE] = float(self.dropped_stale + self.buffer.refused_stale)
+        return metrics
 
     def state(self) -> SourceState:
         buffer = {} if self.buffer is None else self.buffer.state_dict()

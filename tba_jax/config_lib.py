@@ -354,11 +354,6 @@ def validate(
             f"samples generated per prompt (batch.samples_generated_per_prompt="
             f"{batch.samples_generated_per_prompt}); raise the latter or lower K."
         )
-    if config.replay.max_policy_lag and config.distributed.topology == "roles_by_process":
-        raise ConfigError(
-            "replay.max_policy_lag is not built for distributed.topology=roles_by_process "
-            "(its learners draw in lockstep rounds); use roles_within_host or leave it 0."
-        )
     if config.method == "vineppo" and config.distributed.topology == "roles_by_process":
         raise ConfigError(
             "method=vineppo is not built for distributed.topology=roles_by_process (its "

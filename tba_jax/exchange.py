@@ -8,8 +8,9 @@ no other channel.
   fixed-size block of trajectories (`pack_block`; learners send empty blocks). Learners
   keep the blocks of their own searchers (searcher rank j feeds learner rank j mod L).
   The flags carry each process's stop request, what the learners do next (another round,
-  a params broadcast first, or the end), and each searcher's prompt-stream position and
-  sample counts, so learner process 0 can checkpoint the searchers' state.
+  a params broadcast first, or the end), whether each learner holds enough prompts and
+  how many, and each searcher's prompt-stream position and sample counts, so learner
+  process 0 can checkpoint the searchers' state.
 - A *broadcast* (`ExchangeMesh.broadcast`) copies learner process 0's params to every process.
 
 The protocol, identical on every process: one START broadcast (params, π_ref, the
@@ -43,7 +44,8 @@ FLAG_STREAM_INDEX = 4
 FLAG_SAMPLES = 5  # searchers: samples generated so far (this segment)
 FLAG_TOKENS = 6  # searchers: response tokens generated so far
 FLAG_DROPPED = 7  # searchers: samples dropped from a full outbox so far
-NUM_FLAGS = 8
+FLAG_PROMPTS = 8  # learners: prompts their buffer holds (before this round's samples)
+NUM_FLAGS = 9
 
 NEXT_ROUND = 0
 NEXT_PUBLISH = 1

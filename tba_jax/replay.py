@@ -586,6 +586,18 @@ class ReplayBuffer:
             self._finish(change)
             return len(stale)
 
+    def num_prompts_since(self, version: int) -> int:
+        """Number of prompt ids with a stored trajectory of policy version `version` or
+        newer: what `num_prompts` would be after `drop_older_than(version)`, nothing
+        dropped. Costs the number of stored versions when none is older, else one
+        vectorised pass over the stored samples."""
+        with self._lock:
+            if not any(v < version for v in self._count_by_version):
+                return len(self._groups)
+            live = self._store.live_slots()
+            fresh = live[self._store.column("policy_version")[live] >= version]
+            return len(np.unique(self._store.column("prompt_id")[fresh]))
+
     def sample(self, num_prompts: int, k: int, rng: np.random.Generator) -> SampledBatch:
         """Draw B = num_prompts prompt slots × K responses each; see the module docstring.
 

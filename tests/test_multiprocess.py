@@ -26,6 +26,7 @@ import pytest
 from configs.arithmetic import get_config
 from tba_jax import distributed, exchange, topology
 from tba_jax.config_lib import ConfigError
+from tba_jax.metrics import read_scalars
 from tba_jax.trajectories import Trajectory
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -286,6 +287,23 @@ def test_roles_by_process_saves_on_sigterm_and_resumes(tmp_path):
     assert summary["learner_steps"] == saved + 4
     assert summary["topology"] == "roles_by_process" and summary["searcher_processes"] == 1
     assert summary["exchange_seconds_per_step"] > 0 and summary["mean_policy_lag"] > 0
+
+
+def test_roles_by_process_bounds_the_policy_lag(tmp_path):
+    workdir = tmp_path / "run"
+    command = train_command(
+        workdir,
+        "--config.distributed.topology=roles_by_process",
+        "--config.learner_steps=12",
+        "--config.replay.max_policy_lag=1",
+    )
+    code, _, stderr = finish(launch(2, *command, stderr=subprocess.PIPE))
+    assert code == 0, stderr[-3000:]
+    summary = summary_of(workdir)
+    assert summary["learner_steps"] == 12 and summary["searcher_processes"] == 1
+    assert summary["max_policy_lag"] <= 1
+    dropped = dict(read_scalars(os.path.join(workdir, "tensorboard"))["samples_dropped_stale"])
+    assert sorted(dropped)[-1] == 12 and dropped[12] > 0  # the bound took samples out
 
 
 def test_roles_by_process_sync_over_four_processes(tmp_path):

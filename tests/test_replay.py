@@ -373,6 +373,28 @@ def test_drop_older_than_removes_exactly_the_older_versions():
     assert buffer.sample(1, 1, np.random.default_rng(0)).prompt_ids.tolist() == [5]
 
 
+def test_num_prompts_since_counts_what_drop_older_than_would_leave():
+    buffer = make_buffer()
+    # prompt 0 has an old and a new sample; prompt 1 only old ones; prompt 2 only new
+    buffer.add(
+        [
+            make_trajectory(0, (1,), policy_version=0),
+            make_trajectory(0, (2,), policy_version=3),
+            make_trajectory(1, (1,), policy_version=1),
+            make_trajectory(1, (2,), policy_version=2),
+            make_trajectory(2, (1,), policy_version=4),
+        ]
+    )
+    counts = {version: buffer.num_prompts_since(version) for version in range(6)}
+    assert counts == {0: 3, 1: 3, 2: 3, 3: 2, 4: 1, 5: 0}
+    assert len(buffer) == 5  # nothing dropped
+    for version in range(6):  # the count is what the drop leaves
+        dropped = make_buffer()
+        dropped.load_state_dict(buffer.state_dict())
+        dropped.drop_older_than(version)
+        assert dropped.num_prompts == counts[version], version
+
+
 def test_stats():
     buffer = make_buffer()
     assert buffer.stats()["num_trajectories"] == 0
