@@ -25,6 +25,7 @@ import pytest
 
 from configs.arithmetic import get_config
 from tba_jax import distributed, exchange, topology
+from tba_jax.checkpoint import RunStopped
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
 from tba_jax.trajectories import Trajectory
@@ -124,6 +125,86 @@ def test_roles_by_process_makes_the_first_processes_learners():
         "learner_processes": 2,
         "searcher_processes": 2,
     }
+
+
+class ScriptedRounds:
+    """exchange.exchange_round for learner process 0 of 4 (learners 0 and 1, searchers 2
+    and 3; 2 feeds 0): each round answers with the next scripted (learner 1's ready, its
+    prompts, searcher 2 asks to stop, the trajectories searcher 2 sends), and keeps what
+    process 0 sent."""
+
+    def __init__(self, config, script):
+        self.config, self.script, self.sent = config, list(script), []
+
+    def __call__(self, mesh, flags, block):
+        self.sent.append(flags.copy())
+        ready, prompts, stop, fresh = self.script.pop(0)
+        all_flags = np.zeros((4, exchange.NUM_FLAGS), np.int64)
+        all_flags[0] = flags
+        all_flags[1, exchange.FLAG_READY], all_flags[1, exchange.FLAG_PROMPTS] = ready, prompts
+        all_flags[2, exchange.FLAG_STOP] = stop
+        searcher = exchange.pack_block(
+            fresh, len(block["prompt_id"]), self.config.max_prompt_len, self.config.max_response_len
+        )
+        sent_by = [block, block, searcher, block]  # the learners' and searcher 3's are empty
+        blocks = {name: np.stack([sent[name] for sent in sent_by]) for name in block}
+        return all_flags, blocks
+
+    def sent_flags(self, flag: int) -> list[int]:
+        return [int(flags[flag]) for flags in self.sent]
+
+
+def remote_source_with_stale_prompts(monkeypatch, script):
+    """Learner process 0's RemoteSource (max_policy_lag 1, min_prompts 2, 10 steps) whose
+    buffer holds prompts 0 and 1 of version 0 and prompt 2 of version 4, rounds scripted."""
+    from tba_jax.by_process import RemoteSource
+    from tba_jax.run_totals import Meters
+    from tba_jax.sources import make_replay_buffer
+
+    config = layout_config(
+        distributed__topology="roles_by_process",
+        distributed__learner_processes=2,
+        replay__max_policy_lag=1,
+        replay__min_prompts=2,
+    )
+    config.learner_steps = 10
+    layout = topology.make_topology(config, num_processes=4, process_index=0)
+    buffer = make_replay_buffer(config, pad_id=0)
+    buffer.add([trajectory(p, 3, 4, version) for p, version in [(0, 0), (1, 0), (2, 4)]])
+    rounds = ScriptedRounds(config, script)
+    monkeypatch.setattr(exchange, "exchange_round", rounds)
+    source = RemoteSource(
+        config, layout, None, exchange_mesh=None, params=None, reference=None, version=0,
+        buffer=buffer, meters=Meters(), pad_id=0,
+    )  # fmt: skip
+    return source, buffer, rounds
+
+
+def test_a_learner_takes_rounds_until_every_learner_holds_fresh_prompts(monkeypatch):
+    fresh = [trajectory(5, 3, 4, version=4)]
+    script = [(1, 2, 0, []), (1, 2, 0, fresh)] + [(1, 2, 0, [])] * 3
+    source, buffer, rounds = remote_source_with_stale_prompts(monkeypatch, script)
+    source.next_batch(4)  # versions below 3 are stale: prompt 2 alone is left
+    assert source.dropped_stale == 2 and buffer.num_prompts == 2  # prompt 5 came meanwhile
+    # rounds until it held 2 fresh prompts before one (that round ends the wait), then the
+    # step's own, which says whether it holds enough for the next step (versions 3 and 4:
+    # both fresh for step 5)
+    assert rounds.sent_flags(exchange.FLAG_READY) == [0, 0, 1, 1]
+    assert rounds.sent_flags(exchange.FLAG_PROMPTS) == [1, 1, 2, 2]
+    assert rounds.sent_flags(exchange.FLAG_NEXT) == [exchange.NEXT_ROUND] * 4
+    source.next_batch(5)  # every learner said so: the step's round alone, nothing dropped
+    assert len(rounds.sent) == 5 and source.dropped_stale == 2
+
+
+@pytest.mark.parametrize("other_prompts", [0, 1])
+def test_a_stop_while_learners_wait_trains_only_if_each_holds_a_prompt(monkeypatch, other_prompts):
+    source, _, rounds = remote_source_with_stale_prompts(monkeypatch, [(0, other_prompts, 1, [])])
+    if other_prompts:
+        source._drop_stale(4)  # both hold a prompt: the step trains on what they have
+    else:
+        with pytest.raises(RunStopped, match="waited for fresh samples"):
+            source._drop_stale(4)
+    assert len(rounds.sent) == 1  # the searcher processes are gone after a stop: no more
 
 
 def test_roles_within_host_gives_every_process_both_roles():
