@@ -20,7 +20,8 @@ The layout: roles_by_process makes the searcher processes' devices the sampler a
 learner processes' devices the learner (one device each when every process is pinned to
 one core); a single-process run (or roles_within_host) with colocated roles is the
 colocated layout of its devices, else every process's split of its devices
-(`mesh.sampler_devices`).
+(`mesh.sampler_devices`). Each process's sampler devices are one searcher's, which splits
+its calls over them (`sizing.predict`'s `searcher_devices`).
 
 The profile's config settings are replaced by the run's: k (`sync_period`), m
 (`replay.recency_prob`), the replay capacity and the learner steps the run made (over which
@@ -106,11 +107,13 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The run's devices per role (both all of them when colocated)."""
+    """The run's devices per role (both all of them when colocated), and the devices each
+    searcher splits its calls over (its process's sampler devices)."""
 
     sampler_devices: int
     learner_devices: int
     colocated: bool
+    searcher_devices: int
 
     @property
     def label(self) -> str:
@@ -205,14 +208,20 @@ def run_layout(run: Run) -> Layout:
             summary["searcher_processes"] * working,
             summary["learner_processes"] * working,
             colocated=False,
+            searcher_devices=working,
         )
     if summary["colocated"]:
-        return Layout(devices, devices, colocated=True)
+        return Layout(devices, devices, colocated=True, searcher_devices=per_process)
     mesh = run.config.mesh
     sampler, learner = mesh_lib.split_devices(
         range(per_process), mesh.sampler_devices, mesh.colocate
     )
-    return Layout(len(sampler) * processes, len(learner) * processes, colocated=False)
+    return Layout(
+        len(sampler) * processes,
+        len(learner) * processes,
+        colocated=False,
+        searcher_devices=len(sampler),
+    )
 
 
 def profile_for_run(profile_values: Mapping[str, Any], run: Run) -> sizing.Profile:
@@ -273,6 +282,7 @@ def check_run(
             layout.learner_devices,
             colocated=layout.colocated,
             assumptions=assumptions,
+            searcher_devices=layout.searcher_devices,
         )
         predicted[name] = {key: getattr(prediction, key) for key, _, _ in QUANTITIES}
     return {
@@ -282,6 +292,7 @@ def check_run(
         "sampler_devices": layout.sampler_devices,
         "learner_devices": layout.learner_devices,
         "colocated": layout.colocated,
+        "searcher_devices": layout.searcher_devices,
         "learner_steps": run.summary["learner_steps"],
         "exchange_seconds_per_step": exchange,
         "measured": measured,

@@ -15,10 +15,14 @@ samples trained on, and which role is the bottleneck. Pure arithmetic: no JAX.
 
 Scaling assumptions (each one a field of `Assumptions`):
 
-- Sampler: the s sampler devices run independent searchers (data parallel; one searcher
-  per device), so samples/s = r₁ · (1 + e_s·(s − 1)), with r₁ one device's rate and
-  e_s = `sampler_efficiency` (1: linear). A searcher's call takes c = one device's time
-  for one call, whatever s is.
+- Sampler: samples/s = r₁ · (1 + e_s·(s − 1)) on s sampler devices, with r₁ one device's
+  rate and e_s = `sampler_efficiency` (1: linear). They run s/g independent searchers,
+  each splitting its calls' rows over g devices (its process's sampler mesh:
+  `searcher_devices`), so a call takes c_g = c₁ / (1 + e_s·(g − 1)), c₁ one device's time
+  for one call. By default a process per host: g = a host's devices with `--topology`
+  (its sampler hosts are whole), else all s (one process); g = 1 is a searcher process
+  per device (`tba_jax.launch --devices_per_process=1`, as benchmarks/sizing_check.py's
+  runs).
 - Learner: a step's device time on n devices is t₁ / (1 + e_l·(n − 1)), with t₁ one
   device's time and e_l = `learner_efficiency` (each added device adds e_l of a device:
   1 is linear, 0 no gain). The host's batch draw (t_draw) does not scale.
@@ -33,11 +37,11 @@ Scaling assumptions (each one a field of `Assumptions`):
   exchange, so a measured t_x already holds the publish that t_pub/k also charges.)
 - Colocated: both roles time-share all N devices; the sampler gets `colocated_sampler_share`
   (f) of their time and the learner the rest, so samples/s = f·r(N), a searcher's call
-  takes c/f, and a learner step takes (t_draw + t(N) + t_pub/k + t_x) / (1 − f).
+  takes c_g/f, and a learner step takes (t_draw + t(N) + t_pub/k + t_x) / (1 − f).
 - Profiles taken on several devices are first brought to one device by the same laws.
 - The learner never waits for the searchers (it samples the replay buffer), so ρ does not
   depend on the sampler; a slow sampler shows as few new samples per step (`fresh`) and a
-  longer lag. `search.num_searchers` is not modelled: one searcher per sampler device.
+  longer lag. `search.num_searchers` is not modelled: one searcher per sampler mesh.
 
 So, with ρ = learner steps/s = 1 / (t_draw + t(n) + t_pub/k + t_x) and R = samples/s:
 
@@ -249,6 +253,7 @@ class Prediction:
     priority parts beside it). samples_per_s: R. step_seconds: 1/ρ. fresh_fraction:
     G / (B·K). call_seconds: one searcher call's latency. batch_divides: the learner's
     B·K/num_microbatches rows divide over its devices (as config_lib.validate requires).
+    searcher_devices: g, the devices each searcher's calls are split over.
     """
 
     sampler_devices: int
@@ -264,6 +269,7 @@ class Prediction:
     fresh_fraction: float
     call_seconds: float
     batch_divides: bool
+    searcher_devices: int = 1
 
     @property
     def devices(self) -> int:
@@ -341,7 +347,7 @@ def batch_divides(profile: Profile, learner_devices: int) -> bool:
 # ------------------------------------------------------------------------ policy lag
 
 
-def searcher_delay_s(call_seconds: float, searchers: int) -> float:
+def searcher_delay_s(call_seconds: float, searchers: float) -> float:
     """d: how long before now the newest version in the buffer was read, on average:
     the last finished call took `call_seconds`, and the newest of `searchers`
     independent searchers' calls started call_seconds/(searchers + 1) before it ended."""
@@ -406,10 +412,12 @@ def predict(
     *,
     colocated: bool = False,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+    searcher_devices: int = 1,
 ) -> Prediction:
     """The figures of `sampler_devices` searcher devices beside `learner_devices` learner
     devices; with `colocated`, both roles share the same devices (the two counts must then
-    be equal: N)."""
+    be equal: N). Each searcher splits its calls over `searcher_devices` of them (at most
+    all), so there are sampler_devices / searcher_devices searchers."""
     profile = as_profile(profile)
     if sampler_devices < 1 or learner_devices < 1:
         raise ValueError(
@@ -421,18 +429,22 @@ def predict(
             f"colocated roles share the same devices: sampler_devices={sampler_devices} "
             f"and learner_devices={learner_devices} must be equal."
         )
+    if searcher_devices < 1:
+        raise ValueError(f"searcher_devices={searcher_devices} must be >= 1.")
+    group = min(searcher_devices, sampler_devices)
     share = assumptions.colocated_sampler_share if colocated else 1.0
     learner_share = 1 - assumptions.colocated_sampler_share if colocated else 1.0
     one_device_rate = samples_per_s_one_device(profile, assumptions)
     samples_per_s = (
         share * one_device_rate * speedup(sampler_devices, assumptions.sampler_efficiency)
     )
-    call_seconds = profile.samples_per_call / one_device_rate / share
+    group_rate = one_device_rate * speedup(group, assumptions.sampler_efficiency)
+    call_seconds = profile.samples_per_call / group_rate / share
     seconds = step_seconds(profile, learner_devices, assumptions) / learner_share
     steps_per_s = 1 / seconds
     samples_per_step = samples_per_s * seconds
     run_steps = profile.learner_steps if assumptions.run_steps is None else assumptions.run_steps
-    delay = searcher_delay_s(call_seconds, sampler_devices)
+    delay = searcher_delay_s(call_seconds, sampler_devices / group)
     lag_recency = capped_by_step(
         recency_lag(profile, steps_per_s, samples_per_step, delay), run_steps
     )
@@ -452,6 +464,7 @@ def predict(
         fresh_fraction=samples_per_step / profile.batch_samples,
         call_seconds=call_seconds,
         batch_divides=batch_divides(profile, learner_devices),
+        searcher_devices=group,
     )
 
 
@@ -487,15 +500,40 @@ def all_layouts(
     devices: int,
     *,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+    topology: Topology | None = None,
+    searcher_devices: int | None = None,
 ) -> list[Prediction]:
-    """The colocated layout on all `devices`, then every split s + (N − s), s = 1 … N − 1."""
+    """The colocated layout on all `devices`, then every split s + (N − s), s = 1 … N − 1;
+    each searcher on `searcher_group` devices."""
     if devices < 1:
         raise ValueError(f"devices={devices} must be >= 1.")
     profile = as_profile(profile)
-    layouts = [predict(profile, devices, devices, colocated=True, assumptions=assumptions)]
-    for sampler in range(1, devices):
-        layouts.append(predict(profile, sampler, devices - sampler, assumptions=assumptions))
+
+    def layout(sampler: int, learner: int, colocated: bool = False) -> Prediction:
+        group = searcher_group(sampler, searcher_devices, topology)
+        return predict(
+            profile,
+            sampler,
+            learner,
+            colocated=colocated,
+            assumptions=assumptions,
+            searcher_devices=group,
+        )
+
+    layouts = [layout(devices, devices, colocated=True)]
+    layouts += [layout(sampler, devices - sampler) for sampler in range(1, devices)]
     return layouts
+
+
+def searcher_group(
+    sampler_devices: int, searcher_devices: int | None, topology: Topology | None
+) -> int:
+    """g, the devices one searcher's calls split over: `searcher_devices` when given, else a
+    process per host's, its sampler devices (a host's with a topology; all of them on one
+    host); at most the layout's sampler devices."""
+    if searcher_devices is None:
+        searcher_devices = sampler_devices if topology is None else topology.devices_per_host
+    return max(1, min(searcher_devices, sampler_devices))
 
 
 def allowed(prediction: Prediction, topology: Topology | None) -> bool:
@@ -525,15 +563,19 @@ def best_split(
     *,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     topology: Topology | None = None,
+    searcher_devices: int | None = None,
 ) -> Prediction:
     """The layout of `devices` devices with the most learner steps/s whose sampler makes at
     least `assumptions.min_fresh_fraction` of a batch in new samples per step (see the
     module docstring), among those the run can use (`allowed`)."""
-    layouts = [
-        layout
-        for layout in all_layouts(profile, devices, assumptions=assumptions)
-        if allowed(layout, topology)
-    ]
+    every = all_layouts(
+        profile,
+        devices,
+        assumptions=assumptions,
+        topology=topology,
+        searcher_devices=searcher_devices,
+    )
+    layouts = [layout for layout in every if allowed(layout, topology)]
     return choose(layouts, assumptions.min_fresh_fraction)
 
 
@@ -541,6 +583,7 @@ def best_split(
 
 TABLE_COLUMNS = (
     ("split", "{:<13}"),
+    ("searchers", "{:>9}"),
     ("learner steps/s", "{:>15}"),
     ("samples/step", "{:>12}"),
     ("fresh", "{:>6}"),
@@ -558,8 +601,10 @@ def table_row(
         f"{prediction.policy_lag_mean:.1f} ({prediction.policy_lag_recency:.1f} / "
         f"{prediction.policy_lag_priority:.1f})"
     )
+    searchers = prediction.sampler_devices / prediction.searcher_devices
     cells = (
         ("* " if best else "  ") + prediction.label,
+        f"{searchers:g}×{prediction.searcher_devices}",
         f"{prediction.learner_steps_per_s:.2f}",
         f"{prediction.samples_per_learner_step:.0f}",
         f"{prediction.fresh_fraction:.2f}",
@@ -608,10 +653,24 @@ def format_table(
     devices: int,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     topology: Topology | None = None,
+    searcher_devices: int | None = None,
 ) -> str:
-    """The readable table of every layout of `devices` devices, the best one starred."""
-    layouts = all_layouts(profile, devices, assumptions=assumptions)
-    best = best_split(profile, devices, assumptions=assumptions, topology=topology)
+    """The readable table of every layout of `devices` devices, the best one starred
+    ("searchers": how many, × the devices each splits its calls over)."""
+    layouts = all_layouts(
+        profile,
+        devices,
+        assumptions=assumptions,
+        topology=topology,
+        searcher_devices=searcher_devices,
+    )
+    best = best_split(
+        profile,
+        devices,
+        assumptions=assumptions,
+        topology=topology,
+        searcher_devices=searcher_devices,
+    )
     run_steps = profile.learner_steps if assumptions.run_steps is None else assumptions.run_steps
     header = "  ".join(fmt.format(name) for name, fmt in TABLE_COLUMNS).rstrip()
     lines = [profile_line(profile), assumptions_line(assumptions, run_steps), "", "  " + header]
@@ -624,9 +683,16 @@ def best_summary(
     devices: int,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     topology: Topology | None = None,
+    searcher_devices: int | None = None,
 ) -> dict[str, Any]:
     """The JSON line's object: the best split's figures and whether it keeps up."""
-    best = best_split(profile, devices, assumptions=assumptions, topology=topology)
+    best = best_split(
+        profile,
+        devices,
+        assumptions=assumptions,
+        topology=topology,
+        searcher_devices=searcher_devices,
+    )
     return {
         "devices": devices,
         "topology": None if topology is None else dataclasses.asdict(topology),
@@ -670,6 +736,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "processes (default: the profile's exchange_seconds, else 0)",
     )
     parser.add_argument(
+        "--searcher_devices",
+        type=int,
+        help="devices each searcher splits its calls over (default: a process per host: "
+        "a host's devices with --topology, else all the sampler devices; 1: a searcher "
+        "process per device)",
+    )
+    parser.add_argument(
         "--run_steps",
         type=float,
         help="average the lag over this many learner steps (default: the profile's "
@@ -710,11 +783,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             min_fresh_fraction=args.min_fresh_fraction,
             run_steps=args.run_steps,
         )
+        if args.searcher_devices is not None and args.searcher_devices < 1:
+            raise ValueError(f"--searcher_devices={args.searcher_devices} must be >= 1.")
     except (OSError, ValueError) as error:
         print(ERROR_PREFIX + str(error), file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_STATUS)
-    print(format_table(profile, devices, assumptions, topology))
-    print(json.dumps(best_summary(profile, devices, assumptions, topology), allow_nan=False))
+    print(format_table(profile, devices, assumptions, topology, args.searcher_devices))
+    summary = best_summary(profile, devices, assumptions, topology, args.searcher_devices)
+    print(json.dumps(summary, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import heapq
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -110,6 +111,35 @@ def test_efficiencies_scale_each_role():
     assert got.step_seconds == pytest.approx(0.02 + 0.2 + 0.02)
     assert got.samples_per_learner_step == pytest.approx(64 * 0.24)
     assert got.call_seconds == pytest.approx(0.5)  # a searcher's call does not speed up
+
+
+def test_a_searcher_that_splits_its_calls_over_its_devices_finishes_them_sooner():
+    halves = sizing.Assumptions(sampler_efficiency=0.5, learner_efficiency=0.5)
+    apart = sizing.predict(PROFILE, 3, 3, assumptions=halves)  # 3 searchers of one device
+    together = sizing.predict(PROFILE, 3, 3, assumptions=halves, searcher_devices=3)
+    assert together.samples_per_s == pytest.approx(apart.samples_per_s)  # the same work
+    assert together.call_seconds == pytest.approx(0.5 / 2)  # 3 devices do the work of 2
+    # one searcher: the newest version was read a call × (1 + 1/2) ago (3: × (1 + 1/4))
+    recency = 0.25 * 1.5 / together.step_seconds + 4 / 2
+    assert together.policy_lag_recency == pytest.approx(run_mean(recency, 10_000))
+    assert together.policy_lag_mean < apart.policy_lag_mean
+    assert (together.searcher_devices, apart.searcher_devices) == (3, 1)
+    assert sizing.predict(PROFILE, 2, 2, searcher_devices=8).searcher_devices == 2  # ≤ all
+    with pytest.raises(ValueError, match="searcher_devices=0 must be >= 1"):
+        sizing.predict(PROFILE, 2, 2, searcher_devices=0)
+
+
+def test_a_searcher_spans_a_hosts_sampler_devices_unless_told():
+    hosts = sizing.Topology(hosts=2, devices_per_host=4)
+    groups = {
+        layout.label: layout.searcher_devices
+        for layout in sizing.all_layouts(PROFILE, 8, topology=hosts)
+    }
+    assert groups["colocated 8"] == 4 and groups["4 + 4"] == 4 and groups["2 + 6"] == 2
+    one_host = sizing.all_layouts(PROFILE, 8)
+    assert [layout.searcher_devices for layout in one_host] == [8, 1, 2, 3, 4, 5, 6, 7]
+    per_device = sizing.all_layouts(PROFILE, 8, searcher_devices=1, topology=hosts)
+    assert {layout.searcher_devices for layout in per_device} == {1}
 
 
 def test_colocated_roles_share_the_devices_time():
@@ -275,13 +305,14 @@ def simulated_lags(
 
 
 @pytest.mark.parametrize(
-    ("changes", "sampler_devices"),
+    ("changes", "sampler_devices", "searcher_devices"),
     [
-        ({}, 1),  # the sampler keeps up: a short buffer horizon
-        ({"search_call_seconds": 2.0, "sync_period": 2}, 3),  # a slow sampler, 3 searchers
+        ({}, 1, 1),  # the sampler keeps up: a short buffer horizon
+        ({"search_call_seconds": 2.0, "sync_period": 2}, 3, 1),  # a slow sampler, 3 searchers
+        ({"search_call_seconds": 2.0, "sync_period": 2}, 3, 3),  # one, over all 3 devices
     ],
 )
-def test_the_lag_model_agrees_with_a_simulated_run(changes, sampler_devices):
+def test_the_lag_model_agrees_with_a_simulated_run(changes, sampler_devices, searcher_devices):
     profile = {
         **PROFILE,
         "prompts_per_batch": 16,
@@ -297,12 +328,13 @@ def test_the_lag_model_agrees_with_a_simulated_run(changes, sampler_devices):
         "publish_seconds": 0.0,
         **changes,
     }
-    predicted = sizing.predict(profile, sampler_devices, 1, assumptions=LINEAR)
+    predicted = sizing.predict(
+        profile, sampler_devices, 1, assumptions=LINEAR, searcher_devices=searcher_devices
+    )
+    searchers = sampler_devices // searcher_devices
+    steps_per_s, call_seconds = predicted.learner_steps_per_s, predicted.call_seconds
     runs = [
-        simulated_lags(
-            profile, predicted.learner_steps_per_s, predicted.call_seconds, sampler_devices, seed
-        )
-        for seed in range(2)
+        simulated_lags(profile, steps_per_s, call_seconds, searchers, seed) for seed in range(2)
     ]
     lag, recency = np.mean(runs, axis=0)
     assert predicted.policy_lag_mean == pytest.approx(lag, rel=0.1, abs=0.5)
@@ -438,6 +470,12 @@ def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
         "devices_per_host": 4,
     }
     assert best["assumptions"]["run_steps"] == "inf"
+    # a process per host: the best split's one sampler host is one searcher of 4 devices
+    assert best["best"]["searcher_devices"] == 4 and "searchers" in result.stdout
+    assert re.search(r"\* 4 \+ 4 +1×4 ", result.stdout)
+    per_device = run_sizing(f"--profile={path}", "--topology=2x4", "--searcher_devices=1")
+    assert json.loads(per_device.stdout.splitlines()[-1])["best"]["searcher_devices"] == 1
+    assert re.search(r"\* 4 \+ 4 +4×1 ", per_device.stdout)
 
 
 @pytest.mark.parametrize(
@@ -447,6 +485,7 @@ def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
         (("--devices=6", "--topology=2x4"), "--devices=6 but --topology=2x4 has 8"),
         (("--devices=4", "--colocated_sampler_share=1"), "colocated_sampler_share=1.0 must be"),
         (("--devices=2", "--exchange_s=-1"), "exchange_seconds=-1.0 must be a number >= 0"),
+        (("--devices=2", "--searcher_devices=0"), "--searcher_devices=0 must be >= 1"),
     ],
 )
 def test_a_mistake_is_one_error_line(tmp_path, args, message):
@@ -591,6 +630,23 @@ def test_sizing_check_compares_runs_with_both_predictions(tmp_path, capsys):
     assert rows[1][5:] == ["58.9", "-70.6%", "76.8", "-61.6%"]
     assert rows[2][3] == "mean policy lag"
     assert rows[3][:3] == [single, "colocated 1 (single_process)", "0"]
+
+
+def test_sizing_check_gives_each_process_one_searcher_over_its_sampler_devices():
+    config = arithmetic.get_config()
+    config.mesh.sampler_devices = 2
+    split = {"num_processes": 1, "num_devices": 4, "topology": "single_process"}
+    layout = sizing_check.run_layout(sizing_check.Run("w", config, {**split, "colocated": False}))
+    assert layout == sizing_check.Layout(2, 2, colocated=False, searcher_devices=2)
+    by_process = {
+        "num_processes": 3,
+        "num_devices": 9,  # 3 a process, the last of each only exchanging
+        "topology": "roles_by_process",
+        "learner_processes": 1,
+        "searcher_processes": 2,
+    }
+    layout = sizing_check.run_layout(sizing_check.Run("w", config, by_process))
+    assert layout == sizing_check.Layout(4, 2, colocated=False, searcher_devices=2)
 
 
 def test_sizing_check_needs_the_profile_of_the_runs_shapes(tmp_path, capsys):
