@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from tba_jax import mesh as mesh_lib
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import apply_non_eos_penalty
@@ -201,9 +202,9 @@ class MonteCarloValues:
                 prompt_tokens[i, width - len(prefix) :] = prefix
                 prompt_mask[i, width - len(prefix) :] = True
             with self.time_split.measure("generating"):
-                gen = self.generate_fn(
-                    params, prompt_tokens, prompt_mask, jax.random.fold_in(rng, call)
-                )
+                # on a sampler mesh, each device rolls out its share of the rows
+                placed = mesh_lib.split_rows_like(params, prompt_tokens, prompt_mask)
+                gen = self.generate_fn(params, *placed, jax.random.fold_in(rng, call))
                 gen_tokens, gen_lengths = jax.device_get((gen.tokens, gen.lengths))
             tokens.append(gen_tokens[:real])
             lengths.append(gen_lengths[:real])

@@ -294,12 +294,15 @@ def check_engine() -> dict:
 def check_data_split_search() -> dict:
     """2 devices: on a (data 2) sampler mesh a search call's rows are split over the two
     devices (9 rows padded to 10) and its trajectories are the one-device call's; so are
-    `generated_batches`' greedy batches (3 rows padded to 4)."""
+    `generated_batches`' greedy batches (3 rows padded to 4) and VinePPO's rollouts (two
+    calls of 6 rows)."""
+    from tba_jax import vineppo
     from tba_jax.metrics import RateMeter, TimeSplit
     from tba_jax.models.tokenizers import CharTokenizer
     from tba_jax.runtime import SearchWorker
     from tba_jax.sampling.generate import SamplingConfig, generated_batches, make_generate_fn
     from tba_jax.sampling.scoring import make_score_fn
+    from tba_jax.trajectories import Trajectory, collate
 
     assert jax.device_count() == 2, jax.devices()
     tokenizer = CharTokenizer.for_text()
@@ -360,9 +363,55 @@ def check_data_split_search() -> dict:
         )
         return [np.asarray(out.tokens).tolist() for *_, out in batches]
 
+    search_shards = list(row_shards)
+
+    def vine_advantages(vine_params) -> np.ndarray:
+        """VinePPO's Monte Carlo advantages of two responses: 3 starts × 3 rollouts."""
+        rows = [
+            Trajectory(
+                prompt_id=0,
+                prompt_tokens=np.array(tokenizer.encode("2+3="), np.int32),
+                response_tokens=np.array([*tokenizer.encode(text), tokenizer.eos_id], np.int32),
+                reward=1.0,
+                logp_behaviour=0.0,
+                logp_ref=0.0,
+                token_logp_behaviour=np.zeros(len(text) + 1, np.float32),
+                token_logp_ref=np.zeros(len(text) + 1, np.float32),
+                policy_version=0,
+                created_at=0.0,
+            )
+            for text in ("1,2", "345")
+        ]
+        batch = collate(
+            rows,
+            max_prompt_len=8,
+            max_response_len=8,
+            pad_id=tokenizer.pad_id,
+            prompt_ids=np.array([0]),
+            from_recency=np.array([True]),
+        )
+        stage = vineppo.MonteCarloValues(
+            generate_fn=recorded,
+            tokenizer=tokenizer,
+            rewards_fn=lambda examples, texts: np.array([len(t) for t in texts], np.float32),
+            examples_by_id={0: {"id": 0}},
+            max_prompt_len=8,
+            max_response_len=8,
+            is_boundary=vineppo.boundary_tokens(tokenizer, ","),
+            config=vineppo.VineConfig(rollouts=3, step_delimiters=","),
+            time_split=TimeSplit(),
+            rates=RateMeter(),
+        )
+        return stage.advantages(vine_params, batch, jax.random.key(2))
+
+    del row_shards[:]
+    vine_whole, vine_split = vine_advantages(params), vine_advantages(placed)
     return {
         "rows": len(split),
-        "row_shards": row_shards,
+        "row_shards": search_shards,
+        "vine_row_shards": list(row_shards),
+        "vine_max_diff": float(np.max(np.abs(vine_whole - vine_split))),
+        "vine_moved": float(np.max(np.abs(vine_whole))),
         "same_responses": all(
             a.response_tokens.tolist() == b.response_tokens.tolist() and a.reward == b.reward
             for a, b in zip(whole, split, strict=True)

@@ -425,12 +425,17 @@ def test_slot_engine_on_a_sampler_mesh_equals_one_device_greedy(publish_result):
 
 def test_a_search_call_splits_its_rows_over_the_sampler_data_axis(publish_result):
     """Each sampler device generates and scores its share of a call's rows (before, each
-    computed every row), and the samples are the one-device call's."""
+    computed every row), and the samples are the one-device call's; so do evaluation
+    batches and VinePPO's rollouts."""
     r = publish_result["search"]
     assert r["rows"] == 9  # 3 prompts × 3 samples; padded to 10 on the mesh, then dropped
     assert r["row_shards"] == [[9], [5, 5]]  # one device: all 9 rows; the mesh: 5 each
     assert r["same_responses"] and r["max_logp_diff"] < 1e-4
     assert r["same_greedy_batches"]
+    # VinePPO's rollouts: 3 starts × 3 in calls of the batch's 2 rows × 3 (the last
+    # padded), split 3 + 3; the same advantages as on one device
+    assert r["vine_row_shards"] == [[6], [6], [3, 3], [3, 3]]
+    assert r["vine_moved"] > 0 and r["vine_max_diff"] < 1e-5
 
 
 def test_every_mesh_axis_of_both_roles_can_be_set_from_a_variant():
