@@ -354,11 +354,6 @@ def validate(
             f"samples generated per prompt (batch.samples_generated_per_prompt="
             f"{batch.samples_generated_per_prompt}); raise the latter or lower K."
         )
-    if config.method == "vineppo" and config.distributed.topology == "roles_by_process":
-        raise ConfigError(
-            "method=vineppo is not built for distributed.topology=roles_by_process (its "
-            "rollouts run on the learner process's sampler); use roles_within_host."
-        )
     if config.mode == "async" and get_loss(config.method).on_policy:
         raise ConfigError(
             f"method={config.method!r} is an on-policy loss; run it with mode=sync "

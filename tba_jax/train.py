@@ -808,8 +808,11 @@ def with_rollout_advantages(
 ) -> SampledBatch:
     """`batch` with VinePPO's per-token advantages from rollouts of `params`, the learner's
     newest after `step` steps: the sampler's copy when the source has published them (a sync
-    source publishes after every step), else published to the sampler for the rollouts."""
-    published, version = source.store.get()  # VinePPO runs on sources with a policy store
+    source publishes after every step), else published to the sampler for the rollouts. A
+    learner process of roles_by_process (no policy store: its searchers are other
+    processes) rolls out on its own devices, its sampler mesh."""
+    store = getattr(source, "store", None)
+    published, version = store.get() if store is not None else (None, None)
     if version == step:
         sampler_params = published
     else:

@@ -388,12 +388,15 @@ def test_roles_by_process_bounds_the_policy_lag(tmp_path):
 
 
 def test_roles_by_process_sync_over_four_processes(tmp_path):
+    """Sync VinePPO: the searcher processes make each batch, the two learner processes
+    roll out its step starts on their own devices."""
     workdir = tmp_path / "run"
     command = train_command(
         workdir,
         "--config.distributed.topology=roles_by_process",
         "--config.distributed.learner_processes=2",
-        config=SMOKE + ",mode=sync",
+        # 150 warm-start steps leave some first samples rewarded (3: nearly none)
+        config=SMOKE + ",mode=sync,method=vineppo,warm_start.steps=150",
     )
     code, _, stderr = finish(launch(4, *command, stderr=subprocess.PIPE))
     assert code == 0, stderr[-3000:]
@@ -402,8 +405,10 @@ def test_roles_by_process_sync_over_four_processes(tmp_path):
     assert summary["mean_policy_lag"] == 0 and summary["max_policy_lag"] == 0
     # B=4 prompts × K=4 fresh samples per step from the two searcher processes
     assert summary["samples_generated"] == 4 * 4 * 4
-    # the learners compiled their step while the searchers made the first batch
-    assert re.search(r"\[p0\].*Compiled the learner step", stderr)
+    # (VinePPO's step reads the advantages added after sampling, so it is not compiled
+    # ahead: the async test above checks that the learners compile while searchers work)
+    scalars = read_scalars(os.path.join(workdir, "tensorboard"))
+    assert any(value > 0 for _, value in scalars["advantage_std"])  # the rollouts ran
 
 
 def test_a_killed_process_ends_the_others(tmp_path):
