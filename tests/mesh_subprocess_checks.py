@@ -557,6 +557,21 @@ def check_roles() -> dict:
         bert_params["layers"]["query"]["kernel"].addressable_shards[0].data.shape
     )
     out["bert_whole_devices"] = len(_all_device_ids(whole_bert.classifier.encoder.params))
+    # the red-team diversity metric's sentence embedder (MiniLM) goes there too
+    from tba_jax.rewards.diversity import load_sentence_embedder
+
+    texts = [f"attack number {i}" for i in range(5)]  # batches of 3: 3 and 2, padded to 4
+    placed_embedder = load_sentence_embedder("", placement)
+    whole_embedder = load_sentence_embedder("")
+    out["embedder_max_diff"] = float(
+        np.max(
+            np.abs(
+                placed_embedder.embed(texts, batch_size=3)
+                - whole_embedder.embed(texts, batch_size=3)
+            )
+        )
+    )
+    out["embedder_devices"] = len(_all_device_ids(placed_embedder.params))
     # micro's one KV head cannot be split over tensor (2): a ConfigError naming the role,
     # and the same for the policy's shardings
     micro_role = reward_model_role_config(preset_name="micro", batch_size=4, max_len=32)

@@ -350,6 +350,7 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
     assert r["bert_query_shard_shape"] == [2, 384, 192]
     assert r["bert_whole_devices"] == 1
     assert r["bert_judge_max_diff_batch_4"] < 1e-4 and r["bert_judge_max_diff_batch_3"] < 1e-4
+    assert r["embedder_devices"] == 4 and r["embedder_max_diff"] < 1e-5
     # a rule that splits a parameter unevenly: one line naming the model and what to change
     for key, who in (("role_split_error", "task.reward_model"), ("policy_split_error", "policy")):
         assert who in r[key] and "cannot be split over mesh axis 'tensor'" in r[key]

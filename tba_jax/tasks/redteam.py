@@ -217,9 +217,13 @@ def attack_metrics(
 
 
 def make_evaluator(
-    task_config: ml_collections.ConfigDict, tokenizer: Tokenizer, reward: LazyRedTeamReward
+    task_config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    reward: LazyRedTeamReward,
+    placement: Placement | None = None,
 ):
-    """`Task.evaluate` for red-teaming: sample attacks, judge them, embed them."""
+    """`Task.evaluate` for red-teaming: sample attacks, judge them, embed them (the sentence
+    embedder on `placement`, as the victim and judge are)."""
 
     def evaluate(model, params, settings: EvalSettings, reference_params) -> dict:
         del reference_params  # the metrics need no π_ref
@@ -230,7 +234,8 @@ def make_evaluator(
             )
         from tba_jax.rewards.diversity import load_sentence_embedder  # needs safetensors
 
-        embedder = load_sentence_embedder(task_config.embedder_path)  # fails before sampling
+        # fails before sampling
+        embedder = load_sentence_embedder(task_config.embedder_path, placement)
         attacks, lengths = sample_attacks(
             model, params, tokenizer, task_config.attacker_prompt, settings
         )
@@ -280,6 +285,6 @@ def redteam_task(
         tokenizer=tokenizer,
         rewards=reward,
         identity=task_identity(task_config),
-        evaluate=make_evaluator(task_config, tokenizer, reward),
+        evaluate=make_evaluator(task_config, tokenizer, reward, placement),
         eval_metric=MEAN_REWARD,
     )
