@@ -183,8 +183,9 @@ class RemoteSource:
             if last
             else (exchange.NEXT_PUBLISH if publish else exchange.NEXT_ROUND)
         )
-        self._round(next_op, ready=self._fresh_enough(step + 1))
-        self._next_step_ready = self._all_ready
+        if not self._stop_agreed:  # agreed in _drop_stale's rounds: nothing more is exchanged
+            self._round(next_op, ready=self._fresh_enough(step + 1))
+            self._next_step_ready = self._all_ready
         batch_cfg = self.config.batch
         prompts = batch_cfg.prompts_per_batch // self.topology.num_learners
         if self.is_sync:

@@ -199,11 +199,11 @@ def test_a_learner_takes_rounds_until_every_learner_holds_fresh_prompts(monkeypa
 @pytest.mark.parametrize("other_prompts", [0, 1])
 def test_a_stop_while_learners_wait_trains_only_if_each_holds_a_prompt(monkeypatch, other_prompts):
     source, _, rounds = remote_source_with_stale_prompts(monkeypatch, [(0, other_prompts, 1, [])])
-    if other_prompts:
-        source._drop_stale(4)  # both hold a prompt: the step trains on what they have
+    if other_prompts:  # both hold a prompt: the step trains on what they have
+        assert source.next_batch(4).prompt_ids.tolist() == [2, 2]  # the one fresh prompt
     else:
         with pytest.raises(RunStopped, match="waited for fresh samples"):
-            source._drop_stale(4)
+            source.next_batch(4)
     assert len(rounds.sent) == 1  # the searcher processes are gone after a stop: no more
 
 
