@@ -568,15 +568,22 @@ def best_split(
     """The layout of `devices` devices with the most learner steps/s whose sampler makes at
     least `assumptions.min_fresh_fraction` of a batch in new samples per step (see the
     module docstring), among those the run can use (`allowed`)."""
-    every = all_layouts(
+    layouts = all_layouts(
         profile,
         devices,
         assumptions=assumptions,
         topology=topology,
         searcher_devices=searcher_devices,
     )
-    layouts = [layout for layout in every if allowed(layout, topology)]
-    return choose(layouts, assumptions.min_fresh_fraction)
+    return best_of(layouts, assumptions, topology)
+
+
+def best_of(
+    layouts: Sequence[Prediction], assumptions: Assumptions, topology: Topology | None
+) -> Prediction:
+    """`choose` among the `layouts` the run can use (`allowed`)."""
+    usable = [layout for layout in layouts if allowed(layout, topology)]
+    return choose(usable, assumptions.min_fresh_fraction)
 
 
 # ------------------------------------------------------------------------------- table
@@ -650,27 +657,13 @@ def assumptions_line(assumptions: Assumptions, run_steps: float) -> str:
 
 def format_table(
     profile: Profile,
-    devices: int,
+    layouts: Sequence[Prediction],
+    best: Prediction,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     topology: Topology | None = None,
-    searcher_devices: int | None = None,
 ) -> str:
-    """The readable table of every layout of `devices` devices, the best one starred
-    ("searchers": how many, × the devices each splits its calls over)."""
-    layouts = all_layouts(
-        profile,
-        devices,
-        assumptions=assumptions,
-        topology=topology,
-        searcher_devices=searcher_devices,
-    )
-    best = best_split(
-        profile,
-        devices,
-        assumptions=assumptions,
-        topology=topology,
-        searcher_devices=searcher_devices,
-    )
+    """The readable table of `layouts` (`all_layouts`), `best` starred ("searchers": how
+    many, × the devices each splits its calls over)."""
     run_steps = profile.learner_steps if assumptions.run_steps is None else assumptions.run_steps
     header = "  ".join(fmt.format(name) for name, fmt in TABLE_COLUMNS).rstrip()
     lines = [profile_line(profile), assumptions_line(assumptions, run_steps), "", "  " + header]
@@ -679,20 +672,12 @@ def format_table(
 
 
 def best_summary(
-    profile: Profile,
+    best: Prediction,
     devices: int,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     topology: Topology | None = None,
-    searcher_devices: int | None = None,
 ) -> dict[str, Any]:
     """The JSON line's object: the best split's figures and whether it keeps up."""
-    best = best_split(
-        profile,
-        devices,
-        assumptions=assumptions,
-        topology=topology,
-        searcher_devices=searcher_devices,
-    )
     return {
         "devices": devices,
         "topology": None if topology is None else dataclasses.asdict(topology),
@@ -788,9 +773,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (OSError, ValueError) as error:
         print(ERROR_PREFIX + str(error), file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_STATUS)
-    print(format_table(profile, devices, assumptions, topology, args.searcher_devices))
-    summary = best_summary(profile, devices, assumptions, topology, args.searcher_devices)
-    print(json.dumps(summary, allow_nan=False))
+    layouts = all_layouts(
+        profile,
+        devices,
+        assumptions=assumptions,
+        topology=topology,
+        searcher_devices=args.searcher_devices,
+    )
+    best = best_of(layouts, assumptions, topology)
+    print(format_table(profile, layouts, best, assumptions, topology))
+    print(json.dumps(best_summary(best, devices, assumptions, topology), allow_nan=False))
 
 
 if __name__ == "__main__":
