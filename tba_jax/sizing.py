@@ -19,10 +19,11 @@ Scaling assumptions (each one a field of `Assumptions`):
   rate and e_s = `sampler_efficiency` (1: linear). They run s/g independent searchers,
   each splitting its calls' rows over g devices (its process's sampler mesh:
   `searcher_devices`), so a call takes c_g = c₁ / (1 + e_s·(g − 1)), c₁ one device's time
-  for one call. By default a process per host: g = a host's devices with `--topology`
-  (its sampler hosts are whole), else all s (one process); g = 1 is a searcher process
-  per device (`tba_jax.launch --devices_per_process=1`, as benchmarks/sizing_check.py's
-  runs).
+  for one call. By default a process per host: with `--topology`, a host's sampler
+  devices (`all_layouts`: s/H under roles_within_host, a host's working devices under
+  roles_by_process, which leaves one a host to the exchanges), else all s (one process);
+  g = 1 is a searcher process per device (`tba_jax.launch --devices_per_process=1`, as
+  benchmarks/sizing_check.py's runs).
 - Learner: a step's device time on n devices is t₁ / (1 + e_l·(n − 1)), with t₁ one
   device's time and e_l = `learner_efficiency` (each added device adds e_l of a device:
   1 is linear, 0 no gain). The host's batch draw (t_draw) does not scale.
@@ -88,7 +89,8 @@ machine). Against a discrete-event simulation of searchers and a learner around 
 `ReplayBuffer` (tests/test_sizing.py), the lag comes within about half a step plus 10%.
 
 `best_split(profile, N)` picks, among the splits whose learner batch divides over the
-learner's devices (and, with a multi-host topology, that keep each host in one role), the
+learner's devices (and, over several hosts, as a topology that can run them: each host
+split alike, or hosts kept whole; see `all_layouts`), the
 one with the most learner steps/s among those whose fresh fraction is at least
 `min_fresh_fraction` (default 1: the sampler keeps up, making a batch's worth of new
 samples every learner step). When none is, it picks the one that trains the most fresh
@@ -113,6 +115,7 @@ STEADY_STATE = math.inf  # Assumptions.run_steps: lag with a full buffer, for ev
 ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
 TOPOLOGY_SEPARATOR = "x"
+BY_PROCESS, WITHIN_HOST = "by process", "within host"  # the multi-host layouts' names
 # Profile figures that may be 0 (every other number must be positive).
 MAY_BE_ZERO = ("batch_draw_seconds", "publish_seconds", "exchange_seconds", "recency_prob")
 
@@ -253,7 +256,11 @@ class Prediction:
     priority parts beside it). samples_per_s: R. step_seconds: 1/ρ. fresh_fraction:
     G / (B·K). call_seconds: one searcher call's latency. batch_divides: the learner's
     B·K/num_microbatches rows divide over its devices (as config_lib.validate requires).
-    searcher_devices: g, the devices each searcher's calls are split over.
+    searcher_devices: g, the devices each searcher's calls are split over; searchers: how
+    many (the working sampler devices / g).
+    exchange_devices: of the layout's devices, those that only exchange (roles_by_process
+    keeps one a process when it has two or more). layout: the multi-host topology that
+    runs it (BY_PROCESS, WITHIN_HOST; "" for one process, or for a split none can run).
     """
 
     sampler_devices: int
@@ -270,6 +277,9 @@ class Prediction:
     call_seconds: float
     batch_divides: bool
     searcher_devices: int = 1
+    searchers: float = 1.0
+    exchange_devices: int = 0
+    layout: str = ""
 
     @property
     def devices(self) -> int:
@@ -280,10 +290,14 @@ class Prediction:
 
     @property
     def label(self) -> str:
-        """'3 + 5' (sampler + learner devices) or 'colocated 8'."""
-        if self.colocated:
-            return f"colocated {self.sampler_devices}"
-        return f"{self.sampler_devices} + {self.learner_devices}"
+        """'3 + 5' (sampler + learner devices) or 'colocated 8', then the layout's name
+        if it has one ('4 + 4 by process')."""
+        name = (
+            f"colocated {self.sampler_devices}"
+            if self.colocated
+            else f"{self.sampler_devices} + {self.learner_devices}"
+        )
+        return f"{name} {self.layout}" if self.layout else name
 
     def keeps_up(self, min_fresh_fraction: float = DEFAULT_MIN_FRESH_FRACTION) -> bool:
         """Whether the sampler makes at least min_fresh_fraction·B·K samples per step."""
@@ -413,11 +427,16 @@ def predict(
     colocated: bool = False,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     searcher_devices: int = 1,
+    exchange_devices: tuple[int, int] = (0, 0),
+    layout: str = "",
 ) -> Prediction:
     """The figures of `sampler_devices` searcher devices beside `learner_devices` learner
     devices; with `colocated`, both roles share the same devices (the two counts must then
     be equal: N). Each searcher splits its calls over `searcher_devices` of them (at most
-    all), so there are sampler_devices / searcher_devices searchers."""
+    all), so there are sampler_devices / searcher_devices searchers. `exchange_devices`:
+    of each role's devices, those that only run roles_by_process's exchanges (left out of
+    its work). `layout`: the run's multi-host topology (BY_PROCESS, WITHIN_HOST; "" for
+    one process), named in the label."""
     profile = as_profile(profile)
     if sampler_devices < 1 or learner_devices < 1:
         raise ValueError(
@@ -431,6 +450,14 @@ def predict(
         )
     if searcher_devices < 1:
         raise ValueError(f"searcher_devices={searcher_devices} must be >= 1.")
+    split = sampler_devices, learner_devices
+    sampler_devices -= exchange_devices[0]
+    learner_devices -= exchange_devices[1]
+    if sampler_devices < 1 or learner_devices < 1:
+        raise ValueError(
+            f"exchange_devices={exchange_devices} leave no working device of "
+            f"{split[0]} + {split[1]}."
+        )
     group = min(searcher_devices, sampler_devices)
     share = assumptions.colocated_sampler_share if colocated else 1.0
     learner_share = 1 - assumptions.colocated_sampler_share if colocated else 1.0
@@ -444,15 +471,16 @@ def predict(
     steps_per_s = 1 / seconds
     samples_per_step = samples_per_s * seconds
     run_steps = profile.learner_steps if assumptions.run_steps is None else assumptions.run_steps
-    delay = searcher_delay_s(call_seconds, sampler_devices / group)
+    searchers = sampler_devices / group
+    delay = searcher_delay_s(call_seconds, searchers)
     lag_recency = capped_by_step(
         recency_lag(profile, steps_per_s, samples_per_step, delay), run_steps
     )
     lag_priority = priority_lag(profile, steps_per_s, samples_per_step, call_seconds, run_steps)
     m = profile.recency_prob
     return Prediction(
-        sampler_devices=sampler_devices,
-        learner_devices=learner_devices,
+        sampler_devices=split[0],
+        learner_devices=split[1],
         colocated=colocated,
         learner_steps_per_s=steps_per_s,
         samples_per_learner_step=samples_per_step,
@@ -465,6 +493,9 @@ def predict(
         call_seconds=call_seconds,
         batch_divides=batch_divides(profile, learner_devices),
         searcher_devices=group,
+        searchers=searchers,
+        exchange_devices=sum(exchange_devices),
+        layout=layout,
     )
 
 
@@ -479,10 +510,15 @@ class Topology:
     def devices(self) -> int:
         return self.hosts * self.devices_per_host
 
-    def keeps_hosts_whole(self, sampler_devices: int) -> bool:
-        """Whether a split puts each host in one role (s a multiple of devices_per_host),
-        which a multi-host run with one process per host needs; any split on one host."""
-        return self.hosts == 1 or sampler_devices % self.devices_per_host == 0
+    @property
+    def multi_host(self) -> bool:
+        return self.hosts > 1
+
+    @property
+    def working_devices_per_host(self) -> int:
+        """A roles_by_process host's devices that work: with two or more, the last one
+        only runs the exchanges (`tba_jax.topology.working_devices`)."""
+        return self.devices_per_host - 1 if self.devices_per_host > 1 else 1
 
 
 def parse_topology(text: str) -> Topology:
@@ -503,46 +539,53 @@ def all_layouts(
     topology: Topology | None = None,
     searcher_devices: int | None = None,
 ) -> list[Prediction]:
-    """The colocated layout on all `devices`, then every split s + (N − s), s = 1 … N − 1;
-    each searcher on `searcher_group` devices."""
+    """The colocated layout on all `devices`, then every split s + (N − s), s = 1 … N − 1.
+
+    One process (no topology, or one host): one searcher on all s sampler devices. Over
+    several hosts, each split as every topology that can run it: WITHIN_HOST
+    (`roles_within_host`) when s divides over the hosts (s/H sampler devices a host, one
+    searcher on them; the learner spans the hosts), BY_PROCESS (`roles_by_process`) when
+    it keeps hosts whole (a searcher per sampler host on its working devices: one a host
+    is left to the exchanges); a split neither runs is listed without a layout (unusable).
+    `searcher_devices` overrides the devices a searcher spans."""
     if devices < 1:
         raise ValueError(f"devices={devices} must be >= 1.")
     profile = as_profile(profile)
 
-    def layout(sampler: int, learner: int, colocated: bool = False) -> Prediction:
-        group = searcher_group(sampler, searcher_devices, topology)
+    def layout(sampler: int, learner: int, group: int, **kwargs) -> Prediction:
+        group = group if searcher_devices is None else searcher_devices
         return predict(
             profile,
             sampler,
             learner,
-            colocated=colocated,
             assumptions=assumptions,
-            searcher_devices=group,
+            searcher_devices=max(1, min(group, sampler)),
+            **kwargs,
         )
 
-    layouts = [layout(devices, devices, colocated=True)]
-    layouts += [layout(sampler, devices - sampler) for sampler in range(1, devices)]
+    if topology is None or not topology.multi_host:
+        layouts = [layout(devices, devices, devices, colocated=True)]
+        return layouts + [layout(s, devices - s, s) for s in range(1, devices)]
+    hosts, per_host = topology.hosts, topology.devices_per_host
+    working = topology.working_devices_per_host
+    layouts = [layout(devices, devices, per_host, colocated=True, layout=WITHIN_HOST)]
+    for s in range(1, devices):
+        runs = []
+        if s % hosts == 0:
+            runs.append(layout(s, devices - s, s // hosts, layout=WITHIN_HOST))
+        if s % per_host == 0:
+            aside = (s // per_host, (devices - s) // per_host) if per_host > 1 else (0, 0)
+            runs.append(layout(s, devices - s, working, exchange_devices=aside, layout=BY_PROCESS))
+        layouts += runs or [layout(s, devices - s, s)]
     return layouts
 
 
-def searcher_group(
-    sampler_devices: int, searcher_devices: int | None, topology: Topology | None
-) -> int:
-    """g, the devices one searcher's calls split over: `searcher_devices` when given, else a
-    process per host's, its sampler devices (a host's with a topology; all of them on one
-    host); at most the layout's sampler devices."""
-    if searcher_devices is None:
-        searcher_devices = sampler_devices if topology is None else topology.devices_per_host
-    return max(1, min(searcher_devices, sampler_devices))
-
-
 def allowed(prediction: Prediction, topology: Topology | None) -> bool:
-    """A layout the run can use: its batch divides, and it keeps hosts whole (split only)."""
+    """A layout the run can use: its batch divides, and over several hosts a topology
+    runs it (`all_layouts`)."""
     if not prediction.batch_divides:
         return False
-    if topology is None or prediction.colocated:
-        return True
-    return topology.keeps_hosts_whole(prediction.sampler_devices)
+    return topology is None or not topology.multi_host or bool(prediction.layout)
 
 
 def choose(layouts: Sequence[Prediction], min_fresh_fraction: float) -> Prediction:
@@ -589,7 +632,7 @@ def best_of(
 # ------------------------------------------------------------------------------- table
 
 TABLE_COLUMNS = (
-    ("split", "{:<13}"),
+    ("split", "{:<25}"),
     ("searchers", "{:>9}"),
     ("learner steps/s", "{:>15}"),
     ("samples/step", "{:>12}"),
@@ -597,7 +640,7 @@ TABLE_COLUMNS = (
     ("lag mean (recency / priority)", "{:>29}"),
     ("bottleneck", "{:<10}"),
 )
-UNUSABLE_NOTE = {"batch": "batch does not divide", "hosts": "splits a host"}
+UNUSABLE_NOTE = {"batch": "batch does not divide", "hosts": "uneven over hosts"}
 
 
 def table_row(
@@ -608,10 +651,9 @@ def table_row(
         f"{prediction.policy_lag_mean:.1f} ({prediction.policy_lag_recency:.1f} / "
         f"{prediction.policy_lag_priority:.1f})"
     )
-    searchers = prediction.sampler_devices / prediction.searcher_devices
     cells = (
         ("* " if best else "  ") + prediction.label,
-        f"{searchers:g}×{prediction.searcher_devices}",
+        f"{prediction.searchers:.3g}×{prediction.searcher_devices}",
         f"{prediction.learner_steps_per_s:.2f}",
         f"{prediction.samples_per_learner_step:.0f}",
         f"{prediction.fresh_fraction:.2f}",

@@ -132,10 +132,12 @@ def test_a_searcher_that_splits_its_calls_over_its_devices_finishes_them_sooner(
 def test_a_searcher_spans_a_hosts_sampler_devices_unless_told():
     hosts = sizing.Topology(hosts=2, devices_per_host=4)
     groups = {
-        layout.label: layout.searcher_devices
+        layout.label: (layout.searchers, layout.searcher_devices)
         for layout in sizing.all_layouts(PROFILE, 8, topology=hosts)
     }
-    assert groups["colocated 8"] == 4 and groups["4 + 4"] == 4 and groups["2 + 6"] == 2
+    assert groups["colocated 8 within host"] == (2, 4)  # a process per host
+    assert groups["2 + 6 within host"] == (2, 1) and groups["4 + 4 within host"] == (2, 2)
+    assert groups["4 + 4 by process"] == (1, 3)  # a host's 3 working devices
     one_host = sizing.all_layouts(PROFILE, 8)
     assert [layout.searcher_devices for layout in one_host] == [8, 1, 2, 3, 4, 5, 6, 7]
     per_device = sizing.all_layouts(PROFILE, 8, searcher_devices=1, topology=hosts)
@@ -396,14 +398,34 @@ def test_best_split_skips_learners_the_batch_does_not_divide_over():
     assert sizing.best_split(fast, 8, assumptions=LINEAR).label == "4 + 4"
 
 
-def test_a_multi_host_topology_keeps_each_host_in_one_role():
+def test_a_multi_host_topology_runs_the_splits_its_layouts_can_hold():
     topology = sizing.parse_topology("2x4")
-    got = sizing.best_split(split_profile(12_000), 8, assumptions=LINEAR, topology=topology)
-    assert got.label == "4 + 4"
-    one_device_per_host = sizing.parse_topology("8x1")
-    assert sizing.best_split(split_profile(12_000), 8, topology=one_device_per_host).label == (
-        sizing.best_split(split_profile(12_000), 8).label
+    layouts = sizing.all_layouts(split_profile(12_000), 8, assumptions=LINEAR, topology=topology)
+    by_label = {layout.label: layout for layout in layouts}
+    # s = 2, 4, 6 divide over the 2 hosts (roles_within_host); s = 4 also keeps hosts
+    # whole (roles_by_process); 1, 3, 5, 7 neither
+    assert [layout.label for layout in layouts] == [
+        "colocated 8 within host", "1 + 7", "2 + 6 within host", "3 + 5",
+        "4 + 4 within host", "4 + 4 by process", "5 + 3", "6 + 2 within host", "7 + 1",
+    ]  # fmt: skip
+    usable = [layout.label for layout in layouts if sizing.allowed(layout, topology)]
+    assert "1 + 7" not in usable and "4 + 4 by process" in usable
+    # by process, a device a host only exchanges: 3 + 3 working devices, a slower learner
+    by_process, within = by_label["4 + 4 by process"], by_label["4 + 4 within host"]
+    assert by_process.exchange_devices == 2 and within.exchange_devices == 0
+    assert by_process.step_seconds == pytest.approx(
+        sizing.predict(split_profile(12_000), 3, 3, assumptions=LINEAR).step_seconds
     )
+    assert by_process.samples_per_s == pytest.approx(within.samples_per_s * 3 / 4)
+    # the unconstrained best (1 + 7) is uneven over hosts: the next that keeps up wins
+    got = sizing.best_split(split_profile(12_000), 8, assumptions=LINEAR, topology=topology)
+    assert got.label == "2 + 6 within host"
+    # one device a host: every split keeps hosts whole, none loses a device
+    one_device_per_host = sizing.parse_topology("8x1")
+    alone = sizing.best_split(split_profile(12_000), 8)
+    spread = sizing.best_split(split_profile(12_000), 8, topology=one_device_per_host)
+    assert spread.label == alone.label + " by process" and spread.exchange_devices == 0
+    assert spread.learner_steps_per_s == pytest.approx(alone.learner_steps_per_s)
     with pytest.raises(ValueError, match="HOSTSxDEVICES_PER_HOST"):
         sizing.parse_topology("8")
 
@@ -463,19 +485,20 @@ def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
     path.write_text(json.dumps(split_profile(12_000)))
     result = run_sizing(f"--profile={path}", "--topology=2x4", "--run_steps=inf")
     assert result.returncode == 0, result.stderr
-    assert "(splits a host)" in result.stdout and "lag over a full buffer" in result.stdout
+    assert "(uneven over hosts)" in result.stdout and "lag over a full buffer" in result.stdout
     best = json.loads(result.stdout.strip().splitlines()[-1])
-    assert best["best"]["split"] == "4 + 4" and best["topology"] == {
+    assert best["best"]["split"] == "2 + 6 within host" and best["topology"] == {
         "hosts": 2,
         "devices_per_host": 4,
     }
-    assert best["assumptions"]["run_steps"] == "inf"
-    # a process per host: the best split's one sampler host is one searcher of 4 devices
-    assert best["best"]["searcher_devices"] == 4 and "searchers" in result.stdout
-    assert re.search(r"\* 4 \+ 4 +1×4 ", result.stdout)
+    assert best["best"]["layout"] == "within host" and best["assumptions"]["run_steps"] == "inf"
+    # a process per host: one sampler device a host, a searcher each; by process, one
+    # searcher on a host's 3 working devices
+    assert best["best"]["searcher_devices"] == 1 and "searchers" in result.stdout
+    assert re.search(r"\* 2 \+ 6 within host +2×1 ", result.stdout)
+    assert re.search(r"  4 \+ 4 by process +1×3 ", result.stdout)
     per_device = run_sizing(f"--profile={path}", "--topology=2x4", "--searcher_devices=1")
-    assert json.loads(per_device.stdout.splitlines()[-1])["best"]["searcher_devices"] == 1
-    assert re.search(r"\* 4 \+ 4 +4×1 ", per_device.stdout)
+    assert re.search(r"  4 \+ 4 by process +3×1 ", per_device.stdout)
 
 
 @pytest.mark.parametrize(
