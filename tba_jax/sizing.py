@@ -255,7 +255,8 @@ class Prediction:
     policy_lag_mean: the mean lag of trained samples, in learner steps (its recency and
     priority parts beside it). samples_per_s: R. step_seconds: 1/ρ. fresh_fraction:
     G / (B·K). call_seconds: one searcher call's latency. batch_divides: the learner's
-    B·K/num_microbatches rows divide over its devices (as config_lib.validate requires).
+    B·K/num_microbatches rows divide over its devices (as config_lib.validate requires),
+    and over several hosts B over the learner processes (as tba_jax.topology requires).
     searcher_devices: g, the devices each searcher's calls are split over; searchers: how
     many (the working sampler devices / g).
     exchange_devices: of the layout's devices, those that only exchange (roles_by_process
@@ -552,9 +553,10 @@ def all_layouts(
         raise ValueError(f"devices={devices} must be >= 1.")
     profile = as_profile(profile)
 
-    def layout(sampler: int, learner: int, group: int, **kwargs) -> Prediction:
+    def layout(sampler: int, learner: int, group: int, processes: int = 1, **kwargs):
+        """`processes`: the learner processes, over which B must divide."""
         group = group if searcher_devices is None else searcher_devices
-        return predict(
+        prediction = predict(
             profile,
             sampler,
             learner,
@@ -562,20 +564,25 @@ def all_layouts(
             searcher_devices=max(1, min(group, sampler)),
             **kwargs,
         )
+        if profile.prompts_per_batch % processes:
+            return dataclasses.replace(prediction, batch_divides=False)
+        return prediction
 
     if topology is None or not topology.multi_host:
         layouts = [layout(devices, devices, devices, colocated=True)]
         return layouts + [layout(s, devices - s, s) for s in range(1, devices)]
     hosts, per_host = topology.hosts, topology.devices_per_host
     working = topology.working_devices_per_host
-    layouts = [layout(devices, devices, per_host, colocated=True, layout=WITHIN_HOST)]
+    layouts = [layout(devices, devices, per_host, hosts, colocated=True, layout=WITHIN_HOST)]
     for s in range(1, devices):
         runs = []
         if s % hosts == 0:
-            runs.append(layout(s, devices - s, s // hosts, layout=WITHIN_HOST))
+            runs.append(layout(s, devices - s, s // hosts, hosts, layout=WITHIN_HOST))
         if s % per_host == 0:
-            aside = (s // per_host, (devices - s) // per_host) if per_host > 1 else (0, 0)
-            runs.append(layout(s, devices - s, working, exchange_devices=aside, layout=BY_PROCESS))
+            learner_hosts = (devices - s) // per_host
+            aside = (s // per_host, learner_hosts) if per_host > 1 else (0, 0)
+            by_process = dict(exchange_devices=aside, layout=BY_PROCESS)
+            runs.append(layout(s, devices - s, working, learner_hosts, **by_process))
         layouts += runs or [layout(s, devices - s, s)]
     return layouts
 

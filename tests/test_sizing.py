@@ -73,6 +73,10 @@ def split_profile(samples_per_s_one_device: float) -> dict:
     return {**SPLIT_PROFILE, "search_call_seconds": 840 / samples_per_s_one_device}
 
 
+# SPLIT_PROFILE's B·K as 210 × 4: B divides over 2 hosts' learner processes
+HOSTS_PROFILE = {**split_profile(12_000), "prompts_per_batch": 210, "samples_per_prompt": 4}
+
+
 # ------------------------------------------------------------------------- formulas
 
 
@@ -400,7 +404,7 @@ def test_best_split_skips_learners_the_batch_does_not_divide_over():
 
 def test_a_multi_host_topology_runs_the_splits_its_layouts_can_hold():
     topology = sizing.parse_topology("2x4")
-    layouts = sizing.all_layouts(split_profile(12_000), 8, assumptions=LINEAR, topology=topology)
+    layouts = sizing.all_layouts(HOSTS_PROFILE, 8, assumptions=LINEAR, topology=topology)
     by_label = {layout.label: layout for layout in layouts}
     # s = 2, 4, 6 divide over the 2 hosts (roles_within_host); s = 4 also keeps hosts
     # whole (roles_by_process); 1, 3, 5, 7 neither
@@ -414,12 +418,15 @@ def test_a_multi_host_topology_runs_the_splits_its_layouts_can_hold():
     by_process, within = by_label["4 + 4 by process"], by_label["4 + 4 within host"]
     assert by_process.exchange_devices == 2 and within.exchange_devices == 0
     assert by_process.step_seconds == pytest.approx(
-        sizing.predict(split_profile(12_000), 3, 3, assumptions=LINEAR).step_seconds
+        sizing.predict(HOSTS_PROFILE, 3, 3, assumptions=LINEAR).step_seconds
     )
     assert by_process.samples_per_s == pytest.approx(within.samples_per_s * 3 / 4)
     # the unconstrained best (1 + 7) is uneven over hosts: the next that keeps up wins
-    got = sizing.best_split(split_profile(12_000), 8, assumptions=LINEAR, topology=topology)
+    got = sizing.best_split(HOSTS_PROFILE, 8, assumptions=LINEAR, topology=topology)
     assert got.label == "2 + 6 within host"
+    # B = 105 does not divide over the two hosts' learner processes: within host is out
+    odd = sizing.all_layouts(split_profile(12_000), 8, topology=topology)
+    assert [p.label for p in odd if sizing.allowed(p, topology)] == ["4 + 4 by process"]
     # one device a host: every split keeps hosts whole, none loses a device
     one_device_per_host = sizing.parse_topology("8x1")
     alone = sizing.best_split(split_profile(12_000), 8)
@@ -482,7 +489,7 @@ def test_the_cli_charges_an_exchange_over_the_profiles(tmp_path):
 
 def test_the_cli_takes_a_topology_and_a_steady_state(tmp_path):
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(split_profile(12_000)))
+    path.write_text(json.dumps(HOSTS_PROFILE))
     result = run_sizing(f"--profile={path}", "--topology=2x4", "--run_steps=inf")
     assert result.returncode == 0, result.stderr
     assert "(uneven over hosts)" in result.stdout and "lag over a full buffer" in result.stdout
