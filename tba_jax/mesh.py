@@ -144,8 +144,9 @@ def abstract_on(shapes: Any, shardings: Any) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (example) dimension split over data and fsdp; the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    """Leading (example) dimension split over the data and fsdp axes (`row_axes`); the
+    rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(row_axes(mesh)))
 
 
 def split_rows_like(params: Any, *arrays: np.ndarray) -> tuple:
@@ -165,7 +166,7 @@ def split_rows(mesh: Mesh, *arrays: np.ndarray) -> tuple:
     """`arrays` (same leading dimension: rows) on `mesh`, rows split over its `row_axes`:
     padded (the last row repeated) to a multiple of its `row_shards`, so callers keep the
     first rows of what comes back."""
-    rows = NamedSharding(mesh, PartitionSpec(row_axes(mesh)))
+    rows = batch_sharding(mesh)
     return tuple(jax.device_put(array, rows) for array in pad_rows(arrays, row_shards(mesh)))
 
 
@@ -181,10 +182,6 @@ def row_shards(mesh: Mesh) -> int:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-
-
-def batch_shards(mesh: Mesh) -> int:
-    return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
 
 
 def publish(params: Any, sampler_shardings: Any) -> Any:

@@ -387,7 +387,7 @@ def warn_if_slots_repeat_rows(config: ml_collections.ConfigDict, sampler: jax.sh
     """A warning when the slot engine's slots do not divide over the sampler mesh's data
     shards: then they sit whole on each shard (each computes every row), where otherwise
     each shard decodes its share of them."""
-    shards = mesh_lib.batch_shards(sampler)
+    shards = mesh_lib.row_shards(sampler)
     slots = config.search.slots or config_lib.samples_per_search_call(config)
     if config.search.engine == "slots" and slots % shards:
         logging.warning(

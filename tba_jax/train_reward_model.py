@@ -326,9 +326,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
             f"train.batch_size={train.batch_size} must be a positive multiple of "
             f"train.num_microbatches={train.num_microbatches}."
         )
-    shards = mesh_lib.batch_shards(
-        mesh_lib.make_mesh(jax.devices()[:num_devices], config.mesh.axes)
-    )
+    shards = mesh_lib.row_shards(mesh_lib.make_mesh(jax.devices()[:num_devices], config.mesh.axes))
     for name, rows in (
         ("train.batch_size / train.num_microbatches", train.batch_size // train.num_microbatches),
         ("train.eval_batch_size", train.eval_batch_size),
