@@ -94,6 +94,7 @@ class RemoteSource:
         self._stop_signal: StopSignal | None = None
         self._fresh: list[Trajectory] = []
         self.remote_counts = {"samples": 0.0, "tokens": 0.0}
+        self.store = None  # the searchers are other processes
         self.max_policy_lag = 0 if self.is_sync else config.replay.max_policy_lag
         self.dropped_stale = 0  # samples past replay.max_policy_lag, this segment
         # the last round's learners all held enough prompts fresh for the next step

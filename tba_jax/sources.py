@@ -69,6 +69,9 @@ class BatchSource(Protocol):
     publish_every: int
     # samples and tokens other processes generated this segment (summary totals)
     remote_counts: dict[str, float]
+    # the params this process's searchers generate with; None where the searchers are
+    # other processes (a roles_by_process learner)
+    store: runtime.PolicyStore | None
 
     def start(self, stop_signal: StopSignal, meanwhile: Callable[[], None] | None = None) -> None:
         """Begins producing; returns once a batch can be drawn. `meanwhile` (when given)

@@ -811,8 +811,7 @@ def with_rollout_advantages(
     source publishes after every step), else published to the sampler for the rollouts. A
     learner process of roles_by_process (no policy store: its searchers are other
     processes) rolls out on its own devices, its sampler mesh."""
-    store = getattr(source, "store", None)
-    published, version = store.get() if store is not None else (None, None)
+    published, version = (None, None) if source.store is None else source.store.get()
     if version == step:
         sampler_params = published
     else:

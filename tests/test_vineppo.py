@@ -224,5 +224,6 @@ def test_rollouts_reuse_the_params_a_sync_source_just_published():
     with_rollout_advantages(run, value_stage, source, "learner's", Batch(), step=7)
     assert rolled_out_with[-1] == "copy" and published_copies == ["learner's"]
     # a learner process of roles_by_process has no policy store: it publishes for itself
-    with_rollout_advantages(run, value_stage, object(), "newer", Batch(), step=8)
+    no_store = types.SimpleNamespace(store=None)
+    with_rollout_advantages(run, value_stage, no_store, "newer", Batch(), step=8)
     assert rolled_out_with[-1] == "copy" and published_copies[-1] == "newer"
