@@ -202,8 +202,7 @@ def run_layout(run: Run) -> Layout:
     per_process = devices // processes
     if summary["topology"] == ROLES_BY_PROCESS:
         # with two or more devices, a process's last one only runs the exchanges
-        # (tba_jax.topology.working_devices)
-        working = per_process - 1 if per_process > 1 else per_process
+        working = sizing.Topology(processes, per_process).working_devices_per_host
         return Layout(
             summary["searcher_processes"] * working,
             summary["learner_processes"] * working,

@@ -352,11 +352,12 @@ def step_seconds(profile: Profile, learner_devices: int, assumptions: Assumption
     return profile.batch_draw_seconds + device_time + publish + profile.exchange_seconds
 
 
-def batch_divides(profile: Profile, learner_devices: int) -> bool:
+def batch_divides(profile: Profile, learner_devices: int, learner_processes: int = 1) -> bool:
     """Whether a micro-batch's rows (B·K / num_microbatches) divide over the learner's
-    devices (the learner's batch is split over all of them: no tensor axis)."""
+    devices (the learner's batch is split over all of them: no tensor axis), and B over
+    its processes (each draws its share of the prompts)."""
     rows = profile.batch_samples // profile.num_microbatches
-    return rows % learner_devices == 0
+    return rows % learner_devices == 0 and profile.prompts_per_batch % learner_processes == 0
 
 
 # ------------------------------------------------------------------------ policy lag
@@ -430,6 +431,7 @@ def predict(
     searcher_devices: int = 1,
     exchange_devices: tuple[int, int] = (0, 0),
     layout: str = "",
+    learner_processes: int = 1,
 ) -> Prediction:
     """The figures of `sampler_devices` searcher devices beside `learner_devices` learner
     devices; with `colocated`, both roles share the same devices (the two counts must then
@@ -437,7 +439,8 @@ def predict(
     all), so there are sampler_devices / searcher_devices searchers. `exchange_devices`:
     of each role's devices, those that only run roles_by_process's exchanges (left out of
     its work). `layout`: the run's multi-host topology (BY_PROCESS, WITHIN_HOST; "" for
-    one process), named in the label."""
+    one process), named in the label; `learner_processes`: the processes its learner
+    spans (B must divide over them)."""
     profile = as_profile(profile)
     if sampler_devices < 1 or learner_devices < 1:
         raise ValueError(
@@ -492,7 +495,7 @@ def predict(
         step_seconds=seconds,
         fresh_fraction=samples_per_step / profile.batch_samples,
         call_seconds=call_seconds,
-        batch_divides=batch_divides(profile, learner_devices),
+        batch_divides=batch_divides(profile, learner_devices, learner_processes),
         searcher_devices=group,
         searchers=searchers,
         exchange_devices=sum(exchange_devices),
@@ -553,10 +556,9 @@ def all_layouts(
         raise ValueError(f"devices={devices} must be >= 1.")
     profile = as_profile(profile)
 
-    def layout(sampler: int, learner: int, group: int, processes: int = 1, **kwargs):
-        """`processes`: the learner processes, over which B must divide."""
+    def layout(sampler: int, learner: int, group: int, **kwargs) -> Prediction:
         group = group if searcher_devices is None else searcher_devices
-        prediction = predict(
+        return predict(
             profile,
             sampler,
             learner,
@@ -564,25 +566,26 @@ def all_layouts(
             searcher_devices=max(1, min(group, sampler)),
             **kwargs,
         )
-        if profile.prompts_per_batch % processes:
-            return dataclasses.replace(prediction, batch_divides=False)
-        return prediction
 
     if topology is None or not topology.multi_host:
         layouts = [layout(devices, devices, devices, colocated=True)]
         return layouts + [layout(s, devices - s, s) for s in range(1, devices)]
     hosts, per_host = topology.hosts, topology.devices_per_host
     working = topology.working_devices_per_host
-    layouts = [layout(devices, devices, per_host, hosts, colocated=True, layout=WITHIN_HOST)]
+    within_host = dict(layout=WITHIN_HOST, learner_processes=hosts)
+    layouts = [layout(devices, devices, per_host, colocated=True, **within_host)]
     for s in range(1, devices):
         runs = []
         if s % hosts == 0:
-            runs.append(layout(s, devices - s, s // hosts, hosts, layout=WITHIN_HOST))
+            runs.append(layout(s, devices - s, s // hosts, **within_host))
         if s % per_host == 0:
             learner_hosts = (devices - s) // per_host
-            aside = (s // per_host, learner_hosts) if per_host > 1 else (0, 0)
-            by_process = dict(exchange_devices=aside, layout=BY_PROCESS)
-            runs.append(layout(s, devices - s, working, learner_hosts, **by_process))
+            by_process = dict(
+                layout=BY_PROCESS,
+                learner_processes=learner_hosts,
+                exchange_devices=(s // per_host, learner_hosts) if per_host > 1 else (0, 0),
+            )
+            runs.append(layout(s, devices - s, working, **by_process))
         layouts += runs or [layout(s, devices - s, s)]
     return layouts
 
