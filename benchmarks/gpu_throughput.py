@@ -220,9 +220,11 @@ def new_train_state(mixed):
     return model, optimizer, *learner.one_device_train_state(model, params, optimizer)
 
 
-def timed_steps(step, state, batch, repeats: int):
-    """(first, times, run_step, holder): `step(state, batch)` timed, the newest state in
-    holder["state"] (each step donates the one before)."""
+def timed_steps(step, state, batch: dict, mesh, repeats: int):
+    """(first, times, run_step, holder): `step(state, batch)` timed with the host `batch`
+    placed on `mesh`'s batch sharding, the newest state in holder["state"] (each step
+    donates the one before)."""
+    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     holder = {"state": state}
 
     def run_step():
@@ -273,8 +275,7 @@ def measure_train_step(args, mixed, rng: np.random.Generator) -> None:
         "logp_ref": -rng.random(n).astype(np.float32) * 100,
         "logp_behaviour": -rng.random(n).astype(np.float32) * 100,
     }
-    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
-    first, times, run_step, holder = timed_steps(step, state, batch, args.repeats)
+    first, times, run_step, holder = timed_steps(step, state, batch, mesh, args.repeats)
     median = statistics.median(times)
     report(
         "train_step",
@@ -312,8 +313,7 @@ def measure_reward_model_step(args, scorer, rng: np.random.Generator) -> None:
         "rejected_tokens": random_prompts(rng, *shape, scorer.vocab_size),
         "rejected_mask": np.ones(shape, bool),
     }
-    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
-    first, times, _, _ = timed_steps(step, state, batch, args.repeats)
+    first, times, _, _ = timed_steps(step, state, batch, mesh, args.repeats)
     median = statistics.median(times)
     report(
         "reward_model_step",
