@@ -330,8 +330,7 @@ def write_result(workdir: str, out: str | None, result: dict, latest_step: int) 
 
 def latest_checkpoint_step(config, workdir: str) -> int:
     """The workdir's latest checkpoint step (the checkpoints must be of `config`'s run)."""
-    identity = runs.experiment_identity(config, runs.stored_model_config(workdir))
-    with Checkpointer(workdir, experiment=identity) as checkpointer:
+    with Checkpointer(workdir, experiment=runs.reading_identity(config, workdir)) as checkpointer:
         latest = checkpointer.latest_step()
     if latest is None:
         raise FileNotFoundError(f"No checkpoint in workdir {workdir}; train first.")

@@ -423,17 +423,19 @@ class Checkpointer:
         )
         # orbax's standard handler restores whole trees only; its PyTree handler reads the
         # same files and restores part of one.
-        with (
-            ocp.CheckpointManager(
+        with _read_only_notice_left_out():
+            reader = ocp.CheckpointManager(
                 self.directory,
-                options=ocp.CheckpointManagerOptions(read_only=True),
+                # what read_only implies (orbax warns each time it has to change them)
+                options=ocp.CheckpointManagerOptions(
+                    read_only=True, save_interval_steps=0, create=False
+                ),
                 item_handlers={
                     TRAIN_STATE_ITEM: ocp.PyTreeCheckpointHandler(),
                     METADATA_ITEM: ocp.JsonCheckpointHandler(),
                 },
-            ) as reader,
-            quiet_if_the_restore_fails(),
-        ):
+            )
+        with reader, quiet_if_the_restore_fails():
             restored = reader.restore(
                 step,
                 args=ocp.args.Composite(
@@ -560,7 +562,25 @@ def set_aside(path: str, workdir: str, name: str) -> str:
 
 
 ORBAX_READ = "_read_array_index_and_device_put"  # the coroutine a failed read leaves behind
+ORBAX_READ_ONLY_NOTICE = "Given directory is read only"  # opening a checkpoint read-only
 TENSORSTORE_DETAILS = " See full TensorStore details"  # what orbax appends to a read error
+
+
+@contextlib.contextmanager
+def _read_only_notice_left_out() -> Iterator[None]:
+    """Around opening a checkpoint read-only: orbax logs a warning that it is read-only
+    each time, which is how every trained policy is read (evaluation, export, notebooks),
+    so there is nothing to act on."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(ORBAX_READ_ONLY_NOTICE)
+
+    logger = logging.getLogger("absl")  # orbax logs through absl
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ training loop:
 - `model_config(config, vocab_size)`, `policy_tokenizer(config)`: the policy's
   architecture and (for Hugging Face runs) its tokenizer; `run_tokenizer(config, workdir)`:
   the tokenizer of any run;
-- `experiment_identity(config, model_cfg)`: what a workdir's checkpoints must match;
+- `experiment_identity(config, model_cfg)`: what a workdir's checkpoints must match to be
+  resumed; `reading_identity(config, workdir)`: to be read (by any process layout);
 - `checkpoint_template(...)`: the abstract pytree a checkpoint restores into;
 - `restore_run(config, workdir, step)`: the trained policy and π_ref on one device (or a
   given mesh).
@@ -371,6 +372,14 @@ def stored_experiment(workdir: str) -> dict:
         return json.load(f)
 
 
+def reading_identity(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """The experiment identity a tool that only reads the workdir's checkpoints (evaluation,
+    export, a notebook) checks them against: `config`'s, with the stored model config and
+    process layout, since a run's policy loads in one process whatever layout wrote it."""
+    stored = stored_experiment(workdir)
+    return experiment_identity(config, ModelConfig(**stored["model"]), stored.get(PROCESSES_KEY))
+
+
 def stored_model_config(workdir: str) -> ModelConfig:
     """The model config a workdir's checkpoints were written for (from experiment.json)."""
     return ModelConfig(**stored_experiment(workdir)["model"])
@@ -402,8 +411,7 @@ def restore_run(
     (`scan_layers` as that segment of the run had it). Reads the params alone: not the
     optimizer state (twice the policy's bytes with Adam) nor the replay buffer."""
     model_cfg = stored_model_config(workdir)
-    layout = stored_experiment(workdir).get(PROCESSES_KEY)  # any run's policy loads here
-    checkpointer = Checkpointer(workdir, experiment=experiment_identity(config, model_cfg, layout))
+    checkpointer = Checkpointer(workdir, experiment=reading_identity(config, workdir))
     stacked = checkpoint_stacked(checkpointer.read_metadata(step), workdir)
     model, abstract_params = abstract_model(model_cfg.in_layout(stacked))
     if mesh is None:

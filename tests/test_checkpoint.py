@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -178,6 +179,16 @@ def test_restore_subset_reads_the_named_leaves_and_not_the_buffer(tmp_path, monk
     assert isinstance(restored["params"], nnx.State)
     assert_trees_equal(latest, {"params": make_train_state(4)["params"]})
     assert (metadata, latest_metadata) == (make_metadata(2), make_metadata(4))
+
+
+def test_reading_a_trained_policy_logs_no_warning(tmp_path, caplog):
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        save_steps(checkpointer, [2], force=True)
+    with Checkpointer(str(tmp_path), experiment=EXPERIMENT) as checkpointer:
+        template = {"params": abstract(make_train_state(seed=9)["params"])}
+        with caplog.at_level(logging.WARNING):
+            checkpointer.restore_subset(template=template)
+    assert [record.getMessage() for record in caplog.records] == []
 
 
 def test_read_metadata_reads_a_steps_metadata_alone(tmp_path):

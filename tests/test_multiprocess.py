@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from configs.arithmetic import get_config
-from tba_jax import distributed, exchange, topology
+from experiments import evaluate
+from tba_jax import distributed, exchange, runs, topology
 from tba_jax.checkpoint import RunStopped
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
@@ -336,6 +337,8 @@ def test_roles_within_host_trains_over_two_processes_and_refuses_one(tmp_path):
     assert alone.returncode == 1
     assert re.fullmatch(r"error: .*processes: \{.*num_processes.*'<absent>'.*\n", alone.stderr)
     assert sorted(os.listdir(workdir / "checkpoints")) == before
+    # ...while the tools that only read it (evaluation, export) take it in one process
+    assert evaluate.latest_checkpoint_step(runs.load_config(str(workdir)), str(workdir)) == 4
 
 
 def test_roles_by_process_saves_on_sigterm_and_resumes(tmp_path):
