@@ -5,6 +5,7 @@ a rerun reads back instead of training again."""
 import csv
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -56,13 +57,25 @@ def read(path: str) -> str:
         return f.read()
 
 
-def fake_result(label: str, x: float, seed: int, accuracy: float, curve=()) -> CellResult:
+def fake_result(
+    label: str, x: float | None, seed: int, accuracy: float, curve=(), start=None, steps=None
+) -> CellResult:
+    """A run whose in-loop evaluations are `curve` ((step, RL seconds, accuracy), every
+    step's RL seconds logged as train.py logs them), ending at `accuracy` after `steps`
+    learner steps (the curve's last step by default)."""
     cell = Cell(label, "configs/arithmetic.py", seed=seed, x=x)
     scalars = {
         "eval_accuracy": [(step, value) for step, _, value in curve],
         "rl_seconds": [(step, seconds) for step, seconds, _ in curve],
     }
-    summary = {"eval_accuracy_end": accuracy, "wall_seconds": 10.0 + seed}
+    steps = steps if steps is not None else (curve[-1][0] if curve else 10)
+    summary = {
+        "eval_accuracy_start": start,
+        "eval_accuracy_end": accuracy,
+        "learner_steps": steps,
+        "rl_seconds": 30.0 + seed,
+        "wall_seconds": 10.0 + seed,
+    }
     return CellResult(cell, f"/runs/{cell.name}", summary, None, scalars)
 
 
@@ -81,6 +94,32 @@ def test_the_curve_leaves_the_evaluations_time_out():
     result = fake_result("TBA", 1, 0, 0.5, curve=[(2, 10.0, 0.1), (4, 25.0, 0.4)])
     result.scalars["evaluation_seconds"] = [(2, 3.0), (4, 3.0)]
     assert result.curve("eval_accuracy") == [(7.0, 0.1), (19.0, 0.4)]
+
+
+def test_a_run_without_in_loop_evaluations_has_its_summarys_start_and_end_as_its_curve():
+    result = fake_result("TBA", None, 0, 0.8, start=0.3, steps=12)
+    assert result.curve("eval_accuracy") == [(0.0, 0.3), (30.0, 0.8)]  # summary's rl_seconds
+
+
+def test_the_summarys_start_and_end_join_the_in_loop_evaluations_once_per_step():
+    result = fake_result("TBA", None, 0, 0.7, curve=[(2, 10.0, 0.4)], start=0.2, steps=4)
+    result.scalars["rl_seconds"] = [(1, 5.0), (2, 10.0), (3, 15.0), (4, 20.0)]  # every step
+    result.scalars["evaluation_seconds"] = [(2, 3.0)]
+    # the end at step 4 on TensorBoard's clock, the evaluation's 3 s left out
+    assert result.curve("eval_accuracy") == [(0.0, 0.2), (7.0, 0.4), (17.0, 0.7)]
+    ends_on_an_evaluation = fake_result("TBA", None, 0, 0.9, curve=[(2, 10.0, 0.5)], start=0.1)
+    assert ends_on_an_evaluation.curve("eval_accuracy") == [(0.0, 0.1), (10.0, 0.5)]
+
+
+def test_plots_without_points_say_so_instead_of_warning_of_an_empty_legend(tmp_path):
+    no_evaluations = [fake_result("TBA", None, 0, None)]
+    summary_only = [fake_result("TBA", None, seed, 0.8, start=0.3) for seed in (0, 1)]
+    column = Column("accuracy", "eval_accuracy_end", fmt="%")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name, results in (("none", no_evaluations), ("summary", summary_only)):
+            report.plot_curves(str(tmp_path / f"{name}.png"), results, "eval_accuracy", "acc")
+        report.plot_against_x(str(tmp_path / "x.png"), no_evaluations, column, "K")
 
 
 def test_the_report_files(tmp_path):
@@ -124,7 +163,8 @@ def test_a_one_run_grid_trains_reports_and_is_read_back_on_a_rerun(tmp_path, mon
     assert "| TB smoke | 1 |" in text
     workdir = runner.cell_workdir(out, experiment, cell)
     curve = runner.run_grid(experiment, [cell], out, lines.append)[0].curve("eval_accuracy")
-    assert [round(seconds) >= 0 for seconds, _ in curve] == [True, True]  # steps 1 and 2
+    seconds = [seconds for seconds, _ in curve]  # the start (summary.json), steps 1 and 2
+    assert len(seconds) == 3 and seconds[0] == 0.0 and seconds == sorted(seconds)
     assert lines[-1] == "[1/1] TB smoke x=None seed 0: finished, read back"
     assert os.path.isfile(workdir + ".log")
 

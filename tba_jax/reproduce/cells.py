@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from tba_jax.metrics import TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
+from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_SCRIPT = os.path.join(REPO_ROOT, "experiments", "train.py")
@@ -34,6 +34,11 @@ SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its w
 EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into the run's workdir
 CONFIG_FILENAME = "config.json"  # the run's config, written when it starts
 LOG_TAIL_CHARS = 3000
+# summary.json's evaluations of a metric (experiments/train.py): `<metric>_start` at
+# step 0, before any RL, and `<metric>_end` after its `learner_steps` steps
+START_SUFFIX, END_SUFFIX = "_start", "_end"
+START_STEP = 0
+SUMMARY_STEPS_KEY = "learner_steps"
 
 
 class RunError(Exception):
@@ -87,9 +92,33 @@ class CellResult:
     scalars: dict
 
     def curve(self, metric: str) -> list[tuple[float, float]]:
-        """(RL seconds without the evaluations themselves, value) at each in-loop
-        evaluation of `metric`: the x axis of accuracy against wall-clock."""
-        return [(seconds, value) for _, value, seconds in evaluation_curve(self.scalars, metric)]
+        """(RL seconds without the evaluations themselves, value) at each evaluation of
+        `metric`, by step: the in-loop ones TensorBoard holds, and the start (step 0) and
+        end (the last learner step) ones of summary.json where TensorBoard has none at
+        their step (a short run may have no in-loop evaluation at all)."""
+        by_step = {
+            step: (seconds, value)
+            for step, value, seconds in evaluation_curve(self.scalars, metric)
+        }
+        for step, seconds, value in self.summary_points(metric):
+            by_step.setdefault(step, (seconds, value))
+        return [by_step[step] for step in sorted(by_step)]
+
+    def summary_points(self, metric: str) -> list[tuple[int, float, float]]:
+        """(step, RL seconds, value) of summary.json's start and end evaluations of
+        `metric` (its `<metric>_start` and `<metric>_end`), leaving out one it lacks."""
+        end_step = self.summary[SUMMARY_STEPS_KEY]
+        points = [
+            (START_STEP, 0.0, self.summary.get(f"{metric}{START_SUFFIX}")),
+            (end_step, self.rl_seconds_at(end_step), self.summary.get(f"{metric}{END_SUFFIX}")),
+        ]
+        return [(step, seconds, value) for step, seconds, value in points if value is not None]
+
+    def rl_seconds_at(self, step: int) -> float:
+        """The RL clock at `step` without the in-loop evaluations, as `curve` counts it;
+        summary.json's `rl_seconds` (evaluations included) where TensorBoard lacks it."""
+        clock = {s: seconds for s, _, seconds in evaluation_curve(self.scalars, RL_SECONDS)}
+        return clock.get(step, self.summary[RL_SECONDS])
 
 
 def with_variant(config: str, items: str) -> str:

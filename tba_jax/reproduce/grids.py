@@ -64,7 +64,7 @@ class Experiment:
       plot_column: the column plotted against `x_name`; None: `curve_metric` against time.
       x_name: the grid's x axis (None: curves against wall-clock).
       x_log: plot x on a logarithmic axis.
-      curve_metric: the in-loop evaluation scalar plotted against time.
+      curve_metric: the evaluation scalar plotted against time (in-loop, start and end).
       required: config keys (after the cell's items) that must be non-empty at paper scale.
       notes: scale → what differs from the paper's setting.
     """

@@ -124,8 +124,8 @@ def _pyplot():
 
 
 def plot_curves(path: str, results: Sequence[CellResult], metric: str, y_label: str) -> str:
-    """`metric` at each in-loop evaluation against RL seconds, one line per run, one colour
-    per label (the paper's Fig. 1 axes)."""
+    """`metric` at each evaluation (`CellResult.curve`: in-loop, start and end) against RL
+    seconds, one line per run, one colour per label (the paper's Fig. 1 axes)."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=PLOT_SIZE)
     colours = _colours(plt, [result.cell.label for result in results])
@@ -148,7 +148,7 @@ def plot_curves(path: str, results: Sequence[CellResult], metric: str, y_label: 
     axes.set_xlabel("RL wall-clock seconds (evaluations left out)")
     axes.set_ylabel(y_label)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+    _legend_or_note(axes, f"no run has an evaluation of {metric}")
     return _save(figure, path, plt)
 
 
@@ -180,8 +180,18 @@ def plot_against_x(
         axes.set_xscale("log")
     axes.set_ylabel(column.header + (" (%)" if column.fmt == "%" else ""))
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+    _legend_or_note(axes, f"no run has a value of {column.key} and an x")
     return _save(figure, path, plt)
+
+
+def _legend_or_note(axes, empty_note: str) -> None:
+    """The legend of the labelled lines, or `empty_note` written on the empty axes (a
+    legend of nothing only draws a warning)."""
+    handles, _ = axes.get_legend_handles_labels()
+    if handles:
+        axes.legend(fontsize="small")
+    else:
+        axes.text(0.5, 0.5, empty_note, ha="center", va="center", transform=axes.transAxes)
 
 
 def _colours(plt, labels: Sequence[str]) -> dict[str, str]:
