@@ -358,8 +358,6 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
             active_processes=topology.learner_processes if topology.multi_process else None,
             keep_steps=(0,) if config.record_learner_batches else (),  # a replay's start
         )
-    if topology.is_primary:
-        runs.write_config(workdir, config)
     optimizer, state_sharding, critic, train_step = make_learner(
         config, model, abstract_params, learner_shardings, meshes.learner
     )
@@ -867,7 +865,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
         if run.checkpointer is not None:
             run.checkpointer.close()
-        return summary or {}
+        return summary or {}  # its config.json stays the config it trained with
+    if run.topology.is_primary:
+        runs.write_config(workdir, config)
     with stop_on_signals() as stop_signal:
         if not run.topology.is_learner:
             search_only(run, segment, stop_signal)

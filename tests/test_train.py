@@ -155,16 +155,25 @@ def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
         np.testing.assert_array_equal(a, b)
 
 
-def test_rerunning_a_finished_run_keeps_its_summary(async_run, tmp_path):
+RUN_FILES = ("summary", "config")
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_rerunning_a_finished_run_keeps_its_summary_and_config(async_run, tmp_path):
     workdir = str(tmp_path / "copy")
     shutil.copytree(async_run[0], workdir)
-    summary_path = os.path.join(workdir, "summary.json")
-    with open(summary_path, "rb") as f:
-        before = f.read()
-    summary = train_and_evaluate(get_config(ASYNC), workdir)
-    with open(summary_path, "rb") as f:
-        assert f.read() == before  # not replaced by the figures of an empty segment
-    assert summary == json.loads(before)
+    summary_path, config_path = (os.path.join(workdir, f"{name}.json") for name in RUN_FILES)
+    before = {path: read_bytes(path) for path in (summary_path, config_path)}
+    config = get_config(ASYNC)
+    config.replay.recency_prob = 0.5  # a knob the finished run did not train with
+    summary = train_and_evaluate(config, workdir)
+    # not replaced by the figures of an empty segment, nor by a config it did not train with
+    assert {path: read_bytes(path) for path in before} == before
+    assert summary == json.loads(before[summary_path])
 
 
 def test_a_finished_run_extended_reports_the_whole_run(async_run, extended_run):
