@@ -132,7 +132,10 @@ def test_the_report_files(tmp_path):
         EXPERIMENTS["ablation_k"], columns=(Column("accuracy", "eval_accuracy_end", fmt="%"),)
     )
     experiment = dataclasses.replace(experiment, plot_column=experiment.columns[0])
-    page, table, plot = runner.write_report(experiment, "tiny", results, str(tmp_path))
+    command = runner.command_line("ablation_k", "tiny", 2, "smoke,steps=3")
+    page, table, plot = runner.write_report(
+        experiment, "tiny", results, str(tmp_path), command=command
+    )
     with open(table) as f:
         rows = list(csv.DictReader(f))
     assert [(r["x"], r["seed"]) for r in rows] == [("2", "0"), ("2", "1"), ("4", "0"), ("4", "1")]
@@ -140,10 +143,26 @@ def test_the_report_files(tmp_path):
     assert accuracies == pytest.approx([0.2, 0.21, 0.4, 0.41])
     text = read(page)
     assert "| TBA | 2 | 2 | 20.5% ± 0.7% |" in text and "54.61%" in text  # ours, the paper's
+    # a smoke run's page says so: every flag that changes the numbers
+    written_by = "`python experiments/reproduce.py --experiment=ablation_k --scale=tiny --seeds=2"
+    assert f"{written_by} --set=smoke,steps=3`" in text
     with open(plot, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     curves = report.plot_curves(str(tmp_path / "curves.png"), results, "eval_accuracy", "acc")
     assert os.path.getsize(curves) > 0
+
+
+def test_the_command_line_leaves_out_an_empty_set():
+    command = runner.command_line("gsm8k", "tiny", 1, "")
+    assert command == "python experiments/reproduce.py --experiment=gsm8k --scale=tiny --seeds=1"
+
+
+def test_progress_lines_name_only_the_fields_a_cell_has(tmp_path, monkeypatch):
+    cells = [Cell("TBA", "configs/arithmetic.py", x=4), Cell("sync TB", "configs/arithmetic.py")]
+    monkeypatch.setattr(runner, "run_cell", lambda cell, workdir: None)
+    lines = []
+    runner.run_grid(EXPERIMENTS["gsm8k"], cells, str(tmp_path), lines.append)
+    assert lines == ["[1/2] TBA x=4 seed 0: running", "[2/2] sync TB seed 0: running"]
 
 
 def test_a_one_run_grid_trains_reports_and_is_read_back_on_a_rerun(tmp_path, monkeypatch):
@@ -158,14 +177,14 @@ def test_a_one_run_grid_trains_reports_and_is_read_back_on_a_rerun(tmp_path, mon
     out = str(tmp_path / "out")
     lines = []
     runner.reproduce("smoke_grid", "tiny", out, log=lines.append)
-    assert lines == ["[1/1] TB smoke x=None seed 0: running"]
+    assert lines == ["[1/1] TB smoke seed 0: running"]
     text = read(os.path.join(out, "smoke_grid.md"))
     assert "| TB smoke | 1 |" in text
     workdir = runner.cell_workdir(out, experiment, cell)
     curve = runner.run_grid(experiment, [cell], out, lines.append)[0].curve("eval_accuracy")
     seconds = [seconds for seconds, _ in curve]  # the start (summary.json), steps 1 and 2
     assert len(seconds) == 3 and seconds[0] == 0.0 and seconds == sorted(seconds)
-    assert lines[-1] == "[1/1] TB smoke x=None seed 0: finished, read back"
+    assert lines[-1] == "[1/1] TB smoke seed 0: finished, read back"
     assert os.path.isfile(workdir + ".log")
 
 

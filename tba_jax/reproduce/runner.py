@@ -29,6 +29,7 @@ from tba_jax.reproduce.cells import (
 from tba_jax.reproduce.grids import EXPERIMENTS, SCALES, Experiment
 
 RUNS_SUBDIR = "runs"
+SCRIPT = "experiments/reproduce.py"
 
 
 class MissingSettings(Exception):
@@ -103,6 +104,12 @@ def check_settings(experiment: Experiment, scale: str, cells: Sequence[Cell], ou
         )
 
 
+def describe(cell: Cell) -> str:
+    """The cell as progress lines name it: its label, x (when the grid has one), seed."""
+    x_part = [] if cell.x is None else [f"x={cell.x:g}"]
+    return " ".join([cell.label, *x_part, f"seed {cell.seed}"])
+
+
 def run_grid(
     experiment: Experiment, cells: Sequence[Cell], out: str, log: Callable[[str], None]
 ) -> list[CellResult]:
@@ -111,15 +118,30 @@ def run_grid(
     for number, cell in enumerate(cells, start=1):
         workdir = cell_workdir(out, experiment, cell)
         state = "finished, read back" if is_finished(cell, workdir) else "running"
-        log(f"[{number}/{len(cells)}] {cell.label} x={cell.x} seed {cell.seed}: {state}")
+        log(f"[{number}/{len(cells)}] {describe(cell)}: {state}")
         results.append(run_cell(cell, workdir))
     return results
 
 
+def command_line(name: str, scale: str, seeds: int, items: str) -> str:
+    """The `experiments/reproduce.py` command of these results, with every flag that
+    changes them (--out does not)."""
+    arguments = [f"--experiment={name}", f"--scale={scale}", f"--seeds={seeds}"]
+    if items:
+        arguments.append(f"--set={items}")
+    return shlex.join(["python", SCRIPT, *arguments])
+
+
 def write_report(
-    experiment: Experiment, scale: str, results: Sequence[CellResult], out: str
+    experiment: Experiment,
+    scale: str,
+    results: Sequence[CellResult],
+    out: str,
+    *,
+    command: str,
 ) -> list[str]:
-    """The experiment's CSV, markdown and plot in `out`; returns their paths."""
+    """The experiment's CSV, markdown and plot in `out`, the page saying that `command`
+    (`command_line`) wrote them; returns their paths."""
     base = os.path.join(out, experiment.name)
     columns = experiment.columns
     if experiment.plot_column is None:
@@ -135,8 +157,7 @@ def write_report(
         base + ".md",
         title=experiment.title,
         intro=[
-            f"Scale `{scale}`, {seeds} seed(s) per run; written by `python "
-            f"experiments/reproduce.py --experiment={experiment.name} --scale={scale}` on "
+            f"Scale `{scale}`, {seeds} seed(s) per run; written by `{command}` on "
             f"{report.machine_line()}. Runs and their logs: `{RUNS_SUBDIR}/{experiment.name}/`.",
         ],
         ours=report.results_table(results, columns, experiment.x_name),
@@ -164,4 +185,5 @@ def reproduce(
     check_settings(experiment, scale, cells, out)
     os.makedirs(out, exist_ok=True)
     results = run_grid(experiment, cells, out, log)
-    return write_report(experiment, scale, results, out)
+    command = command_line(name, scale, seeds, items)
+    return write_report(experiment, scale, results, out, command=command)
