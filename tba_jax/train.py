@@ -21,11 +21,13 @@ is skipped, and `max_nonfinite_steps` of them in a row stop the run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -300,13 +302,36 @@ def make_learner(
     return LearnerParts(optimizer, state_sharding, critic, train_step)
 
 
-def make_workdir(workdir: str) -> None:
+def make_workdir(workdir: str) -> str | None:
     """Creates `workdir`, or a ConfigError saying why it cannot be (the launchers' check,
-    `config_lib.output_dir_problem`, for callers that come from Python)."""
+    `config_lib.output_dir_problem`, for callers that come from Python). Returns the
+    outermost folder it created (None: `workdir` existed)."""
     problem = config_lib.output_dir_problem(workdir)
     if problem:
         raise ConfigError(f"--workdir={workdir} {problem}; pass a folder you can write to.")
-    os.makedirs(workdir, exist_ok=True)
+    created, path = None, os.path.abspath(workdir)
+    while not os.path.exists(path):
+        created, path = path, os.path.dirname(path)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as error:  # e.g. under /proc, which os.access lets root write
+        raise ConfigError(
+            f"--workdir={workdir} cannot be created ({error.strerror}); pass a folder you "
+            "can write to."
+        ) from None
+    return created
+
+
+@contextlib.contextmanager
+def removed_if_refused(created: str | None) -> Iterator[None]:
+    """Around the checks that need a workdir (the task's data): a folder this run created
+    is removed if they fail, so a refused run leaves no trace."""
+    try:
+        yield
+    except Exception:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
@@ -340,8 +365,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     if topology.is_searcher:
         placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
     if topology.is_primary:
-        make_workdir(workdir)
-        task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
+        with removed_if_refused(make_workdir(workdir)):
+            task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:
         task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import pytest
 import tensorflow_datasets as tfds
 from support import GSM8K_DIR, HIDE_TENSORFLOW, requires_gsm8k
 
-from tba_jax.data import gsm8k
+from tba_jax.data import builder_utils, gsm8k
 from tba_jax.rewards.gsm8k import (
     batch_rewards,
     extract_final_answer,
@@ -132,10 +133,26 @@ def test_without_a_manual_dir_the_public_files_are_downloaded(tmp_path, monkeypa
         return {split: tfds.core.Path(sources[split]) for split in urls}
 
     monkeypatch.setattr(tfds.download.DownloadManager, "download", fake_download)
+    monkeypatch.setattr(builder_utils, "check_hosts_resolve", lambda urls: None)  # offline CI
     examples = gsm8k.load_split("train", tmp_path / "data")
     base = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/"
     assert requested == [{"train": base + "data/train.jsonl", "test": base + "data/test.jsonl"}]
     assert [example["question"] for example in examples] == ["train 0?", "train 1?", "train 2?"]
+
+
+def test_without_a_network_the_download_fails_at_once_saying_to_pass_manual_dir(
+    tmp_path, monkeypatch
+):
+    def no_dns(host, port):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    def no_download(self, urls):
+        raise AssertionError("TFDS was asked to download (and retry for minutes)")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(tfds.download.DownloadManager, "download", no_download)
+    with pytest.raises(builder_utils.SourceFilesUnavailableError, match="as `manual_dir`"):
+        gsm8k.load_split("train", tmp_path / "data")
 
 
 # ------------------------------------------------------------------------------ reward

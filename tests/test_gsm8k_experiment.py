@@ -81,6 +81,13 @@ def test_paper_config_without_a_checkpoint_stops_with_the_flag_to_pass(tmp_path)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "data").exists()
 
 
+def test_a_manual_dir_that_does_not_exist_leaves_no_new_workdir(tmp_path):
+    workdir = tmp_path / "new" / "run"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train_and_evaluate(get_config(f"tiny,manual_dir={tmp_path / 'nowhere'}"), str(workdir))
+    assert os.listdir(tmp_path) == []  # neither the run's folder nor the one above it
+
+
 # ---------------------------------------------------------------------------- the task
 
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 import abc
 import inspect
 import json
-from collections.abc import Iterator, Mapping
+import socket
+import urllib.parse
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -120,12 +122,14 @@ def missing_manual_files_message(
 ) -> str:
     """The error text for a manual directory that lacks some source files."""
     if manual_dir.is_dir():
-        problem = f"Missing {', '.join(missing)} in manual directory {manual_dir}"
-    else:
-        problem = (
-            f"Manual directory {manual_dir} does not exist (it must hold {', '.join(missing)})"
+        return (
+            f"Missing {', '.join(missing)} in manual directory {manual_dir}; expected "
+            f"{expected_files}.\n{instructions}"
         )
-    return f"{problem}; expected {expected_files}.\n{instructions}"
+    return (
+        f"Manual directory {manual_dir} does not exist; it must hold {expected_files}.\n"
+        f"{instructions}"
+    )
 
 
 def require_manual_files(
@@ -143,18 +147,35 @@ def require_manual_files(
     return paths
 
 
+def check_hosts_resolve(urls: Iterable[str]) -> None:
+    """socket.gaierror unless every URL's host resolves."""
+    for host in sorted({urllib.parse.urlsplit(url).hostname for url in urls}):
+        socket.getaddrinfo(host, None)
+
+
+class SourceFilesUnavailableError(FileNotFoundError):
+    """A dataset's source files are neither in a manual directory nor downloadable (the
+    launchers report it as the one-line error of a missing file)."""
+
+
 def download_files(
     dl_manager: tfds.download.DownloadManager, urls: Mapping[str, str], instructions: str
 ) -> dict[str, epath.Path]:
-    """``{split: downloaded path}``; a download failure explains the manual route."""
-    try:
-        return dl_manager.download(dict(urls))
-    except OSError as error:  # requests' connection errors are OSErrors too.
-        raise OSError(
+    """``{split: downloaded path}``; a download failure explains the manual route. A host
+    that does not resolve (no network) fails at once, before TFDS's minutes of retries."""
+
+    def unavailable(error: OSError) -> SourceFilesUnavailableError:
+        return SourceFilesUnavailableError(
             f"Could not download {sorted(urls.values())} ({error}). Without network access, "
             f"download the files elsewhere and pass their directory as `manual_dir`.\n"
             f"{instructions}"
-        ) from error
+        )
+
+    try:
+        check_hosts_resolve(urls.values())
+        return dl_manager.download(dict(urls))
+    except OSError as error:  # socket.gaierror and requests' connection errors are OSErrors
+        raise unavailable(error) from None
 
 
 # ------------------------------------------------------------------------ builder
