@@ -3,7 +3,8 @@ r"""Reproduces one of the paper's results: runs its grid, then writes a table an
     # on this CPU, in minutes: the same grid on the demo task and the tiny variants
     python experiments/reproduce.py --experiment=gsm8k --scale=tiny --out=/tmp/repro
     python experiments/reproduce.py --experiment=ablation_k --seeds=3 --out=/tmp/repro
-    # the paper's configs, given the checkpoints (without them: the exact commands)
+    # the paper's configs, given the checkpoints (without them: the exact commands,
+    # one per line, in <out>/commands.sh)
     python experiments/reproduce.py --experiment=gsm8k --scale=paper --out=/ckpt/repro \
         --set=hf_path=/ckpt/rho-1b-sft-GSM8K
 

@@ -41,15 +41,31 @@ def test_seeds_repeat_the_grid_and_items_reach_every_run():
         runner.grid(experiment, "tiny", seeds=0)
 
 
-def test_a_paper_grid_without_checkpoints_prints_the_exact_commands(tmp_path):
+def test_a_paper_grid_without_checkpoints_writes_the_exact_commands_to_a_script(tmp_path):
+    out = tmp_path / "out"
     with pytest.raises(runner.MissingSettings) as error:
-        runner.reproduce("tldr", "paper", str(tmp_path / "out"))
+        runner.reproduce("tldr", "paper", str(out))
     message = str(error.value)
     assert "model.hf_path, task.reward_model.hf_path, task.gold_reward_model.hf_path" in message
-    assert "experiments/train.py" in message and "experiments/evaluate.py" in message
-    assert "experiments/evaluate.py --workdir=" in message  # the command as evaluate takes it
-    assert "task.reward_model.hf_path=/path/to/reward_model" in message
-    assert not os.path.exists(tmp_path / "out")  # nothing written before a valid grid
+    assert f"commands in {out / 'commands.sh'}" in message
+    assert "\n" not in message and "experiments/train.py" not in message  # one short line
+    assert os.listdir(out) == ["commands.sh"]  # no run before a valid grid
+    commands = [line for line in read(out / "commands.sh").splitlines() if line[:1] != "#"]
+    trains = [line for line in commands if "experiments/train.py" in line]
+    evaluates = [line for line in commands if "experiments/evaluate.py --workdir=" in line]
+    assert commands[0] == "set -euo pipefail" and len(trains) == len(evaluates) > 1
+    assert len(commands) == 1 + len(trains) + len(evaluates)  # one command per line
+    assert all("task.reward_model.hf_path=/path/to/reward_model" in line for line in trains)
+
+
+def test_the_commands_are_printed_one_per_line_where_out_cannot_be_written(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"
+    lines = []
+    with pytest.raises(runner.MissingSettings, match="printed above"):
+        runner.reproduce("tldr", "paper", str(out), log=lines.append)
+    assert sum("experiments/train.py" in line for line in lines) > 1
+    assert all("\n" not in line for line in lines)
 
 
 def read(path: str) -> str:

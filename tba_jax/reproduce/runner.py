@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from tba_jax import config_keys
+from tba_jax.config_lib import output_dir_problem
 from tba_jax.reproduce import report
 from tba_jax.reproduce.cells import (
     Cell,
@@ -29,12 +30,14 @@ from tba_jax.reproduce.cells import (
 from tba_jax.reproduce.grids import EXPERIMENTS, SCALES, Experiment
 
 RUNS_SUBDIR = "runs"
+COMMANDS_FILENAME = "commands.sh"  # a paper-scale grid's commands, without its checkpoints
+EXECUTABLE_MODE = 0o755
 SCRIPT = "experiments/reproduce.py"
 
 
 class MissingSettings(Exception):
-    """A paper-scale grid whose configs lack checkpoint folders; the message holds the
-    exact commands to run once they are given."""
+    """A paper-scale grid whose configs lack checkpoint folders; the message says which,
+    and where the exact commands to run once they are given are (`save_commands`)."""
 
 
 def experiment_named(name: str) -> Experiment:
@@ -89,18 +92,56 @@ def commands_text(experiment: Experiment, cells: Sequence[Cell], out: str) -> st
     return "\n".join(lines)
 
 
-def check_settings(experiment: Experiment, scale: str, cells: Sequence[Cell], out: str):
-    """MissingSettings (with the commands) when a paper-scale grid lacks a checkpoint."""
+def commands_script(experiment: Experiment, commands: str, placeholders: str) -> str:
+    """A bash script of `commands` (one per line), saying what to fill in first."""
+    header = [
+        "#!/usr/bin/env bash",
+        f"# The paper-scale {experiment.name} grid, one command per line, written by {SCRIPT}.",
+        "# Replace these placeholders with your local Hugging Face folders first (or pass",
+        f"# your folders to {SCRIPT} as --set=..., which also writes the report):",
+        *(f"#   {item}" for item in placeholders.split(",")),
+        "set -euo pipefail",
+    ]
+    return "\n".join([*header, commands]) + "\n"
+
+
+def save_commands(out: str, script: str, log: Callable[[str], None]) -> str:
+    """Writes `script` to `<out>/commands.sh` (executable) when `out` can be written, else
+    logs it one line at a time; returns where it went, to finish a sentence."""
+    if output_dir_problem(out) is not None:
+        for line in script.splitlines():
+            log(line)
+        return f"printed above ({out} cannot be written)"
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, COMMANDS_FILENAME)
+    with open(path, "w") as f:
+        f.write(script)
+    os.chmod(path, EXECUTABLE_MODE)
+    return f"in {path}"
+
+
+def check_settings(
+    experiment: Experiment,
+    scale: str,
+    cells: Sequence[Cell],
+    out: str,
+    log: Callable[[str], None] = print,
+):
+    """MissingSettings when a paper-scale grid lacks a checkpoint, after saving the grid's
+    commands (`save_commands`; the message says where)."""
     if scale != "paper":
         return
     missing = missing_settings(experiment, cells)
     if missing:
         placeholders = ",".join(f"{key}=/path/to/{key.split('.')[-2]}" for key in missing)
         shown = grid(experiment, scale, 1, placeholders)
+        commands = commands_text(experiment, shown, out)
+        where = save_commands(out, commands_script(experiment, commands, placeholders), log)
         raise MissingSettings(
             f"The paper-scale {experiment.name} grid needs {', '.join(missing)} (local "
-            f"Hugging Face folders). Pass them as --set={placeholders} (your paths), or run "
-            f"each cell yourself:\n{commands_text(experiment, shown, out)}"
+            f"Hugging Face folders). Pass them as --set={placeholders} (your paths), or put "
+            f"your paths in the {len(commands.splitlines())} train/evaluate commands {where} "
+            "and run them yourself."
         )
 
 
@@ -182,7 +223,7 @@ def reproduce(
     module docstring); returns the report's paths."""
     experiment = experiment_named(name)
     cells = grid(experiment, scale, seeds, items)
-    check_settings(experiment, scale, cells, out)
+    check_settings(experiment, scale, cells, out, log)
     os.makedirs(out, exist_ok=True)
     results = run_grid(experiment, cells, out, log)
     command = command_line(name, scale, seeds, items)
