@@ -31,13 +31,13 @@ from tba_jax.reproduce.grids import EXPERIMENTS, SCALES, Experiment
 
 RUNS_SUBDIR = "runs"
 COMMANDS_FILENAME = "commands.sh"  # a paper-scale grid's commands, without its checkpoints
-EXECUTABLE_MODE = 0o755
+EXECUTABLE_MODE = 0o755  # rwxr-xr-x: commands.sh runs as ./commands.sh
 SCRIPT = "experiments/reproduce.py"
 
 
 class MissingSettings(Exception):
-    """A paper-scale grid whose configs lack checkpoint folders; the message says which,
-    and where the exact commands to run once they are given are (`save_commands`)."""
+    """A paper-scale grid whose configs lack checkpoint folders; the message says which are
+    missing and where `save_commands` put the grid's commands."""
 
 
 def experiment_named(name: str) -> Experiment:
