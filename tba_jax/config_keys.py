@@ -8,6 +8,7 @@ one-line error for a key the config does not have, naming the nearest key it doe
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -50,10 +51,13 @@ def _last_part(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
-def nearest_key(config: ml_collections.ConfigDict, key: str) -> str | None:
-    """The key of `config` most like `key`: by the whole dotted key first (a typo anywhere),
-    else by the last part alone (a key given without its section); None if none is close."""
-    known = [name for name, _ in leaf_items(config)]
+def nearest_key(
+    config: ml_collections.ConfigDict, key: str, shortcuts: Mapping[str, str] | None = None
+) -> str | None:
+    """The key of `config` (or, for a variant item, of its `shortcuts`) most like `key`: by
+    the whole dotted key first (a typo anywhere), else by the last part alone (a key given
+    without its section); None if none is close."""
+    known = [*(shortcuts or {}), *(name for name, _ in leaf_items(config))]
     close = difflib.get_close_matches(key, known, n=1, cutoff=SIMILARITY_CUTOFF)
     if close:
         return close[0]
@@ -66,9 +70,18 @@ def nearest_key(config: ml_collections.ConfigDict, key: str) -> str | None:
     return by_last_part[close[0]] if close else None
 
 
-def unknown_key_message(config: ml_collections.ConfigDict, key: str) -> str:
+def unknown_key_message(
+    config: ml_collections.ConfigDict, key: str, shortcuts: Mapping[str, str] | None = None
+) -> str:
     """The one-line error for `key`, e.g. unknown config key 'optim.learning_rat'; did you
-    mean 'optim.learning_rate'?"""
-    suggestion = nearest_key(config, key)
-    hint = f"did you mean {suggestion!r}?" if suggestion else "--print_config lists every key."
+    mean 'optim.learning_rate'? (a variant item's `shortcuts` are suggested as well, e.g.
+    'steps' (learner_steps) for 'step')."""
+    shortcuts = shortcuts or {}
+    suggestion = nearest_key(config, key, shortcuts)
+    if suggestion in shortcuts:
+        hint = f"did you mean {suggestion!r} ({shortcuts[suggestion]})?"
+    elif suggestion:
+        hint = f"did you mean {suggestion!r}?"
+    else:
+        hint = "--print_config lists every key."
     return f"unknown config key {key!r}; {hint}"

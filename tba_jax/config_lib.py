@@ -79,12 +79,18 @@ def _convert(value: str, current, key: str):
         raise ConfigError(f"{key}={value!r} is not a Python literal.") from e
 
 
-def _set_path(config: ml_collections.ConfigDict, path: str, value: str) -> None:
+def _set_path(
+    config: ml_collections.ConfigDict,
+    path: str,
+    value: str,
+    shortcuts: Mapping[str, str] | None = None,
+) -> None:
     """Sets the dotted `path` of `config` from text; ConfigError naming the nearest key
-    when `path` is not one of the config's keys."""
+    (or the nearest of a variant's `shortcuts`) when `path` is not one of the config's
+    keys."""
     present, current = config_keys.lookup(config, path)
     if not present or isinstance(current, ml_collections.ConfigDict):
-        raise ConfigError(config_keys.unknown_key_message(config, path))
+        raise ConfigError(config_keys.unknown_key_message(config, path, shortcuts))
     *sections, leaf = path.split(".")
     node = config
     for part in sections:
@@ -115,7 +121,7 @@ def apply_variant(
         for key, value in named[name].items():
             _set_path(config, shortcuts.get(key, key), str(value))
     for key, value in pairs.items():
-        _set_path(config, shortcuts.get(key, key), value)
+        _set_path(config, shortcuts.get(key, key), value, shortcuts)
     config.variant = arg or ""
     return config
 

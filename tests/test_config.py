@@ -58,6 +58,8 @@ def test_parse_variant():
             "learning_rat=1",
             r"unknown config key 'learning_rat'; did you mean 'optim\.learning_rate'\?",
         ),
+        ("step=3", r"did you mean 'steps' \(learner_steps\)\?"),  # a shortcut, not warm_start's
+        ("stpes=3", r"did you mean 'steps' \(learner_steps\)\?"),
         ("optim=1", r"unknown config key 'optim'"),
         ("nosuchvariant", "Unknown config variant 'nosuchvariant'"),
         ("steps=many", "not an integer"),
