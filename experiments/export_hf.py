@@ -4,6 +4,7 @@ r"""Exports a training run's policy as a Hugging Face folder transformers loads.
     python experiments/export_hf.py --workdir=W --out=DIR --dtype=bfloat16 --step=100 \
         --hf_config_overrides='{"eos_token_id": 2}'
     python experiments/export_hf.py --workdir=W --out=DIR --critic   # a PPO run's critic
+    python experiments/export_hf.py --workdir=W --out=DIR --overwrite  # replace an export
 
 Writes config.json and the weights (sharded with an index past 5 GB) of the latest (or
 `--step`'s) checkpoint in `--workdir`, and the run's tokenizer with its token ids in
@@ -12,6 +13,12 @@ new run): a run started from a Hugging Face folder (`model.hf_path`) gets that f
 tokenizer files; a run with the built-in char tokenizer (the arithmetic demo) gets it as a
 tokenizer.json with the same ids. Prints one JSON line: workdir, out, family, num_params
 and the files written.
+
+`--out` must be a new or empty folder, and never the run's workdir or a checkpoint folder
+the run reads (`model.hf_path`, `reference.hf_path`, any other `hf_path` of its config).
+`--overwrite` writes into a non-empty folder: it first removes the files an export writes
+or a loader would read with them (`*.safetensors`, `*.safetensors.index.json`,
+config.json, the tokenizer files) and keeps the others.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from absl import flags
@@ -30,6 +37,9 @@ from tba_jax.checkpoint import CheckpointMismatchError, CheckpointUnreadableErro
 from tba_jax.config_lib import ConfigError
 from tba_jax.models import hf
 from tba_jax.models.config import DTYPES
+
+CHECKPOINT_KEY = "hf_path"  # a config key naming a Hugging Face folder the run reads
+SHOWN_ENTRIES = 3  # entries of a non-empty --out named in its error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,18 +72,25 @@ def export_run(
     step: int | None = None,
     hf_config_overrides: dict[str, Any] | None = None,
     critic: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Writes the latest (or `step`'s) policy of the training run in `workdir` to `out`, with
     the run's tokenizer and its token ids in config.json, so the export is usable as is.
     `critic`: write a PPO run's value model instead, as a one-label score-head model
-    (`*ForSequenceClassification`; its per-token scores are the values). Returns the
+    (`*ForSequenceClassification`; its per-token scores are the values). `out` must be a
+    new or empty folder that is neither the workdir nor a checkpoint folder of the run
+    (ConfigError, before any checkpoint is read); `overwrite` allows a non-empty one,
+    whose earlier export files (`hf.export_files_in`) are removed first. Returns the
     summary the command line prints."""
     config = runs.load_config(workdir)
+    check_out(config, workdir, out, overwrite=overwrite)
     if critic:
         model_cfg, params = trained_critic(config, workdir, step)
     else:
         model_cfg, params = runs.load_trained_policy(workdir, step)
     tokenizer = ExportedTokenizer.of_run(config, workdir)
+    if overwrite:
+        hf.remove_export_files(out)
     overrides = {**tokenizer.token_ids, **(hf_config_overrides or {})}
     files = hf.save_hf(out, model_cfg, params, dtype=dtype, hf_config_overrides=overrides)
     files += tokenizer.write(out)
@@ -84,6 +101,62 @@ def export_run(
         num_params=model_cfg.num_params(),
         files=[os.path.basename(path) for path in files],
     )
+
+
+def check_out(config, workdir: str, out: str, *, overwrite: bool) -> None:
+    """ConfigError when `out` is the run's workdir or one of its checkpoint folders (the
+    export would overwrite what the run reads, e.g. its π_ref), a file, or a non-empty
+    folder without `overwrite` (an earlier export's files would be left beside the new)."""
+    check_not_read_by_the_run(config, workdir, out)
+    check_empty_folder(out, overwrite=overwrite)
+
+
+def check_not_read_by_the_run(config, workdir: str, out: str) -> None:
+    """ConfigError when `out` is the run's workdir or a checkpoint folder of its config."""
+    if same_folder(out, workdir):
+        raise ConfigError(
+            f"--out={out} is the run's workdir; pass another folder, e.g. "
+            f"{os.path.join(workdir, 'hf')}."
+        )
+    for key, folder in checkpoint_folders(config.to_dict()):
+        if same_folder(out, folder):
+            raise ConfigError(
+                f"--out={out} is the run's {key}={folder}, a checkpoint the run reads; "
+                "exporting there would overwrite it. Pass another folder."
+            )
+
+
+def check_empty_folder(out: str, *, overwrite: bool) -> None:
+    """ConfigError when `out` is a file, or a non-empty folder without `overwrite`."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out={out} is a file, not a folder; pass a new or empty folder.")
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if entries and not overwrite:
+        shown = ", ".join(entries[:SHOWN_ENTRIES]) + (", ..." if entries[SHOWN_ENTRIES:] else "")
+        raise ConfigError(
+            f"--out={out} is not empty (it holds {shown}); pass a new or empty folder, or "
+            "--overwrite to replace the export there "
+            "(removes its *.safetensors, index, config.json and tokenizer files first)."
+        )
+
+
+def checkpoint_folders(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, folder) of every non-empty `hf_path` in a run's config (as a dict):
+    model.hf_path, reference.hf_path, a task's reward model or judge, ..."""
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from checkpoint_folders(value, f"{dotted}.")
+        elif key == CHECKPOINT_KEY and isinstance(value, str) and value:
+            yield dotted, value
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name the same file or folder (links resolved; for a path
+    that does not exist yet, by its absolute real path)."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def trained_critic(config, workdir: str, step: int | None):
@@ -129,6 +202,12 @@ def define_flags() -> None:
     flags.DEFINE_bool(
         "critic", False, "Export a PPO run's value model (a one-label score-head model)."
     )
+    flags.DEFINE_bool(
+        "overwrite",
+        False,
+        "Write into a non-empty --out: first remove an earlier export's *.safetensors, "
+        "index, config.json and tokenizer files there (other files stay).",
+    )
     flags.adopt_module_key_flags(cli)
     flags.mark_flags_as_required(["workdir", "out"])
 
@@ -145,6 +224,7 @@ def main(argv):
         step=values.step,
         hf_config_overrides=overrides,
         critic=values.critic,
+        overwrite=values.overwrite,
     )
     print(json.dumps(result, sort_keys=True))
 

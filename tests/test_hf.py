@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -28,8 +30,10 @@ import transformers
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from experiments import compare_hf
+from experiments import compare_hf, export_hf
 from tba_jax import mesh as mesh_lib
+from tba_jax import runs
+from tba_jax.config_lib import ConfigError
 from tba_jax.models import (
     PUBLISHED_NUM_PARAMS,
     Model,
@@ -524,6 +528,7 @@ def test_compare_cli_prints_a_json_last_line(checkpoint):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["family"] == "gpt_neox"
     assert 0.0 <= summary["max_abs_logit_diff"] <= TOL
+    assert "Loading weights" not in result.stderr  # no transformers progress bar
 
 
 # experiments/export_hf.py as a script, with the run reading (tba_jax.runs) replaced: the
@@ -568,6 +573,13 @@ def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path):
     assert summary["family"] == "llama" and "model.safetensors" in summary["files"]
     assert "tokenizer.json" in summary["files"]
     assert_trees_equal(hf.load_params(out, ckpt.model), ckpt.params)
+    again = subprocess.run(
+        [sys.executable, "-c", EXPORT_CLI_SCRIPT, ckpt.path, EXPORT_SCRIPT, *argv, "--overwrite"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]  # --overwrite: into a non-empty --out
 
 
 def test_export_cli_rejects_overrides_that_are_not_a_json_object(tmp_path):
@@ -585,6 +597,96 @@ def test_export_cli_rejects_overrides_that_are_not_a_json_object(tmp_path):
     )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: --hf_config_overrides=[2]")
+
+
+# export_hf.export_run with the run reading (tba_jax.runs) replaced, as above, in this process.
+
+
+class FakeRun(NamedTuple):
+    workdir: str
+    folders: dict  # config key -> the checkpoint folder it names (a copy of the llama one)
+    restored: list  # the steps a trained policy was restored for
+
+
+@pytest.fixture
+def fake_run(checkpoint, tmp_path, monkeypatch):
+    """A run started from a copy of the llama checkpoint, with another copy as π_ref; its
+    "trained policy" is the checkpoint's weights."""
+    ckpt = checkpoint("llama")
+    folders = {}
+    for key in ("model.hf_path", "reference.hf_path"):
+        folders[key] = str(tmp_path / key.split(".")[0])
+        shutil.copytree(ckpt.path, folders[key])
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    config = ml_collections.ConfigDict(
+        {key.split(".")[0]: {"hf_path": folder} for key, folder in folders.items()}
+    )
+    restored = []
+
+    def load_trained_policy(workdir, step=None):
+        restored.append(step)
+        return ckpt.model.config, ckpt.params
+
+    monkeypatch.setattr(runs, "load_config", lambda workdir: config)
+    monkeypatch.setattr(runs, "load_trained_policy", load_trained_policy)
+    return FakeRun(str(workdir), folders, restored)
+
+
+def folder_contents(folder: str) -> dict[str, bytes | None]:
+    """Name -> bytes of each entry of `folder` (None for a subfolder)."""
+    entries = pathlib.Path(folder).iterdir()
+    return {path.name: None if path.is_dir() else path.read_bytes() for path in entries}
+
+
+@pytest.mark.parametrize("target", ["model.hf_path", "reference.hf_path", "workdir"])
+@pytest.mark.parametrize("through_a_link", [False, True])
+def test_export_refuses_the_runs_own_folders(fake_run, tmp_path, target, through_a_link):
+    folder = fake_run.workdir if target == "workdir" else fake_run.folders[target]
+    out = folder
+    if through_a_link:
+        out = str(tmp_path / "link")
+        os.symlink(folder, out)
+    before = folder_contents(folder)
+    refused = pytest.raises(ConfigError, match=rf"--out={out} is the run's {target}")
+    with refused:
+        export_hf.export_run(fake_run.workdir, out)
+    with refused:  # not even with overwrite
+        export_hf.export_run(fake_run.workdir, out, overwrite=True)
+    assert fake_run.restored == []  # refused before any checkpoint is read
+    assert folder_contents(folder) == before
+
+
+def test_export_into_a_non_empty_folder_needs_overwrite(checkpoint, fake_run, tmp_path):
+    """An earlier sharded export is replaced by a single-file one: with --overwrite its
+    shards and index are gone (loaders would read the stale index), other files stay."""
+    ckpt = checkpoint("llama")
+    out = tmp_path / "exported"
+    hf.save_hf(str(out), ckpt.model.config, ckpt.params, max_shard_bytes=20_000)
+    assert (out / hf.INDEX_FILENAME).exists()
+    (out / "README.md").write_text("notes")
+    (out / "logs").mkdir()
+    before = folder_contents(str(out))
+    with pytest.raises(ConfigError, match=r"is not empty.*--overwrite"):
+        export_hf.export_run(fake_run.workdir, str(out))
+    assert fake_run.restored == [] and folder_contents(str(out)) == before
+
+    summary = export_hf.export_run(fake_run.workdir, str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == sorted([*summary["files"], "README.md", "logs"])
+    assert hf.SINGLE_WEIGHTS_FILENAME in summary["files"]
+    assert (out / "README.md").read_text() == "notes"
+    assert_trees_equal(hf.load_params(str(out), ckpt.model), ckpt.params)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_export_refuses_a_file_as_out(fake_run, tmp_path, overwrite):
+    out = tmp_path / "model.safetensors"
+    out.write_text("not a folder")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        export_hf.export_run(fake_run.workdir, str(out), overwrite=overwrite)
+    assert fake_run.restored == [] and out.read_text() == "not a folder"
 
 
 # ----------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ experiments/export_hf.py (a training run's policy).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -53,9 +54,11 @@ __all__ = [
     "config_from_hf_dict",
     "config_to_hf",
     "copy_tokenizer_files",
+    "export_files_in",
     "load_model",
     "load_params",
     "read_hf_config",
+    "remove_export_files",
     "save_hf",
     "token_ids_of",
 ]
@@ -280,6 +283,37 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What an export writes, and what a loader would read next to it: the weights (single or
+# sharded, any shard count), their index, config.json and the tokenizer files.
+EXPORT_FILE_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    CONFIG_FILENAME,
+    *TOKENIZER_FILES,
+)
+
+
+def export_files_in(folder: str) -> list[str]:
+    """The files in `folder` (not in its subfolders) an export writes or a loader would read
+    with it (EXPORT_FILE_PATTERNS), sorted; [] for a folder that does not exist."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(
+        os.path.join(folder, name)
+        for name in os.listdir(folder)
+        if os.path.isfile(os.path.join(folder, name))
+        and any(fnmatch.fnmatch(name, pattern) for pattern in EXPORT_FILE_PATTERNS)
+    )
+
+
+def remove_export_files(folder: str) -> list[str]:
+    """Removes an earlier export's files from `folder` (`export_files_in`), so none of them
+    (e.g. an old shard index) is read with a new export; the folder and its other files
+    stay. Returns the paths removed."""
+    removed = export_files_in(folder)
+    for path in removed:
+        os.remove(path)
+    return removed
 
 
 def token_ids_of(hf_path: str) -> dict[str, Any]:
