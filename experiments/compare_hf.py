@@ -57,10 +57,12 @@ def hf_position_ids(mask: np.ndarray) -> np.ndarray:
 
 
 def load_torch_model(hf_path: str, head: str):
-    """The checkpoint in transformers (PyTorch, CPU, float32, eval mode, eager attention)."""
+    """The checkpoint in transformers (PyTorch, CPU, float32, eval mode, eager attention),
+    loaded without transformers' progress bar (the command's output is its JSON line)."""
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     auto = (
         transformers.AutoModelForSequenceClassification
         if head == "score"
