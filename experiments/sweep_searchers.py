@@ -135,22 +135,22 @@ def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str
     check_sweepable(config)
     os.makedirs(workdir_root, exist_ok=True)
     rows = []
-    for num_searchers in counts:
-        run_config = config.copy_and_resolve_references()
-        run_config.search.num_searchers = num_searchers
-        workdir = run_workdir(workdir_root, num_searchers)
-        logging.info("Sweep: training with %d searcher(s) in %s.", num_searchers, workdir)
-        summary = train_and_evaluate(run_config, workdir)
-        if not summary:  # stopped by SIGTERM: the checkpoint is saved, the sweep ends here
-            break
-        metrics = evaluate_in_subprocess(workdir, eval_flags)
-        rows.append(sweep_row(num_searchers, workdir, summary, metrics))
-    sweep = {
-        "config_name": config.name,
-        "variant": config.get("variant", ""),
-        "runs": rows,
-    }
-    write_json_atomically(os.path.join(workdir_root, SWEEP_FILENAME), sweep)
+    try:
+        for num_searchers in counts:
+            run_config = config.copy_and_resolve_references()
+            run_config.search.num_searchers = num_searchers
+            workdir = run_workdir(workdir_root, num_searchers)
+            logging.info("Sweep: training with %d searcher(s) in %s.", num_searchers, workdir)
+            summary = train_and_evaluate(run_config, workdir)  # RunStopped on SIGTERM
+            metrics = evaluate_in_subprocess(workdir, eval_flags)
+            rows.append(sweep_row(num_searchers, workdir, summary, metrics))
+    finally:  # stopped: the run's checkpoint is saved, and the sweep so far is written
+        sweep = {
+            "config_name": config.name,
+            "variant": config.get("variant", ""),
+            "runs": rows,
+        }
+        write_json_atomically(os.path.join(workdir_root, SWEEP_FILENAME), sweep)
     return sweep
 
 

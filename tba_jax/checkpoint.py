@@ -645,8 +645,24 @@ def _failed_read_leftover(unraisable) -> bool:
 # --------------------------------------------------------------------------------------
 
 
+SIGNAL_EXIT_BASE = 128  # a process ended by signal s exits 128 + s, as shells report it
+
+
 class RunStopped(Exception):
-    """Raised at a safe point of a run after SIGTERM or Ctrl-C asked it to stop."""
+    """Raised at a safe point of a run after SIGTERM or Ctrl-C asked it to stop (once what
+    exists is saved). `signum`: the signal this process got (None: the stop came from
+    another process of the run)."""
+
+    def __init__(self, reason: str, signum: int | None = None):
+        super().__init__(reason)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        """What a launcher exits with, so that `train && evaluate` and a scheduler tell a
+        stopped run from a finished one: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM),
+        as a shell reports a process the signal ended; 143 for a stop from elsewhere."""
+        return SIGNAL_EXIT_BASE + (self.signum or signal.SIGTERM)
 
 
 class StopSignal:
@@ -655,19 +671,25 @@ class StopSignal:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason = ""
+        self.signum: int | None = None  # the signal that asked first, if one did
 
     @property
     def requested(self) -> bool:
         return self._event.is_set()
 
-    def request(self, reason: str = "a stop request") -> None:
-        self.reason = self.reason or reason
+    def request(self, reason: str = "a stop request", signum: int | None = None) -> None:
+        if not self.requested:
+            self.reason, self.signum = reason, signum
         self._event.set()
+
+    def stopped(self) -> RunStopped:
+        """The RunStopped to raise for this stop."""
+        return RunStopped(self.reason, self.signum)
 
     def raise_if_requested(self) -> None:
         """RunStopped when a stop was asked for; call it where stopping loses nothing."""
         if self.requested:
-            raise RunStopped(self.reason)
+            raise self.stopped()
 
 
 STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
@@ -689,7 +711,7 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
 
     def handle(signum: int, frame: object) -> None:
         del frame
-        stop.request(STOP_SIGNALS[signum])
+        stop.request(STOP_SIGNALS[signum], signum)
         if signum == signal.SIGINT:  # the next Ctrl-C quits at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

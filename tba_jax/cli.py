@@ -2,7 +2,9 @@
 
 - `run(main, user_errors=...)`: absl's `app.run` with these conventions: a user's mistake
   (in the flags, or one of `user_errors` raised by `main`) is ONE line, `error: ...`, on
-  stderr and exit status 1; a traceback means a bug. `--help` (or `-h`) exits 0.
+  stderr and exit status 1; a traceback means a bug. `--help` (or `-h`) exits 0. A run
+  that SIGTERM or Ctrl-C stopped (after saving) says so in one line and exits 128 + the
+  signal (130, 143), so that `train && evaluate` and schedulers tell it from a finished one.
 - `parse_flags(argv)`: a `--config` file that does not exist, a misspelt `--config.a.b=v`
   key (the nearest key is named) and a `ConfigError` raised by the config file each end in
   one line.
@@ -36,6 +38,7 @@ from ml_collections.config_flags.config_flags import is_config_flag  # public, n
 
 import tba_jax
 from tba_jax import config_keys, distributed
+from tba_jax.checkpoint import RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
 
 ERROR_PREFIX = "error: "
@@ -84,7 +87,8 @@ def run(
 ) -> None:
     """`app.run(main)` for a launcher: flags parsed by `parse_flags`, the console set up by
     `configure_console`, and a `UsageError` or one of `user_errors` from `main` printed as
-    one line. Ctrl-C ends with a one-line notice and status 130."""
+    one line. Ctrl-C ends with a one-line notice and status 130; a run that a signal
+    stopped after saving (`RunStopped`) with 128 + the signal."""
     caught = (UsageError, *user_errors)
 
     def main_with_conventions(argv: list[str]) -> Any:
@@ -93,6 +97,11 @@ def run(
             return main(argv)
         except caught as error:
             exit_with_error(str(error))
+        except RunStopped as stopped:
+            print(
+                f"{stopped}: stopped and saved; rerun the same command to go on.", file=sys.stderr
+            )
+            sys.exit(stopped.exit_status)
         except KeyboardInterrupt:
             print("interrupted (Ctrl-C).", file=sys.stderr)
             sys.exit(INTERRUPTED_EXIT_STATUS)

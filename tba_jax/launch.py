@@ -22,9 +22,10 @@ Everything after `--` is the program and its arguments; process i runs
 
 Each line a process prints comes out prefixed `[p<i>] ` on the launcher's stdout or stderr.
 SIGTERM and SIGINT (a preemption, Ctrl-C) are passed on to every process, which save and
-exit on their own. When a process fails, the others get `--grace_s` seconds to end (they
-normally do, as tba_jax.distributed spreads the failure) before they are killed; the
-launcher exits with the first failing process's status, 0 when every process succeeds.
+exit on their own (status 130 or 143, which is not a failure). When a process fails, the
+others get `--grace_s` seconds to end (they normally do, as tba_jax.distributed spreads the
+failure) before they are killed; the launcher exits with the first failing process's
+status, else a stopped one's, 0 when every process succeeds.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ PREFIX_FORMAT = "[p{index}] "
 MESSAGE_PREFIX = "launch: "
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SIGNAL_EXIT_BASE = 128  # a process ended by signal s exits 128 + s, as shells report it
+# A run that SIGTERM or Ctrl-C stopped saves and exits with these (tba_jax.cli): not a
+# failure, so the others are left to save too, never killed.
+STOPPED_STATUSES = (SIGNAL_EXIT_BASE + signal.SIGINT, SIGNAL_EXIT_BASE + signal.SIGTERM)
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Single-threaded Eigen in XLA's CPU kernels that use it. (The often-quoted companion
@@ -258,15 +262,27 @@ def running(processes: Sequence[subprocess.Popen]) -> list[subprocess.Popen]:
 
 
 def first_failed(processes: Sequence[subprocess.Popen]) -> int | None:
-    """The index of the first process (in order) that ended with an error, or None."""
+    """The index of the first process (in order) that ended with an error, or None (a
+    process that a stop request made save and exit has not failed)."""
     return next(
-        (i for i, process in enumerate(processes) if process.returncode not in (None, 0)), None
+        (
+            i
+            for i, process in enumerate(processes)
+            if process.returncode not in (None, 0, *STOPPED_STATUSES)
+        ),
+        None,
     )
+
+
+def stopped_status(processes: Sequence[subprocess.Popen]) -> int:
+    """The status of the first process that a stop request made save and exit, else 0."""
+    return next((p.returncode for p in processes if p.returncode in STOPPED_STATUSES), 0)
 
 
 def wait_for(processes: Sequence[subprocess.Popen], grace_s: float) -> int:
     """Waits for every process; once one has failed, kills those still running `grace_s`
-    later. Returns the first failure's exit status, 0 when none failed."""
+    later. Returns the first failure's exit status, else a stopped process's (130, 143),
+    else 0."""
     failed, deadline = None, None
     while running(processes):
         if failed is None:
@@ -282,7 +298,9 @@ def wait_for(processes: Sequence[subprocess.Popen], grace_s: float) -> int:
         failed = first_failed(processes)
         if failed is not None:
             notice(describe_end(failed, processes[failed].returncode))
-    return 0 if failed is None else exit_status(processes[failed].returncode)
+    if failed is None:
+        return stopped_status(processes)
+    return exit_status(processes[failed].returncode)
 
 
 def kill_running(processes: Sequence[subprocess.Popen], grace_s: float) -> None:

@@ -570,13 +570,8 @@ def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
     if progress.steps_done < cfg.steps:
         run.checkpointer.write_experiment()  # a rerun with another config is refused
         saved.save(progress)
-        logging.warning(
-            "%s: saved the warm start at step %d of %d; rerun the same command to go on.",
-            stop_signal.reason,
-            progress.steps_done,
-            cfg.steps,
-        )
-        raise RunStopped(stop_signal.reason)
+        logging.info("Saved the warm start at step %d of %d.", progress.steps_done, cfg.steps)
+        raise stop_signal.stopped()
     return progress.params
 
 
@@ -880,8 +875,9 @@ def finished_summary(run: Setup) -> dict | None:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs `config` in `workdir` (resuming if it holds a checkpoint); returns the summary
-    of the whole run, or {} when SIGTERM / Ctrl-C stopped it (after saving). A searcher
-    process of a roles_by_process run returns {} when the learners are done."""
+    of the whole run. When SIGTERM / Ctrl-C stops it, it saves and raises
+    `checkpoint.RunStopped` (the launchers exit 128 + the signal). A searcher process of a
+    roles_by_process run returns {} when the learners are done."""
     segment = run_totals.Segment(run_totals.Meters(), started_at=time.time())
     run = setup(config, workdir)
     summary = finished_summary(run) if run.topology.is_primary else None
@@ -899,9 +895,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             return {}
         try:
             return train_from_start(run, segment, stop_signal)
-        except RunStopped as stopped:
-            logging.warning("%s: stopped and saved; rerun the same command to go on.", stopped)
-            return {}
         finally:
             run.checkpointer.wait_until_finished()
             run.checkpointer.close()

@@ -404,8 +404,8 @@ def experiment(config: ml_collections.ConfigDict) -> dict:
 
 def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains a scalar reward model on preference pairs; saves it and rm_summary.json.
-    Goes on from the workdir's newest checkpoint; returns {} when SIGTERM or Ctrl-C stopped
-    it (after saving)."""
+    Goes on from the workdir's newest checkpoint; raises `checkpoint.RunStopped` when
+    SIGTERM or Ctrl-C stopped it (after saving)."""
     wall_start = time.time()
     check_config(config, jax.device_count())
     compile_cache.use(config)
@@ -476,14 +476,8 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 writer.write(step, jax.device_get(metrics))
                 if stop_signal.requested and step < steps:
                     save(step)
-                    logging.warning(
-                        "%s: saved the reward model's training at step %d of %d; rerun the "
-                        "same command to go on.",
-                        stop_signal.reason,
-                        step,
-                        steps,
-                    )
-                    return {}
+                    logging.info("Saved the reward model's training at step %d of %d.", step, steps)
+                    raise stop_signal.stopped()
                 if step % config.checkpoint_every == 0 and step < steps:
                     save(step)
         progress["train_seconds"] = seconds_before + time.time() - segment_start

@@ -58,11 +58,15 @@ print("sleeping", flush=True)
 time.sleep(120)
 """
 # Says it is ready, then waits for a signal; on SIGTERM or SIGINT it "saves" and exits 0.
+# Saves and exits 128 + the signal, as a stopped training run does; process 1 takes longer
+# than the launcher's grace, which a stop (unlike a failure) must leave it.
 TRAPPING_PROGRAM = """
 import signal, sys, time
 def stop(signum, frame):
+    if "--process_id=1" in sys.argv:
+        time.sleep(3)
     print("saved on", signal.Signals(signum).name, flush=True)
-    sys.exit(0)
+    sys.exit(128 + signum)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
 print("ready", flush=True)
@@ -295,13 +299,15 @@ def wait_for_lines(lines: queue.Queue, wanted: set[str], seconds: float) -> list
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_reaches_every_process_which_saves_and_exits(tmp_path, signum):
     program = write_program(tmp_path, TRAPPING_PROGRAM)
-    launcher, lines = start_launcher("--num_processes=2", "--", program)
+    launcher, lines = start_launcher(
+        "--num_processes=2", f"--grace_s={SHORT_GRACE_S}", "--", program
+    )
     try:
         wait_for_lines(lines, {"[p0] ready", "[p1] ready"}, READY_SECONDS)
         launcher.send_signal(signum)
         saved = {f"[p{index}] saved on {signum.name}" for index in range(2)}
-        wait_for_lines(lines, saved, READY_SECONDS)
-        assert launcher.wait(READY_SECONDS) == 0
+        wait_for_lines(lines, saved, READY_SECONDS)  # process 1 too: not killed
+        assert launcher.wait(READY_SECONDS) == 128 + signum  # stopped, as a shell reports it
     finally:
         launcher.kill()
         launcher.wait()

@@ -23,7 +23,7 @@ from support import sigterm_in_step
 
 from configs.arithmetic import get_config
 from tba_jax import evaluation, learner, runtime, tasks, warmstart
-from tba_jax.checkpoint import SET_ASIDE_SUBDIR, CheckpointUnreadableError
+from tba_jax.checkpoint import SET_ASIDE_SUBDIR, CheckpointUnreadableError, RunStopped
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
 from tba_jax.run_view import RunView
@@ -76,7 +76,8 @@ def stop_in_the_warm_start(workdir: str, monkeypatch) -> None:
     with monkeypatch.context() as patch:
         # during the second of the 3 warm-start steps
         sigterm_in_step(patch, warmstart, "make_supervised_step", 1)
-        assert train_and_evaluate(get_config(SYNC), workdir) == {}
+        with pytest.raises(RunStopped, match="SIGTERM"):
+            train_and_evaluate(get_config(SYNC), workdir)
 
 
 def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
@@ -120,7 +121,8 @@ def test_a_stop_in_the_first_evaluation_keeps_the_warm_start(straight_run, tmp_p
     workdir = str(tmp_path)
     with monkeypatch.context() as patch:
         sigterm_on_call(patch, evaluation, "generate_and_score", call_index=0)
-        assert train_and_evaluate(get_config(SYNC), workdir) == {}
+        with pytest.raises(RunStopped, match="SIGTERM"):
+            train_and_evaluate(get_config(SYNC), workdir)
     assert steps_saved(workdir) == [0]
     summary = train_and_evaluate(get_config(SYNC), workdir)
     assert summary["warm_start_seconds"] > 0  # from the saved history, not redone
@@ -133,7 +135,8 @@ def test_a_stop_in_the_final_evaluation_saves_the_last_step(straight_run, tmp_pa
     start_batches = 2  # the first evaluation: 16 problems, 8 at a time
     with monkeypatch.context() as patch:
         sigterm_on_call(patch, evaluation, "generate_and_score", call_index=start_batches)
-        assert train_and_evaluate(get_config(SYNC), workdir) == {}
+        with pytest.raises(RunStopped, match="SIGTERM"):
+            train_and_evaluate(get_config(SYNC), workdir)
     assert steps_saved(workdir)[-1] == STEPS
     assert not os.path.exists(os.path.join(workdir, "summary.json"))
     summary = train_and_evaluate(get_config(SYNC), workdir)  # evaluates, trains nothing

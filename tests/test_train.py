@@ -420,8 +420,8 @@ def test_a_signal_in_the_loop_saves_and_the_run_resumes(tmp_path, mode, signum, 
     process.wait(timeout=FAILSAFE_SECONDS)
     reader.join(timeout=FAILSAFE_SECONDS)
     output = "".join(lines)
-    assert process.returncode == 0, output[-3000:]
-    assert reason in output and "Traceback" not in output, output[-3000:]
+    assert process.returncode == 128 + signum, output[-3000:]  # stopped, as a shell says
+    assert f"{reason}: stopped and saved" in output and "Traceback" not in output, output[-3000:]
     saved = os.listdir(os.path.join(workdir, "checkpoints"))
     assert not any("tmp" in name for name in saved)  # no half-written save left behind
     stopped_at = max(int(name) for name in saved if name.isdigit())

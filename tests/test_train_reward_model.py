@@ -15,7 +15,7 @@ from support import save_tiny_llama_folder, sigterm_in_step
 from configs.reward_model import TINY_PREFERENCES_DIR, get_config
 from tba_jax import learner, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.checkpoint import CheckpointMismatchError, RunStopped
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
 from tba_jax.models import hf, init_model
@@ -218,7 +218,8 @@ def test_a_stopped_reward_model_goes_on_from_its_checkpoints_to_the_same_model(
     original = train_reward_model.make_train_step
     with monkeypatch.context() as patch:
         sigterm_in_step(patch, train_reward_model, "make_train_step", 14)  # step 15 of 24
-        assert train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path)) == {}
+        with pytest.raises(RunStopped, match="SIGTERM"):
+            train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "15", "experiment.json"]
     assert not (tmp_path / "hf").exists()
     with pytest.raises(CheckpointMismatchError, match="another experiment"):
