@@ -381,7 +381,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
             experiment=runs.experiment_identity(config, model_cfg, layout),
             max_to_keep=config.keep_checkpoints,
             active_processes=topology.learner_processes if topology.multi_process else None,
-            keep_steps=(0,) if config.record_learner_batches else (),  # a replay's start
+            keep_steps=(0,) if records_learner_batches(config, workdir) else (),  # a replay's start
         )
     optimizer, state_sharding, critic, train_step = make_learner(
         config, model, abstract_params, learner_shardings, meshes.learner
@@ -753,12 +753,27 @@ def precompile_train_step(run: Setup, state, sharding) -> None:
     )
 
 
+def records_learner_batches(config: ml_collections.ConfigDict, workdir: str) -> bool:
+    """Whether this segment records its learner batches or an earlier one did (a replay
+    starts from checkpoint 0 either way, so it is kept)."""
+    recorded = batch_log.recorded_steps(batch_log.log_dir(workdir))
+    return config.record_learner_batches or bool(recorded)
+
+
 def open_batch_log(run: Setup, step: int) -> batch_log.BatchLogWriter | None:
     """The batch log of a run with `record_learner_batches` starting (or resuming) at
     `step`; None without. A run that does not record still forgets what an earlier segment
     recorded after `step` (it redoes those steps differently)."""
     directory = batch_log.log_dir(run.workdir)
     if not run.config.record_learner_batches:
+        recorded = batch_log.recorded_steps(directory)
+        if recorded and recorded[-1] >= step:
+            logging.info(
+                "Not recording learner batches from step %d (steps %s were): pass "
+                "--config.record_learner_batches=True to go on recording.",
+                step + 1,
+                batch_log.describe_steps(recorded),
+            )
         batch_log.truncate_after(directory, step)
         return None
     return batch_log.BatchLogWriter(

@@ -189,6 +189,16 @@ def test_a_finished_run_extended_reports_the_whole_run(async_run, extended_run):
     assert summary["max_policy_lag"] >= first["max_policy_lag"]
 
 
+def test_a_recorded_run_extended_without_recording_keeps_its_replay(async_run, tmp_path, caplog):
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(async_run[0], workdir)
+    with caplog.at_level(logging.INFO):
+        train_and_evaluate(get_config("smoke,steps=6"), workdir)
+    assert "--config.record_learner_batches=True to go on recording" in caplog.text
+    assert batch_log.recorded_steps(batch_log.log_dir(workdir)) == [1, 2, 3, 4]
+    assert "0" in os.listdir(os.path.join(workdir, "checkpoints"))  # the replay's start
+
+
 def test_the_extended_async_run_replays_bit_identically(extended_run, replay_bench):
     log = batch_log.BatchLogReader(batch_log.log_dir(extended_run[0]))
     assert log.steps == [1, 2, 3, 4, 5, 6]
