@@ -21,6 +21,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -32,6 +33,13 @@ FAILURE_POLL_S = 0.5
 FAILURE_EXIT_STATUS = 1
 # A failure posted by one process, as the others print it.
 FAILURE_FORMAT = "process {process_index} failed: {message}"
+# Each process posts this as it exits after a failure. Process 0 hosts the coordination
+# service and exits last: a process still connected when the service goes away is ended by
+# JAX's error poller with a C++ stack dump instead of its one-line error.
+LEFT_KEY_FORMAT = "tba_jax/left/{process_index}"
+LEAVE_WAIT_S = 5.0  # how long process 0 waits for the others to leave (a dead one never does)
+LEAVE_GRACE_S = 0.2  # after the last one posted: its own exit
+_leaving = threading.Event()  # set when this process fails: it is on its way out
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20
 DEFAULT_INIT_TIMEOUT_S = 300
 DEFAULT_SHUTDOWN_TIMEOUT_S = 3600
@@ -178,13 +186,13 @@ def watch_for_failures(poll_s: float = FAILURE_POLL_S) -> threading.Thread:
 
     def watch() -> None:
         client = _client()
-        while not stop.wait(poll_s):
+        while not stop.wait(poll_s) and not _leaving.is_set():  # (its own failure is said)
             try:
                 posted = client.key_value_try_get(FAILURE_KEY)
             except Exception:  # not posted yet (NOT_FOUND), or the service went away
                 continue
             print(f"error: {posted}", file=sys.stderr, flush=True)
-            os._exit(FAILURE_EXIT_STATUS)
+            _leave(FAILURE_EXIT_STATUS)
 
     thread = threading.Thread(target=watch, name="failure-watcher", daemon=True)
     thread.start()
@@ -203,11 +211,34 @@ def fail_all(message: str, exit_status: int = FAILURE_EXIT_STATUS) -> None:
     barrier: the others may be inside a collective that will never complete)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     if _initialized:
+        _leaving.set()
         text = FAILURE_FORMAT.format(process_index=jax.process_index(), message=message)
         # another process may have posted first: its message stands
         with contextlib.suppress(Exception):
             _client().key_value_set(FAILURE_KEY, text)
+        _leave(exit_status)
     sys.stdout.flush()
+    os._exit(exit_status)
+
+
+def _leave(exit_status: int) -> None:
+    """Exits at once after a failure, without JAX's shutdown barrier; process 0 (the
+    coordination service's host) only once the others have left or `LEAVE_WAIT_S` passed."""
+    client, index = _client(), jax.process_index()
+    with contextlib.suppress(Exception):  # posted already, or the service is gone
+        client.key_value_set(LEFT_KEY_FORMAT.format(process_index=index), "")
+    if index == 0:
+        waiting = set(range(1, jax.process_count()))
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            for other in list(waiting):
+                with contextlib.suppress(Exception):  # NOT_FOUND until it posts
+                    client.key_value_try_get(LEFT_KEY_FORMAT.format(process_index=other))
+                    waiting.discard(other)
+            time.sleep(LEAVE_GRACE_S)
+        time.sleep(LEAVE_GRACE_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(exit_status)
 
 

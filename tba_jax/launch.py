@@ -31,6 +31,7 @@ status, else a stopped one's, 0 when every process succeeds.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -191,6 +192,12 @@ def start_process(command: list[str], env: dict[str, str], cores: Sequence[int] 
 _OUTPUT_LOCK = threading.RLock()
 
 
+# What Gloo prints to stdout as its CPU collectives connect ("[Gloo] Rank 0 is connected to
+# 1 peer ranks. Expected number of connected peer ranks is : 1"), possibly inside a line
+# of the program's.
+GLOO_NOTICE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.[^\n]*: \d+\n?")
+
+
 def write_line(target: BinaryIO, line: bytes) -> None:
     with _OUTPUT_LOCK:
         target.write(line if line.endswith(b"\n") else line + b"\n")
@@ -203,9 +210,12 @@ def notice(message: str) -> None:
 
 
 def copy_lines(source: BinaryIO, target: BinaryIO, prefix: bytes) -> None:
-    """Copies `source` to `target` line by line, each line prefixed."""
+    """Copies `source` to `target` line by line, each line prefixed, without Gloo's notices
+    (CPU collectives print one each time they connect, from C++, past Python's logging)."""
     for line in iter(source.readline, b""):
-        write_line(target, prefix + line)
+        line = GLOO_NOTICE.sub(b"", line)
+        if line.strip():
+            write_line(target, prefix + line)
     source.close()
 
 

@@ -73,7 +73,9 @@ print("ready", flush=True)
 time.sleep(60)
 """
 # Joins the run from the launcher's flags and gathers every process's index; with --fail,
-# process 1 raises after joining and process 0 sleeps (ended by the failure's broadcast).
+# process 1 raises after joining and process 0 sleeps (ended by the failure's broadcast);
+# with --fail_first, process 0 (the coordination service's host) raises at once and
+# process 1 a second later, as a config error that every process finds does.
 JAX_PROGRAM = """
 import sys, time
 import jax
@@ -82,9 +84,13 @@ from absl import flags
 from tba_jax import distributed
 
 flags.DEFINE_bool("fail", False, "Process 1 raises after joining.")
+flags.DEFINE_bool("fail_first", False, "Process 0 raises at once, process 1 a second later.")
 distributed.define_flags()
 flags.FLAGS(sys.argv)
 distributed.initialize_from_flags()
+if flags.FLAGS.fail_first:
+    time.sleep(jax.process_index())
+    distributed.fail_all("ValueError: a bad config")
 if flags.FLAGS.fail:
     if jax.process_index() == 1:
         try:
@@ -93,7 +99,7 @@ if flags.FLAGS.fail:
             distributed.fail_all(f"{type(error).__name__}: {error}")
     time.sleep(60)
 gathered = distributed.allgather(np.asarray(jax.process_index()))
-print("gathered", gathered.tolist(), "devices", jax.device_count())
+sys.stdout.write(f"gathered {gathered.tolist()} devices {jax.device_count()}\\n")  # one write
 """
 
 
@@ -324,9 +330,9 @@ def test_two_jax_processes_join_and_gather(tmp_path):
     program = write_program(tmp_path, JAX_PROGRAM)
     result = run_launcher("--num_processes=2", "--devices_per_process=2", "--", program)
     assert result.returncode == 0, result.stderr
-    # Gloo's C++ threads print to the same stdout as the program, so a line of theirs may
-    # split one of the program's: count the results rather than match whole lines.
+    # one write each, so Gloo's C++ threads (printing to the same stdout) cannot split them
     assert result.stdout.count("gathered [0, 1] devices 4") == 2, result.stdout
+    assert "[Gloo]" not in result.stdout  # its connection notices are left out
     assert any(line.startswith("[p0] ") for line in result.stdout.splitlines())
     assert any(line.startswith("[p1] ") for line in result.stdout.splitlines())
 
@@ -342,6 +348,17 @@ def test_a_jax_process_failing_ends_the_other(tmp_path):
     assert "[p1] error: ZeroDivisionError: division by zero" in stderr
     assert "[p0] error: process 1 failed: ZeroDivisionError: division by zero" in stderr
     assert not any(line.startswith("launch: killing") for line in stderr)
+
+
+def test_the_coordinators_process_failing_first_leaves_last(tmp_path):
+    program = write_program(tmp_path, JAX_PROGRAM)
+    result = run_launcher("--num_processes=2", "--", program, "--fail_first")
+    assert result.returncode == 1
+    stderr = result.stderr.splitlines()
+    assert "[p0] error: ValueError: a bad config" in stderr
+    # process 1 ends with the error in one line, not a C++ abort for the service gone away
+    assert "[p1] error: process 0 failed: ValueError: a bad config" in stderr, result.stderr
+    assert "Terminating process" not in result.stderr and "Fatal" not in result.stderr
 
 
 # --------------------------------------------------------------------------------------
