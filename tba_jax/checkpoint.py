@@ -646,6 +646,8 @@ def _failed_read_leftover(unraisable) -> bool:
 
 
 SIGNAL_EXIT_BASE = 128  # a process ended by signal s exits 128 + s, as shells report it
+# What a run that SIGTERM or Ctrl-C stopped exits with once it has saved (RunStopped)
+STOPPED_STATUSES = (SIGNAL_EXIT_BASE + signal.SIGINT, SIGNAL_EXIT_BASE + signal.SIGTERM)
 
 
 class RunStopped(Exception):

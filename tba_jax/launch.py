@@ -44,6 +44,7 @@ from typing import BinaryIO
 from absl import flags
 
 from tba_jax import cli
+from tba_jax.checkpoint import SIGNAL_EXIT_BASE, STOPPED_STATUSES
 
 LOCALHOST = "localhost"
 ANY_FREE_PORT = 0
@@ -53,10 +54,8 @@ READER_JOIN_S = 5.0  # how long the last lines may take once every process has e
 PREFIX_FORMAT = "[p{index}] "
 MESSAGE_PREFIX = "launch: "
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-SIGNAL_EXIT_BASE = 128  # a process ended by signal s exits 128 + s, as shells report it
-# A run that SIGTERM or Ctrl-C stopped saves and exits with these (tba_jax.cli): not a
-# failure, so the others are left to save too, never killed.
-STOPPED_STATUSES = (SIGNAL_EXIT_BASE + signal.SIGINT, SIGNAL_EXIT_BASE + signal.SIGTERM)
+# A run that SIGTERM or Ctrl-C stopped saves and exits with STOPPED_STATUSES (tba_jax.cli):
+# not a failure, so the others are left to save too, never killed.
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Single-threaded Eigen in XLA's CPU kernels that use it. (The often-quoted companion

@@ -5,6 +5,8 @@ a rerun reads back instead of training again."""
 import csv
 import dataclasses
 import os
+import signal
+import sys
 import warnings
 
 import numpy as np
@@ -213,3 +215,14 @@ def test_a_workdir_of_another_config_is_not_read_back_as_this_cell(tmp_path):
     (workdir / "config.json").write_text('{"variant": "K=4,seed=0,steps=9"}')
     with pytest.raises(RunError, match="the grid changed since it ran"):
         run_cell(cell, str(workdir))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_by_a_signal_stops_the_grid_as_a_stop(tmp_path, signum):
+    from tba_jax.checkpoint import RunStopped
+    from tba_jax.reproduce.cells import run_logged
+
+    exits_as_stopped = [sys.executable, "-c", f"import sys; sys.exit({128 + signum})"]
+    with pytest.raises(RunStopped, match=signum.name) as stopped:
+        run_logged(exits_as_stopped, str(tmp_path / "run.log"))
+    assert stopped.value.exit_status == 128 + signum  # reproduce.py exits as the run did

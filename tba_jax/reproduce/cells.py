@@ -21,10 +21,12 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
+from tba_jax.checkpoint import SIGNAL_EXIT_BASE, STOPPED_STATUSES, RunStopped
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,13 +157,20 @@ def evaluate_command(workdir: str) -> list[str]:
 
 def run_logged(command: list[str], log_path: str) -> float:
     """Runs `command` with its output appended to `log_path`; returns its wall seconds
-    from start to exit (what /usr/bin/time reports as elapsed). RunError when it fails."""
+    from start to exit (what /usr/bin/time reports as elapsed). RunError when it fails;
+    RunStopped when SIGTERM or Ctrl-C stopped it (it saved: the grid's rerun goes on)."""
     paths = [REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     with open(log_path, "a") as log:
         start = time.perf_counter()
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         wall_seconds = time.perf_counter() - start
+    if result.returncode in STOPPED_STATUSES:  # SIGTERM / Ctrl-C: it saved, a rerun goes on
+        signum = result.returncode - SIGNAL_EXIT_BASE
+        raise RunStopped(
+            f"a run of the grid (its log {log_path}) was stopped by {signal.Signals(signum).name}",
+            signum,
+        )
     if result.returncode != 0:
         with open(log_path) as log:
             tail = log.read()[-LOG_TAIL_CHARS:]
