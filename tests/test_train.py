@@ -182,8 +182,9 @@ def test_a_finished_run_extended_reports_the_whole_run(async_run, extended_run):
     # The warm start is not redone: its time and first evaluation come from the history.
     assert summary["warm_start_seconds"] == first["warm_start_seconds"]
     assert summary["eval_accuracy_start"] == first["eval_accuracy_start"]
-    # Totals cover both segments, not only the two new steps.
-    assert summary["samples_generated"] > first["samples_generated"]
+    # Totals cover both segments, not only the two new steps (whose searchers, on a loaded
+    # machine, may not finish a call before the learner's two steps from the restored buffer).
+    assert summary["samples_generated"] >= first["samples_generated"]
     assert summary["rl_seconds"] > first["rl_seconds"]
     assert summary["wall_seconds"] > first["wall_seconds"]
     assert summary["max_policy_lag"] >= first["max_policy_lag"]
