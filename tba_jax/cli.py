@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -38,12 +39,12 @@ from ml_collections.config_flags.config_flags import is_config_flag  # public, n
 
 import tba_jax
 from tba_jax import config_keys, distributed
-from tba_jax.checkpoint import RunStopped
+from tba_jax.checkpoint import SIGNAL_EXIT_BASE, RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
 
 ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
-INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, as shells report a Ctrl-C
+INTERRUPTED_EXIT_STATUS = SIGNAL_EXIT_BASE + signal.SIGINT  # 130, as shells report a Ctrl-C
 SHORT_HELP_FLAG = "-h"
 HELP_FLAG_PATTERN = re.compile(r"^--?(help|helpshort|helpfull|\?)(=|$)")
 PRINT_CONFIG_FLAG = "print_config"

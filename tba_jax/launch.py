@@ -54,8 +54,6 @@ READER_JOIN_S = 5.0  # how long the last lines may take once every process has e
 PREFIX_FORMAT = "[p{index}] "
 MESSAGE_PREFIX = "launch: "
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# A run that SIGTERM or Ctrl-C stopped saves and exits with STOPPED_STATUSES (tba_jax.cli):
-# not a failure, so the others are left to save too, never killed.
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Single-threaded Eigen in XLA's CPU kernels that use it. (The often-quoted companion
@@ -271,8 +269,9 @@ def running(processes: Sequence[subprocess.Popen]) -> list[subprocess.Popen]:
 
 
 def first_failed(processes: Sequence[subprocess.Popen]) -> int | None:
-    """The index of the first process (in order) that ended with an error, or None (a
-    process that a stop request made save and exit has not failed)."""
+    """The index of the first process (in order) that ended with an error, or None. A
+    process that a stop request made save and exit (STOPPED_STATUSES, tba_jax.cli) has not
+    failed: the others are left to save too, never killed."""
     return next(
         (
             i

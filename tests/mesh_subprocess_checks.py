@@ -296,13 +296,15 @@ def check_data_split_search() -> dict:
     devices (9 rows padded to 10) and its trajectories are the one-device call's; so are
     `generated_batches`' greedy batches (3 rows padded to 4) and VinePPO's rollouts (two
     calls of 6 rows)."""
+    from support import hand_made_trajectory
+
     from tba_jax import vineppo
     from tba_jax.metrics import RateMeter, TimeSplit
     from tba_jax.models.tokenizers import CharTokenizer
     from tba_jax.runtime import SearchWorker
     from tba_jax.sampling.generate import SamplingConfig, generated_batches, make_generate_fn
     from tba_jax.sampling.scoring import make_score_fn
-    from tba_jax.trajectories import Trajectory, collate
+    from tba_jax.trajectories import collate
 
     assert jax.device_count() == 2, jax.devices()
     tokenizer = CharTokenizer.for_text()
@@ -367,19 +369,9 @@ def check_data_split_search() -> dict:
 
     def vine_advantages(vine_params) -> np.ndarray:
         """VinePPO's Monte Carlo advantages of two responses: 3 starts × 3 rollouts."""
+        prompt = tokenizer.encode("2+3=")
         rows = [
-            Trajectory(
-                prompt_id=0,
-                prompt_tokens=np.array(tokenizer.encode("2+3="), np.int32),
-                response_tokens=np.array([*tokenizer.encode(text), tokenizer.eos_id], np.int32),
-                reward=1.0,
-                logp_behaviour=0.0,
-                logp_ref=0.0,
-                token_logp_behaviour=np.zeros(len(text) + 1, np.float32),
-                token_logp_ref=np.zeros(len(text) + 1, np.float32),
-                policy_version=0,
-                created_at=0.0,
-            )
+            hand_made_trajectory(prompt, [*tokenizer.encode(text), tokenizer.eos_id], reward=1.0)
             for text in ("1,2", "345")
         ]
         batch = collate(

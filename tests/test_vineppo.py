@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import hand_made_trajectory
 
 from tba_jax import losses, vineppo
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.sampling.generate import Generation
-from tba_jax.trajectories import Trajectory, collate
+from tba_jax.trajectories import collate
 
 TOKENIZER = CharTokenizer.for_arithmetic("+-")
 T = 10
@@ -85,18 +86,7 @@ class ScriptedGenerate:
 
 def batch_of(responses: list[str], rewards: list[float], prompt: str = "3+4="):
     rows = [
-        Trajectory(
-            prompt_id=7,
-            prompt_tokens=ids(prompt),
-            response_tokens=ids(response, eos=True),
-            reward=reward,
-            logp_behaviour=0.0,
-            logp_ref=0.0,
-            token_logp_behaviour=np.zeros(len(response) + 1, np.float32),
-            token_logp_ref=np.zeros(len(response) + 1, np.float32),
-            policy_version=0,
-            created_at=0.0,
-        )
+        hand_made_trajectory(ids(prompt), ids(response, eos=True), reward, prompt_id=7)
         for response, reward in zip(responses, rewards, strict=True)
     ]
     return collate(

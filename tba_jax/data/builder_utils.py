@@ -164,18 +164,15 @@ def download_files(
     """``{split: downloaded path}``; a download failure explains the manual route. A host
     that does not resolve (no network) fails at once, before TFDS's minutes of retries."""
 
-    def unavailable(error: OSError) -> SourceFilesUnavailableError:
-        return SourceFilesUnavailableError(
-            f"Could not download {sorted(urls.values())} ({error}). Without network access, "
-            f"download the files elsewhere and pass their directory as `manual_dir`.\n"
-            f"{instructions}"
-        )
-
     try:
         check_hosts_resolve(urls.values())
         return dl_manager.download(dict(urls))
     except OSError as error:  # socket.gaierror and requests' connection errors are OSErrors
-        raise unavailable(error) from None
+        raise SourceFilesUnavailableError(
+            f"Could not download {sorted(urls.values())} ({error}). Without network access, "
+            f"download the files elsewhere and pass their directory as `manual_dir`.\n"
+            f"{instructions}"
+        ) from None
 
 
 # ------------------------------------------------------------------------ builder
