@@ -9,6 +9,7 @@ and the safe points are the run's own.
 
 import dataclasses
 import gc
+import glob
 import logging
 import os
 import shutil
@@ -243,11 +244,17 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_for_the_one_before(
 
 
 def step_4_corrupt(run: str, tmp_path, monkeypatch) -> tuple[str, list]:
-    """A copy of `run` with step 4's train state truncated, and a list that records every
-    unraisable exception from now on (what Python would print as "Exception ignored")."""
+    """A copy of `run` with every array data file of step 4's train state truncated (the
+    params too, whichever files orbax put them in: reading the policy alone must fail), and
+    a list that records every unraisable exception from now on (what Python would print as
+    "Exception ignored")."""
     workdir = str(tmp_path / "run")
     shutil.copytree(run, workdir)
-    truncate(largest_file(os.path.join(workdir, "checkpoints", "4", "train_state")))
+    train_state = os.path.join(workdir, "checkpoints", "4", "train_state")
+    data_files = glob.glob(os.path.join(train_state, "ocdbt.process_*", "d", "*"))
+    assert data_files, os.listdir(train_state)
+    for path in data_files:
+        truncate(path)
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     return workdir, unraisable
