@@ -193,6 +193,18 @@ _OUTPUT_LOCK = threading.RLock()
 # 1 peer ranks. Expected number of connected peer ranks is : 1"), possibly inside a line
 # of the program's.
 GLOO_NOTICE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.[^\n]*: \d+\n?")
+# The pieces C++ writes one at a time for each notice: two threads' notices can interleave,
+# piece by piece, into lines no whole-notice pattern matches.
+GLOO_NOTICE_PIECES = re.compile(
+    rb"\[Gloo\] Rank | is connected to | peer ranks\. "
+    rb"|Expected number of connected peer ranks is : "
+)
+
+
+def is_gloo_fragment(line: bytes) -> bool:
+    """Whether `line` holds nothing but pieces of Gloo's notices and their numbers."""
+    rest, pieces = GLOO_NOTICE_PIECES.subn(b"", line)
+    return pieces > 0 and not rest.strip(b"0123456789 \t\r\n")
 
 
 def write_line(target: BinaryIO, line: bytes) -> None:
@@ -209,8 +221,13 @@ def notice(message: str) -> None:
 def copy_lines(source: BinaryIO, target: BinaryIO, prefix: bytes) -> None:
     """Copies `source` to `target` line by line, each line prefixed, without Gloo's notices
     (CPU collectives print one each time they connect, from C++, past Python's logging)."""
+    follows_notice = False  # a lone number after a notice is the end of an interleaved one
     for line in iter(source.readline, b""):
-        line = GLOO_NOTICE.sub(b"", line)
+        line, notices = GLOO_NOTICE.subn(b"", line)
+        if is_gloo_fragment(line) or (follows_notice and line.strip().isdigit()):
+            follows_notice = True
+            continue
+        follows_notice = notices > 0 and not line.strip()
         if line.strip():
             write_line(target, prefix + line)
     source.close()

@@ -5,6 +5,7 @@ together when one fails. Unit tests of the launcher's pure helpers follow."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import queue
@@ -397,3 +398,28 @@ def test_gpu_ids_count_within_the_visible_gpus():
     with pytest.raises(cli.UsageError, match="needs 6 GPUs but CUDA_VISIBLE_DEVICES=4,5 names 2"):
         launch.check_gpus({"CUDA_VISIBLE_DEVICES": "4,5"}, 3, 2)
     launch.check_gpus({}, 8, 1)  # unset: the launcher cannot tell; each process gets ids
+
+
+def test_gloo_notices_are_left_out_even_when_two_threads_interleave_them():
+    """The lines the CI saw when two of Gloo's threads wrote their notices piece by piece."""
+    notice = (
+        b"[Gloo] Rank 1 is connected to 1 peer ranks. "
+        b"Expected number of connected peer ranks is : 1"
+    )
+    lines = [
+        b"step 1\n",
+        notice + b"\n",
+        b"[Gloo] Rank 1[Gloo] Rank 1 is connected to  is connected to 11 peer ranks. "
+        b"Expected number of connected peer ranks is : 1\n",
+        b" peer ranks. Expected number of connected peer ranks is : 1\n",
+        notice[:-1] + b"\n",  # the last piece of one, another's number on the next line
+        b"1\n",
+        b"gathered " + notice + b"[0, 1]\n",
+        b"2\n",  # a program's number, not after a notice
+    ]
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as source:
+        source.write(b"".join(lines))
+    target = io.BytesIO()
+    launch.copy_lines(os.fdopen(read, "rb"), target, b"[p1] ")
+    assert target.getvalue() == b"[p1] step 1\n[p1] gathered [0, 1]\n[p1] 2\n"
