@@ -47,7 +47,6 @@ from ml_collections import config_flags
 from tba_jax import cli, compile_cache, distributed, evaluation, runs, sources, tasks
 from tba_jax.checkpoint import (
     CHECKPOINTS_SUBDIR,
-    Checkpointer,
     CheckpointMismatchError,
     CheckpointUnreadableError,
 )
@@ -330,7 +329,7 @@ def write_result(workdir: str, out: str | None, result: dict, latest_step: int) 
 
 def latest_checkpoint_step(config, workdir: str) -> int:
     """The workdir's latest checkpoint step (the checkpoints must be of `config`'s run)."""
-    with Checkpointer(workdir, experiment=runs.reading_identity(config, workdir)) as checkpointer:
+    with runs.reading_checkpointer(config, workdir) as checkpointer:
         latest = checkpointer.latest_step()
     if latest is None:
         raise FileNotFoundError(f"No checkpoint in workdir {workdir}; train first.")

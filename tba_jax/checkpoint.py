@@ -184,10 +184,15 @@ def _held_experiment(workdir: str, experiment_path: epath.Path) -> Any:
 
 
 def _check_experiment(
-    workdir: str, directory: epath.Path, experiment: Any, ignored_keys: tuple[str, ...] = ()
+    workdir: str,
+    directory: epath.Path,
+    experiment: Any,
+    ignored_keys: tuple[str, ...] = (),
+    mismatch_advice: str | None = None,
 ) -> None:
     """Raises CheckpointMismatchError if `directory` belongs to another experiment
-    (comparing every key of the identity but `ignored_keys`)."""
+    (comparing every key of the identity but `ignored_keys`), ending with `mismatch_advice`
+    (default: a trainer's, another workdir or starting over)."""
     experiment_path = directory / EXPERIMENT_FILENAME
     if experiment_path.exists():
         held = _without_params_layout(_held_experiment(workdir, experiment_path))
@@ -199,8 +204,11 @@ def _check_experiment(
         if held != experiment:
             raise CheckpointMismatchError(
                 f"Workdir {workdir} holds checkpoints of another experiment (held vs asked: "
-                f"{_summarise_differences(held, experiment)}); pass another --workdir or "
-                f"delete {directory} to start over."
+                f"{_summarise_differences(held, experiment)}); "
+                + (
+                    mismatch_advice
+                    or f"pass another --workdir or delete {directory} to start over."
+                )
             )
     elif _holds_step_directories(directory):
         raise CheckpointMismatchError(
@@ -299,12 +307,14 @@ class Checkpointer:
         save_interval_steps: int = 1,
         active_processes: Sequence[int] | None = None,
         keep_steps: Sequence[int] = (),
+        mismatch_advice: str | None = None,
     ):
         """`active_processes`: the processes that save and restore (the learners of a
         multi-process run; None: every process). A single saving process among several
         saves its train state from host memory (orbax refuses process-local arrays in a
         multi-process run). `keep_steps`: steps kept beside the newest `max_to_keep` (a
-        recorded run keeps step 0, where its replay starts)."""
+        recorded run keeps step 0, where its replay starts). `mismatch_advice`: what the
+        error for checkpoints of another experiment tells a tool that only reads them."""
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}.")
         if save_interval_steps < 1:
@@ -312,7 +322,7 @@ class Checkpointer:
         self.workdir = workdir
         self.directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
         self.experiment = _canonical_json(experiment, "experiment")
-        _check_experiment(workdir, self.directory, self.experiment)
+        _check_experiment(workdir, self.directory, self.experiment, mismatch_advice=mismatch_advice)
         self._experiment_written = (self.directory / EXPERIMENT_FILENAME).exists()
         subset = active_processes is not None and len(active_processes) < jax.process_count()
         self._host_local = subset and len(active_processes) == 1

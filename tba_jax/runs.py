@@ -9,7 +9,8 @@ training loop:
   architecture and (for Hugging Face runs) its tokenizer; `run_tokenizer(config, workdir)`:
   the tokenizer of any run;
 - `experiment_identity(config, model_cfg)`: what a workdir's checkpoints must match to be
-  resumed; `reading_identity(config, workdir)`: to be read (by any process layout);
+  resumed; `reading_identity(config, workdir)`: to be read (by any process layout), and
+  `reading_checkpointer(config, workdir)` checking it;
 - `checkpoint_template(...)`: the abstract pytree a checkpoint restores into;
 - `restore_run(config, workdir, step)`: the trained policy and π_ref on one device (or a
   given mesh).
@@ -380,6 +381,20 @@ def reading_identity(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return experiment_identity(config, ModelConfig(**stored["model"]), stored.get(PROCESSES_KEY))
 
 
+def reading_checkpointer(config: ml_collections.ConfigDict, workdir: str) -> Checkpointer:
+    """A Checkpointer of the workdir's checkpoints for a tool that only reads them, checked
+    against `reading_identity`; a config other than the run's is told to leave --config out
+    (never to delete anything)."""
+    return Checkpointer(
+        workdir,
+        experiment=reading_identity(config, workdir),
+        mismatch_advice=(
+            "the config given is not the one the run trained with: leave --config out to read "
+            f"the run with its own ({os.path.join(workdir, CONFIG_FILENAME)})."
+        ),
+    )
+
+
 def stored_model_config(workdir: str) -> ModelConfig:
     """The model config a workdir's checkpoints were written for (from experiment.json)."""
     return ModelConfig(**stored_experiment(workdir)["model"])
@@ -411,7 +426,7 @@ def restore_run(
     (`scan_layers` as that segment of the run had it). Reads the params alone: not the
     optimizer state (twice the policy's bytes with Adam) nor the replay buffer."""
     model_cfg = stored_model_config(workdir)
-    checkpointer = Checkpointer(workdir, experiment=reading_identity(config, workdir))
+    checkpointer = reading_checkpointer(config, workdir)
     stacked = checkpoint_stacked(checkpointer.read_metadata(step), workdir)
     model, abstract_params = abstract_model(model_cfg.in_layout(stacked))
     if mesh is None:

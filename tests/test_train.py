@@ -155,6 +155,17 @@ def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
         np.testing.assert_array_equal(a, b)
 
 
+
+def test_reading_a_run_with_another_config_says_to_leave_it_out_not_to_delete(async_run):
+    workdir, _ = async_run
+    before = _files_and_bytes(workdir)
+    with pytest.raises(CheckpointMismatchError, match="another experiment") as refused:
+        restore_policy(get_config("smoke,task.num_train=300"), workdir)
+    assert "leave --config out" in str(refused.value)
+    assert "delete" not in str(refused.value)
+    assert _files_and_bytes(workdir) == before
+
+
 RUN_FILES = ("summary", "config")
 
 
