@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import io
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -40,7 +42,7 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from etils import epath
 
-from tba_jax.config_lib import ConfigError
+from tba_jax.config_lib import ConfigError, output_dir_problem
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 EXPERIMENT_FILENAME = "experiment.json"
@@ -237,6 +239,90 @@ def _write_text_atomically(path: epath.Path, text: str) -> None:
     temporary = path.parent / f"{path.name}.tmp"
     temporary.write_text(text)
     temporary.rename(path)
+
+
+# --------------------------------------------------------------------------------------
+# The workdir itself: created only once a run is known to be valid, held by one run.
+# --------------------------------------------------------------------------------------
+
+
+def make_workdir(workdir: str) -> str | None:
+    """Creates `workdir`, or a ConfigError saying why it cannot be (the launchers' check,
+    `config_lib.output_dir_problem`, for callers that come from Python). Returns the
+    outermost folder it created (None: `workdir` existed)."""
+    problem = output_dir_problem(workdir)
+    if problem:
+        raise ConfigError(f"--workdir={workdir} {problem}; pass a folder you can write to.")
+    created, path = None, os.path.abspath(workdir)
+    while not os.path.exists(path):
+        created, path = path, os.path.dirname(path)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as error:  # e.g. under /proc, which os.access lets root write
+        raise ConfigError(
+            f"--workdir={workdir} cannot be created ({error.strerror}); pass a folder you "
+            "can write to."
+        ) from None
+    return created
+
+
+@contextlib.contextmanager
+def removed_if_refused(created: str | None) -> Iterator[None]:
+    """Around the checks that need a workdir (the task's data): a folder this run created
+    is removed if they fail, so a refused run leaves no trace."""
+    try:
+        yield
+    except Exception:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+class WorkdirInUseError(ConfigError):
+    """Another run (a process on this machine) holds the workdir."""
+
+
+class WorkdirLock:
+    """An exclusive lock on a workdir while a run trains in it, so a second run of the same
+    workdir is refused at once instead of writing the same checkpoints. It is a `flock` on
+    the folder itself: nothing is written, and the lock goes with the process that holds
+    it, however that process ends. A filesystem without `flock` (some network ones) leaves
+    the workdir unlocked. A context manager; `release()` ends it early."""
+
+    def __init__(self, workdir: str):
+        self._fd: int | None = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise WorkdirInUseError(
+                f"--workdir={workdir} is in use by another run on this machine (one still "
+                "training in it); wait for it to end, or pass another --workdir."
+            ) from None
+        except OSError:  # flock not supported here: nothing to hold
+            self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the folder's descriptor ends the lock
+            self._fd = None
+
+    def __enter__(self) -> WorkdirLock:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def remove_saved_steps(workdir: str) -> None:
+    """Removes every saved step of the workdir's checkpoints and keeps `experiment.json`,
+    which later runs in the workdir are still checked against (a run whose result is
+    exported elsewhere, such as a reward model's folder)."""
+    directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
+    if directory.exists():
+        for child in directory.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child)
 
 
 # --------------------------------------------------------------------------------------

@@ -25,9 +25,8 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -59,8 +58,11 @@ from tba_jax.checkpoint import (
     Checkpointer,
     RunStopped,
     StopSignal,
+    WorkdirLock,
     check_experiment,
+    make_workdir,
     newest_restorable,
+    removed_if_refused,
     restore_failure,
     set_aside,
     stop_on_signals,
@@ -302,44 +304,16 @@ def make_learner(
     return LearnerParts(optimizer, state_sharding, critic, train_step)
 
 
-def make_workdir(workdir: str) -> str | None:
-    """Creates `workdir`, or a ConfigError saying why it cannot be (the launchers' check,
-    `config_lib.output_dir_problem`, for callers that come from Python). Returns the
-    outermost folder it created (None: `workdir` existed)."""
-    problem = config_lib.output_dir_problem(workdir)
-    if problem:
-        raise ConfigError(f"--workdir={workdir} {problem}; pass a folder you can write to.")
-    created, path = None, os.path.abspath(workdir)
-    while not os.path.exists(path):
-        created, path = path, os.path.dirname(path)
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as error:  # e.g. under /proc, which os.access lets root write
-        raise ConfigError(
-            f"--workdir={workdir} cannot be created ({error.strerror}); pass a folder you "
-            "can write to."
-        ) from None
-    return created
-
-
-@contextlib.contextmanager
-def removed_if_refused(created: str | None) -> Iterator[None]:
-    """Around the checks that need a workdir (the task's data): a folder this run created
-    is removed if they fail, so a refused run leaves no trace."""
-    try:
-        yield
-    except Exception:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-
-
-def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
+def setup(
+    config: ml_collections.ConfigDict, workdir: str, held: contextlib.ExitStack | None = None
+) -> Setup:
     """Checks `config` against everything it can be checked against, then builds the run.
 
     Nothing is written to `workdir` until the config, the Hugging Face folders and the
     workdir's experiment are known to be right: a refused run leaves it as it was. Over
     several processes, process 0 writes the shared files and the others wait for it.
+    With `held`, process 0 locks the workdir (`WorkdirLock`) until `held` closes: a second
+    run of it is refused.
     """
     topology = topology_lib.make_topology(config)
     config_lib.validate(
@@ -366,6 +340,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
     if topology.is_primary:
         with removed_if_refused(make_workdir(workdir)):
+            if held is not None:
+                held.enter_context(WorkdirLock(workdir))
             task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:
@@ -893,8 +869,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     of the whole run. When SIGTERM / Ctrl-C stops it, it saves and raises
     `checkpoint.RunStopped` (the launchers exit 128 + the signal). A searcher process of a
     roles_by_process run returns {} when the learners are done."""
+    with contextlib.ExitStack() as held:  # the workdir, locked while this run is in it
+        return _train_and_evaluate(config, workdir, held)
+
+
+def _train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, held: contextlib.ExitStack
+) -> dict:
     segment = run_totals.Segment(run_totals.Meters(), started_at=time.time())
-    run = setup(config, workdir)
+    run = setup(config, workdir, held)
     summary = finished_summary(run) if run.topology.is_primary else None
     if distributed.any_process(summary is not None):
         if summary is not None:

@@ -34,10 +34,10 @@ are removed: the folder supersedes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import time
 from collections.abc import Sequence
 
@@ -51,7 +51,18 @@ from absl import logging
 from tba_jax import compile_cache, config_lib, learner
 from tba_jax import mesh as mesh_lib
 from tba_jax.batching import fixed_size_batches
-from tba_jax.checkpoint import Checkpointer, newest_restorable, stop_on_signals
+from tba_jax.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    EXPERIMENT_FILENAME,
+    Checkpointer,
+    WorkdirLock,
+    check_experiment,
+    make_workdir,
+    newest_restorable,
+    remove_saved_steps,
+    removed_if_refused,
+    stop_on_signals,
+)
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import preferences
 from tba_jax.metrics import MetricsWriter, write_json_atomically
@@ -405,18 +416,59 @@ def experiment(config: ml_collections.ConfigDict) -> dict:
 def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains a scalar reward model on preference pairs; saves it and rm_summary.json.
     Goes on from the workdir's newest checkpoint; raises `checkpoint.RunStopped` when
-    SIGTERM or Ctrl-C stopped it (after saving)."""
+    SIGTERM or Ctrl-C stopped it (after saving). A finished workdir gives its summary
+    back. A workdir of another config, or one another run is training in, is refused
+    before anything is written to it."""
     wall_start = time.time()
     check_config(config, jax.device_count())
+    check_experiment(workdir, experiment(config))
     compile_cache.use(config)
-    os.makedirs(workdir, exist_ok=True)
     tokenizer = rm_tokenizer(config)
-    encode = dict(max_len=config.max_len, append_eos=config.append_eos)
-    train_data = encode_pairs(tokenizer, load_pairs(config, "train", workdir), **encode)
-    test_data = encode_pairs(tokenizer, load_pairs(config, "test", workdir), **encode)
+    with contextlib.ExitStack() as held:  # the workdir, locked while this run is in it
+        with removed_if_refused(make_workdir(workdir)):
+            held.enter_context(WorkdirLock(workdir))
+            summary = finished_summary(workdir)
+            if summary is not None:
+                logging.info(
+                    "%s already finished (%d steps); its reward model is in %s.",
+                    workdir,
+                    summary["steps"],
+                    summary["hf_folder"],
+                )
+                return summary
+            encode = dict(max_len=config.max_len, append_eos=config.append_eos)
+            train_data = encode_pairs(tokenizer, load_pairs(config, "train", workdir), **encode)
+            test_data = encode_pairs(tokenizer, load_pairs(config, "test", workdir), **encode)
+        return train_on_pairs(config, workdir, tokenizer, train_data, test_data, wall_start)
+
+
+def finished_summary(workdir: str) -> dict | None:
+    """The summary of a reward model this workdir finished training (its folder written,
+    its steps removed, its experiment.json kept), else None."""
+    directory = os.path.join(workdir, CHECKPOINTS_SUBDIR)
+    summary_path = os.path.join(workdir, SUMMARY_FILENAME)
+    if not os.path.exists(summary_path) or not os.path.exists(
+        os.path.join(directory, EXPERIMENT_FILENAME)
+    ):
+        return None
+    if any(os.path.isdir(os.path.join(directory, name)) for name in os.listdir(directory)):
+        return None  # a step left: the run stopped between its summary and its clean-up
+    with open(summary_path) as f:
+        return json.load(f)
+
+
+def train_on_pairs(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    tokenizer: Tokenizer,
+    train_data: dict[str, np.ndarray],
+    test_data: dict[str, np.ndarray],
+    wall_start: float,
+) -> dict:
+    """The training of `train_reward_model` on encoded pairs, from the workdir's newest
+    checkpoint; exports the model and writes the summary."""
     num_train, num_test = len(train_data["chosen_tokens"]), len(test_data["chosen_tokens"])
     steps = train_steps(config, num_train)
-    # another config's checkpoints are refused here, before the model is loaded
     checkpointer = Checkpointer(
         workdir, experiment=experiment(config), max_to_keep=config.keep_checkpoints
     )
@@ -506,7 +558,7 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "files": sorted(os.path.basename(path) for path in files),
     }
     write_summary(workdir, summary)
-    shutil.rmtree(checkpointer.directory, ignore_errors=True)  # the folder supersedes them
+    remove_saved_steps(workdir)  # the folder supersedes them; experiment.json stays
     logging.info("Summary: %s", json.dumps(summary, sort_keys=True))
     return summary
 

@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
+from tba_jax import checkpoint
 from tba_jax.checkpoint import (
     SET_ASIDE_SUBDIR,
     Checkpointer,
@@ -469,3 +470,38 @@ def test_a_pytree_round_trips(tmp_path):
     restored = restore_pytree(str(tmp_path / "tree"), tree)
     for expected, got in zip(jax.tree.leaves(tree), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(expected), np.asarray(got))
+
+
+def test_a_workdir_lock_refuses_a_second_holder_until_released_and_writes_nothing(tmp_path):
+    first = checkpoint.WorkdirLock(str(tmp_path))
+    with pytest.raises(checkpoint.WorkdirInUseError, match=f"--workdir={tmp_path} is in use"):
+        checkpoint.WorkdirLock(str(tmp_path))
+    first.release()
+    first.release()  # twice is harmless
+    with checkpoint.WorkdirLock(str(tmp_path)):
+        pass
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_workdir_lock_goes_with_the_process_that_held_it(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_AND_WAIT, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(checkpoint.WorkdirInUseError):
+        checkpoint.WorkdirLock(str(tmp_path))
+    holder.kill()  # no clean-up of its own
+    holder.wait(timeout=SUBPROCESS_TIMEOUT_SECONDS)
+    checkpoint.WorkdirLock(str(tmp_path)).release()
+
+
+HOLD_AND_WAIT = """
+import sys
+from tba_jax.checkpoint import WorkdirLock
+lock = WorkdirLock(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""

@@ -22,7 +22,7 @@ import pytest
 
 from configs.arithmetic import get_config
 from tba_jax import batch_log, batch_replay, runtime, tasks
-from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.checkpoint import CheckpointMismatchError, WorkdirInUseError, WorkdirLock
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
 from tba_jax.run_view import RunView
@@ -155,7 +155,6 @@ def test_a_workdir_alone_gives_back_its_config_and_policy(async_run):
         np.testing.assert_array_equal(a, b)
 
 
-
 def test_reading_a_run_with_another_config_says_to_leave_it_out_not_to_delete(async_run):
     workdir, _ = async_run
     before = _files_and_bytes(workdir)
@@ -164,6 +163,16 @@ def test_reading_a_run_with_another_config_says_to_leave_it_out_not_to_delete(as
     assert "leave --config out" in str(refused.value)
     assert "delete" not in str(refused.value)
     assert _files_and_bytes(workdir) == before
+
+
+def test_a_workdir_another_run_is_in_is_refused_before_anything_is_written(async_run):
+    workdir, _ = async_run
+    before = _files_and_bytes(workdir)
+    # as another run holds it
+    with WorkdirLock(workdir), pytest.raises(WorkdirInUseError, match="in use by another run"):
+        train_and_evaluate(get_config(ASYNC), workdir)
+    assert _files_and_bytes(workdir) == before
+    assert train_and_evaluate(get_config(ASYNC), workdir)  # released: finished, given back
 
 
 RUN_FILES = ("summary", "config")

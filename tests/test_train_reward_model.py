@@ -239,7 +239,35 @@ def test_a_stopped_reward_model_goes_on_from_its_checkpoints_to_the_same_model(
         assert summary[key] == straight[key]
     model_file = Path(summary["hf_folder"]) / "model.safetensors"
     assert model_file.read_bytes() == (workdir / "hf" / "model.safetensors").read_bytes()
-    assert not (tmp_path / "checkpoints").exists()  # the model folder supersedes them
+    # the model folder supersedes the steps; what later runs are checked against stays
+    assert os.listdir(tmp_path / "checkpoints") == ["experiment.json"]
+
+
+def _files_and_bytes(directory: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_a_finished_reward_model_is_given_back_not_trained_again(tiny_rm, monkeypatch):
+    workdir, summary = tiny_rm
+    before = _files_and_bytes(workdir)
+    monkeypatch.setattr(train_reward_model, "train_on_pairs", None)  # any training fails
+    assert train_reward_model.train_reward_model(get_config("tiny"), str(workdir)) == summary
+    with pytest.raises(CheckpointMismatchError, match="another experiment"):
+        train_reward_model.train_reward_model(get_config("tiny,lr=0.01"), str(workdir))
+    assert _files_and_bytes(workdir) == before  # its model folder above all
+
+
+def test_another_runs_workdir_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "experiment.json").write_text('{"another": "run"}')
+    before = _files_and_bytes(tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="another experiment"):
+        train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path))
+    assert _files_and_bytes(tmp_path) == before and not (tmp_path / "data").exists()
 
 
 def test_saved_reward_model_scores_the_same_in_transformers_and_as_a_reward_model(tiny_rm):
