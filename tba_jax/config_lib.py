@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import ml_collections
 
 from tba_jax import config_keys
@@ -400,6 +401,13 @@ def validate(
     check_engine(config)
     check_length_buckets(config)
     check_attention(config)
+    replay = config.replay
+    if config.mode == "async" and replay.capacity < replay.capacity_per_prompt:
+        raise ConfigError(
+            f"replay.capacity={replay.capacity} is smaller than replay.capacity_per_prompt="
+            f"{replay.capacity_per_prompt} (the samples one prompt keeps); raise "
+            "replay.capacity or lower replay.capacity_per_prompt."
+        )
     if config.loss.beta_schedule == "linear" and config.loss.beta_anneal_steps < 1:
         raise ConfigError(
             f"loss.beta_anneal_steps={config.loss.beta_anneal_steps} must be >= 1 for a linear "
@@ -407,14 +415,23 @@ def validate(
         )
 
 
-def check_attention(config: ml_collections.ConfigDict) -> None:
+def check_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
     """ConfigError for model.attention=cudnn without a half-precision compute dtype (the
-    cuDNN kernel takes bfloat16 or float16 only)."""
+    cuDNN kernel takes bfloat16 or float16 only) or off a GPU (`backend`: JAX's platform,
+    default this process's)."""
+    if config.model.get("attention") != "cudnn":
+        return
     dtype = config.model.get("dtype") or "float32"
-    if config.model.get("attention") == "cudnn" and dtype not in HALF_DTYPES:
+    if dtype not in HALF_DTYPES:
         raise ConfigError(
             f"model.attention=cudnn needs model.dtype in {list(HALF_DTYPES)}, got {dtype!r}; "
             "use model.attention=dot_product for float32."
+        )
+    backend = backend or jax.default_backend()
+    if backend != "gpu":
+        raise ConfigError(
+            f"model.attention=cudnn needs a GPU with cuDNN, and this run's JAX platform is "
+            f"{backend}; use model.attention=dot_product here."
         )
 
 

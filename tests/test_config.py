@@ -111,6 +111,8 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("method=ppo,loss.ppo.critic=twin", 1, r"loss\.ppo\.critic='twin' must be one of"),
         ("method=ppo,loss.ppo.minibatches=3", 1, r"into loss\.ppo\.minibatches=3 × batch"),
         ("method=ppo,loss.ppo.minibatches=128", 4, r"does not divide over the learner"),
+        ("replay.capacity=10", 1, r"replay\.capacity=10 is smaller than replay\.capacity_per"),
+        ("model.attention=cudnn,model.dtype=bfloat16", 1, r"cudnn needs a GPU with cuDNN"),
     ],
 )
 def test_invalid_configs_are_rejected_before_any_work(variant, num_devices, message):

@@ -293,7 +293,9 @@ def test_the_config_checks_the_knobs():
     with pytest.raises(config_lib.ConfigError, match="cudnn needs"):
         config_lib.check_attention(config)
     config.model.dtype = "bfloat16"
-    config_lib.check_attention(config)
+    config_lib.check_attention(config, backend="gpu")
+    with pytest.raises(config_lib.ConfigError, match=r"cudnn needs a GPU with cuDNN.*is cpu"):
+        config_lib.check_attention(config, backend="cpu")
     config.model.remat = "everything"
     with pytest.raises(config_lib.ConfigError, match="remat"):
         config_lib.check_ranges(config, config_lib.RANGES)
