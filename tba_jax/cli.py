@@ -139,7 +139,7 @@ def parse_flags(argv: list[str]) -> list[str]:
             sys.exit(0)
         raise
     except flags.Error as error:
-        exit_with_error(flag_error_message(error))
+        exit_with_error(flag_error_message(error) + override_hint(error))
     except (AttributeError, KeyError):
         # ml_collections raises these for a `--config.a.b=v` key the config does not have.
         message = unknown_override_message(argv)
@@ -157,6 +157,21 @@ def flag_error_message(error: flags.Error) -> str:
     hands it over as the text of a traceback), that error's own message."""
     found = re.search(rf"{ConfigError.__name__}: (.*)", str(error))
     return found.group(1) if found else str(error)
+
+
+def override_hint(error: flags.Error) -> str:
+    """For `--config.a.b=v` given without `--config` (which a tool reading a run's own
+    config.json leaves optional): that an override needs the config file named."""
+    name = (
+        getattr(error, "flagname", None) if isinstance(error, flags.UnrecognizedFlagError) else None
+    )
+    for config_flag in config_flag_names() if name else ():
+        if name.startswith(config_flag + "."):
+            return (
+                f"; --{config_flag}.* overrides change a config file's keys, so name the file "
+                f"too (--{config_flag}=configs/<file>.py[:variant] --{name}=...)"
+            )
+    return ""
 
 
 def config_flag_names() -> list[str]:

@@ -239,6 +239,14 @@ def test_the_workdir_is_required_unless_printing_the_config():
     assert error_line(run_script("train.py", SMOKE)) == "error: --workdir is required; see --help."
 
 
+def test_an_override_without_its_config_file_says_to_name_the_file(tmp_path):
+    line = error_line(
+        run_script("evaluate.py", f"--workdir={tmp_path}", "--config.task.num_test=3")
+    )
+    assert "Unknown command line flag 'config.task.num_test'" in line
+    assert "name the file too (--config=configs/<file>.py[:variant]" in line
+
+
 def test_export_of_an_empty_workdir(tmp_path):
     line = error_line(run_script("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path}/o"))
     assert "is not the workdir of a tba_jax training run" in line
