@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import statistics
 import time
 
@@ -102,6 +103,8 @@ DIGITS = frozenset("0123456789")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Untimed fused runs at most, each with its own draws, until one compiles nothing new.
 WARMUP_FUSED_RUNS = 3
+# EngineConfig's fields that a flag of another name sets (the others are their flags' names).
+ENGINE_FLAGS = {"slots": "width"}
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
 _DTYPE = flags.DEFINE_enum(
@@ -248,7 +251,37 @@ def read_settings() -> Settings:
         )
     if settings.score_rows < 1:
         raise cli.UsageError(f"--score_rows={settings.score_rows} must be >= 1.")
+    engine_config(settings)  # its flags checked before any work
     return settings
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The slot engine's config of `settings`; UsageError naming the flag of a bad value."""
+    try:
+        config = EngineConfig(
+            slots=settings.width,
+            chunk_steps=settings.chunk_steps,
+            tail_chunk_steps=settings.tail_chunk_steps,
+            prefill_prompts=settings.prefill_prompts,
+            refill_free=settings.refill_free,
+            bucket_min_tokens=settings.bucket_min_tokens,
+            compact_below=settings.compact_below,
+            min_width=settings.min_width,
+            compact_min_steps=settings.compact_min_steps,
+        )
+        config.check_samples_per_prompt(settings.samples_per_prompt)
+    except ValueError as error:
+        raise cli.UsageError(as_flags(str(error))) from error
+    return config
+
+
+def as_flags(message: str) -> str:
+    """EngineConfig's `message` with its `field=value`s spelt as this script's flags
+    (`chunk_steps=0` as `--chunk_steps=0`, `slots=` as `--width=`)."""
+    fields = "|".join(field.name for field in dataclasses.fields(EngineConfig))
+    return re.sub(
+        rf"\b({fields})=", lambda found: f"--{ENGINE_FLAGS.get(found[1], found[1])}=", message
+    )
 
 
 # ---------------------------------------------------------------------------- the setup
@@ -323,23 +356,8 @@ def build_paths(settings: Settings) -> Paths:
         time_split=TimeSplit(),
         rates=RateMeter(),
     )
-    try:
-        engine_config = EngineConfig(
-            slots=settings.width,
-            chunk_steps=settings.chunk_steps,
-            tail_chunk_steps=settings.tail_chunk_steps,
-            prefill_prompts=settings.prefill_prompts,
-            refill_free=settings.refill_free,
-            bucket_min_tokens=settings.bucket_min_tokens,
-            compact_below=settings.compact_below,
-            min_width=settings.min_width,
-            compact_min_steps=settings.compact_min_steps,
-        )
-        engine_config.check_samples_per_prompt(settings.samples_per_prompt)
-    except ValueError as error:
-        raise cli.UsageError(str(error)) from error
     engine = SlotEngine(
-        model, sampling, engine_config, max_prompt_len=settings.max_prompt_len, **ids
+        model, sampling, engine_config(settings), max_prompt_len=settings.max_prompt_len, **ids
     )
     return Paths(
         batch=SearchWorker(generate_fn=make_generate_fn(model, sampling, **ids), **shared),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from support import run_repo_script
 
 SCRIPT = "benchmarks/engine_speed.py"
@@ -63,3 +64,17 @@ def test_a_width_that_does_not_hold_whole_prompts_is_a_one_line_error():
     result = run_benchmark("--smoke", "--width=7", "--samples_per_prompt=2")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: --width=7")
+
+
+@pytest.mark.parametrize(
+    "flag, error",
+    [
+        ("--chunk_steps=0", "error: --chunk_steps=0 must be >= 1."),
+        ("--refill_free=2", "error: --refill_free=2.0 must be in [0, 1]."),
+        ("--compact_below=1", "error: --compact_below=1.0 must be in [0, 1)."),
+    ],
+)
+def test_a_bad_engine_flag_is_one_error_line_naming_the_flag(flag, error):
+    result = run_benchmark("--smoke", flag)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [error]
