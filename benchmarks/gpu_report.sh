@@ -17,7 +17,13 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-part=${1:?"which part: decode PEER | learner | engine | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR"}
+PARTS="decode PEER | learner | engine | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR"
+usage() {  # one line on stderr, exit status 2
+  echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
+  exit 2
+}
+[ $# -ge 1 ] || usage "name the part to run"
+part=$1
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
 limit=${REPORT_TIMEOUT:-240}
@@ -30,7 +36,8 @@ run() {
 
 case "$part" in
   decode)
-    peer=${2:?"decode needs the peer script's path"}
+    [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"
+    peer=$2
     for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
       set -- $shape
       run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256
@@ -80,13 +87,13 @@ case "$part" in
     if [ "$part" = smoke_tldr ]; then
       run python3 benchmarks/paper_smoke.py --run=tldr_pythia_1b --steps=4 --timeout=$((limit - 10))
     else
-      gsm8k=${2:?"smoke_gsm8k needs a GSM8K folder"}
+      [ $# -ge 2 ] || usage "smoke_gsm8k needs a GSM8K folder (GSM8K_DIR)"
+      gsm8k=$2
       run python3 benchmarks/paper_smoke.py --run=gsm8k_rho1b --gsm8k_dir="$gsm8k" --steps=4 \
         --timeout=$((limit - 10))
     fi
     ;;
   *)
-    echo "unknown part $part: decode PEER | learner | engine | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR" >&2
-    exit 2
+    usage "unknown part '$part'"
     ;;
 esac
