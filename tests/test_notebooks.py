@@ -79,6 +79,12 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jax_cache")
 
 
+def run_name(m: float, k: int) -> str:
+    """The ablation notebook's workdir name of a run of the `smoke` CONFIG, seed 0: the
+    CONFIG and SEED are part of it, so another CONFIG never meets these runs."""
+    return f"smoke_seed0_m{m:g}_k{k}"
+
+
 @pytest.fixture(scope="module")
 def ablation(tmp_path_factory, cache_dir):
     """(executed notebook, WORKDIR_ROOT) of the ablation notebook at tiny size."""
@@ -103,7 +109,7 @@ def ablation(tmp_path_factory, cache_dir):
 @pytest.fixture(scope="module")
 def view(ablation) -> RunView:
     """The ablation's k=2 run."""
-    return RunView(str(ablation[1] / f"m{M:g}_k2"))
+    return RunView(str(ablation[1] / run_name(M, 2)))
 
 
 # ------------------------------------------------------------------ the notebooks
@@ -122,7 +128,7 @@ def test_the_notebooks_are_stored_without_outputs():
 def test_ablation_notebook_trains_each_m_and_k_plots_and_tabulates(ablation):
     notebook, root = ablation
     for k in K_VALUES:
-        summary = RunView(str(root / f"m{M:g}_k{k}")).summary
+        summary = RunView(str(root / run_name(M, k))).summary
         assert summary["learner_steps"] == TINY_STEPS
         assert summary["variant"] == f"smoke,steps=2,m={M},k={k},seed=0,eval.every_steps=1"
     assert len(outputs(notebook, "image/png")) == 1  # reward, lag and accuracy against time
@@ -138,7 +144,7 @@ def test_ablation_notebook_trains_each_m_and_k_plots_and_tabulates(ablation):
 def test_inside_a_run_notebook_looks_inside_a_finished_run(ablation, cache_dir):
     # the ablation's k=1 run (training one here, the notebook's default, would cost a run;
     # the ablation notebook trains through the same API)
-    workdir = ablation[1] / f"m{M:g}_k1"
+    workdir = ablation[1] / run_name(M, 1)
     notebook = execute(
         "inside_a_run.ipynb",
         {
