@@ -45,7 +45,7 @@ import time
 import numpy as np
 from absl import flags
 
-from tba_jax import cli
+from tba_jax import cli, replay
 from tba_jax.replay import ReplayBuffer
 from tba_jax.trajectories import Trajectory
 
@@ -59,14 +59,20 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "P: tokens per prompt.", lo
 _MAX_RESPONSE_LEN = flags.DEFINE_integer(
     "max_response_len", 128, "T: response lengths are uniform in 1..T.", lower_bound=1
 )
-_PROMPTS_PER_CALL = flags.DEFINE_integer("prompts_per_call", 16, "Prompts per add call.")
-_SAMPLES_PER_PROMPT = flags.DEFINE_integer("samples_per_prompt", 8, "S: samples per prompt.")
-_CALLS_PER_VERSION = flags.DEFINE_integer(
-    "calls_per_version", 10, "Add calls per policy version (and sync)."
+_PROMPTS_PER_CALL = flags.DEFINE_integer(
+    "prompts_per_call", 16, "Prompts per add call.", lower_bound=1
 )
-_BATCH_PROMPTS = flags.DEFINE_integer("batch_prompts", 16, "B: prompts per draw.")
-_BATCH_K = flags.DEFINE_integer("batch_k", 8, "K: samples per prompt per draw.")
-_RECENCY_PROB = flags.DEFINE_float("recency_prob", 0.5, "m: recency (online) probability.")
+_SAMPLES_PER_PROMPT = flags.DEFINE_integer(
+    "samples_per_prompt", 8, "S: samples per prompt.", lower_bound=1
+)
+_CALLS_PER_VERSION = flags.DEFINE_integer(
+    "calls_per_version", 10, "Add calls per policy version (and sync).", lower_bound=1
+)
+_BATCH_PROMPTS = flags.DEFINE_integer("batch_prompts", 16, "B: prompts per draw.", lower_bound=1)
+_BATCH_K = flags.DEFINE_integer("batch_k", 8, "K: samples per prompt per draw.", lower_bound=1)
+_RECENCY_PROB = flags.DEFINE_float(
+    "recency_prob", 0.5, "m: recency (online) probability.", lower_bound=0.0, upper_bound=1.0
+)
 _DRAWS = flags.DEFINE_integer("draws", 200, "Timed draws per size.", lower_bound=1)
 _FULL_ADDS = flags.DEFINE_integer(
     "full_adds", 100_000, "Samples added to the full buffer (each evicting one).", lower_bound=0
@@ -104,6 +110,40 @@ def read_settings() -> Settings:
         draws=SMOKE["draws"] if smoke else _DRAWS.value,
         full_adds=SMOKE["full_adds"] if smoke else _FULL_ADDS.value,
     )
+
+
+def draw_rules_here() -> tuple[str, ...]:
+    """The draw rules this ReplayBuffer takes (older code has no draw_rule: "newest" only)."""
+    if "draw_rule" not in inspect.signature(ReplayBuffer).parameters:
+        return ("newest",)
+    return tuple(getattr(replay, "DRAW_RULES", ("authors", "newest")))
+
+
+def sizes_and_draw_rules() -> tuple[list[int], list[str]]:
+    """The sizes and draw rules to measure; UsageError (in the parent, before any child is
+    started) for a size that is no integer or holds less than one prompt's samples, and
+    for a draw rule this ReplayBuffer does not have."""
+    sizes = _SIZES.value
+    if _SMOKE.value:
+        sizes = SMOKE["sizes"]
+    try:
+        sizes = [int(size) for size in sizes]
+    except ValueError as error:
+        raise cli.UsageError(f"--sizes={','.join(sizes)}: pass integers ({error}).") from error
+    small = [size for size in sizes if size < CAPACITY_PER_PROMPT]
+    if small or not sizes:
+        raise cli.UsageError(
+            f"--sizes={','.join(map(str, sizes))}: each buffer size must be at least the "
+            f"samples one prompt keeps (capacity_per_prompt={CAPACITY_PER_PROMPT}); pass sizes "
+            f">= {CAPACITY_PER_PROMPT}."
+        )
+    rules = draw_rules_here()
+    unknown = sorted(set(_DRAW_RULES.value) - set(rules))
+    if unknown or not _DRAW_RULES.value:
+        raise cli.UsageError(
+            f"--draw_rules={','.join(_DRAW_RULES.value)}: choose from {list(rules)}."
+        )
+    return sizes, list(_DRAW_RULES.value)
 
 
 def resident_bytes() -> int:
@@ -275,10 +315,10 @@ def main(argv: list[str]) -> None:
         size, draw_rule = _ONE.value.split(",")
         print(json.dumps(measure_one(int(size), draw_rule, settings)), flush=True)
         return
-    sizes = SMOKE["sizes"] if _SMOKE.value else [int(s) for s in _SIZES.value]
+    sizes, draw_rules = sizes_and_draw_rules()
     results = []
     for size in sizes:
-        for draw_rule in _DRAW_RULES.value:
+        for draw_rule in draw_rules:
             results.append(measure_in_subprocess(size, draw_rule))
             print(describe(results[-1]), flush=True)
     line = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from support import REPO_ROOT
+from support import REPO_ROOT, run_repo_script
 
 ERROR_SECONDS = 60  # imports only: a refusal comes before anything is built or compiled
 
@@ -32,5 +32,26 @@ def test_gpu_report_without_its_arguments_prints_one_usage_line(args, problem):
         timeout=ERROR_SECONDS,
     )
     assert done.returncode == 2
+    assert len(error_lines(done)) == 1 and error_lines(done)[0].startswith(problem), done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "flag, problem",
+    [
+        ("--samples_per_prompt=0", "error: flag --samples_per_prompt=0: 0 is not a positive"),
+        ("--prompts_per_call=0", "error: flag --prompts_per_call=0: 0 is not a positive"),
+        ("--calls_per_version=0", "error: flag --calls_per_version=0: 0 is not a positive"),
+        ("--batch_prompts=0", "error: flag --batch_prompts=0: 0 is not a positive"),
+        ("--batch_k=0", "error: flag --batch_k=0: 0 is not a positive"),
+        ("--recency_prob=2", "error: flag --recency_prob=2: 2.0 is not a number in the range"),
+        ("--draw_rules=newst", "error: --draw_rules=newst: choose from ['authors', 'newest']."),
+        ("--sizes=0", "error: --sizes=0: each buffer size must be at least the samples one"),
+        ("--sizes=1e4", "error: --sizes=1e4: pass integers"),
+    ],
+)
+def test_replay_scale_refuses_a_bad_flag_in_the_parent_without_hanging(flag, problem):
+    done = run_repo_script("benchmarks/replay_scale.py", flag, timeout=ERROR_SECONDS)
+    assert done.returncode == 1
     assert len(error_lines(done)) == 1 and error_lines(done)[0].startswith(problem), done.stderr
     assert done.stdout == ""
