@@ -327,13 +327,30 @@ def write_result(workdir: str, out: str | None, result: dict, latest_step: int) 
 # ------------------------------------------------------------------------ evaluation
 
 
-def latest_checkpoint_step(config, workdir: str) -> int:
-    """The workdir's latest checkpoint step (the checkpoints must be of `config`'s run)."""
+def latest_checkpoint_step(config, workdir: str, step: int | None = None) -> int:
+    """The workdir's latest checkpoint step (the checkpoints must be of `config`'s run);
+    FileNotFoundError, before any data is read, when it has none or `step` is not saved."""
     with runs.reading_checkpointer(config, workdir) as checkpointer:
-        latest = checkpointer.latest_step()
-    if latest is None:
+        saved = sorted(checkpointer.all_steps())
+    if not saved:
         raise FileNotFoundError(f"No checkpoint in workdir {workdir}; train first.")
-    return latest
+    if step is not None and step not in saved:
+        raise FileNotFoundError(
+            f"No checkpoint for step {step} in workdir {workdir}; available steps: {saved}."
+        )
+    return saved[-1]
+
+
+def note_if_unfinished(run_config, workdir: str, latest_step: int) -> None:
+    """A warning when the run has not reached its learner_steps (stopped, or still going):
+    its evaluation is of a policy part-way through training."""
+    if latest_step < run_config.learner_steps:
+        logging.warning(
+            "%s is unfinished: its latest checkpoint is step %d of %d.",
+            workdir,
+            latest_step,
+            run_config.learner_steps,
+        )
 
 
 def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict:
@@ -384,7 +401,8 @@ def main(argv):
     config = _CONFIG.value or run_config
     settings = eval_settings(config, flag_overrides())
     check_settings(settings)
-    latest_step = latest_checkpoint_step(config, workdir)
+    latest_step = latest_checkpoint_step(config, workdir, step)
+    note_if_unfinished(run_config, workdir, latest_step)
     identity = eval_identity(run_config, config, settings, latest_step if step is None else step)
     check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
     compile_cache.use(config)

@@ -143,6 +143,27 @@ def test_export_names_the_steps_there_are(smoke_run, tmp_path):
     assert "available steps: [2, 4]" in error_line(result)
 
 
+def test_evaluate_names_the_steps_there_are_and_an_unfinished_run(smoke_run, tmp_path):
+    workdir, _ = smoke_run
+    result = run_script("evaluate.py", f"--workdir={workdir}", "--checkpoint_step=3")
+    assert "No checkpoint for step 3" in error_line(result)
+    assert "available steps: [2, 4]" in error_line(result)
+    # the same run as if its learner_steps were 6: evaluated, with a note that it is unfinished
+    config_path = workdir / "config.json"
+    saved = config_path.read_text()
+    try:
+        config = json.loads(saved)
+        config["learner_steps"] = 6
+        config_path.write_text(json.dumps(config))
+        result = run_script(
+            "evaluate.py", f"--workdir={workdir}", f"--out={tmp_path}/eval.json", "--ks=1"
+        )
+    finally:
+        config_path.write_text(saved)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "is unfinished: its latest checkpoint is step 4 of 6" in result.stderr
+
+
 def test_export_of_a_workdir_without_a_checkpoint(smoke_run, tmp_path):
     workdir, _ = smoke_run
     shutil.copy(workdir / "config.json", tmp_path / "config.json")
