@@ -50,7 +50,7 @@ from absl import flags
 
 from tba_jax import cli, learner
 from tba_jax.models import ModelConfig, init_model
-from tba_jax.models.config import REMAT_POLICIES
+from tba_jax.models.config import ATTENTIONS, HALF_DTYPES, REMAT_POLICIES
 
 SWEEPS = ("depth", "logprob_chunk", "remat", "attention")
 SMOKE = dict(
@@ -90,8 +90,10 @@ _CHUNK_VOCAB = flags.DEFINE_integer(
     "chunk_vocab", 32_000, "Vocabulary of the logprob_chunk sweep.", lower_bound=FIRST_TOKEN + 1
 )
 _CHUNKS = flags.DEFINE_list("chunks", ["0", "32", "8"], "logprob_chunk values to compare.")
-_CHUNK_LAYERS = flags.DEFINE_integer("chunk_layers", 2, "Depth of the chunk sweep.")
-_REMAT_LAYERS = flags.DEFINE_integer("remat_layers", 8, "Depth of the remat and attention sweeps.")
+_CHUNK_LAYERS = flags.DEFINE_integer("chunk_layers", 2, "Depth of the chunk sweep.", lower_bound=1)
+_REMAT_LAYERS = flags.DEFINE_integer(
+    "remat_layers", 8, "Depth of the remat and attention sweeps.", lower_bound=1
+)
 _ATTENTIONS = flags.DEFINE_list("attentions", ["einsum", "dot_product"], "Attention kernels.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps after compiling.", lower_bound=0)
@@ -127,9 +129,40 @@ def flag_value(name: str) -> Any:
     return getattr(flags.FLAGS, name)
 
 
-def int_list(name: str) -> list[int]:
+def int_list(name: str, minimum: int) -> list[int]:
+    """`--name`'s comma-separated integers; UsageError unless each is >= `minimum`."""
     value = flag_value(name)
-    return [int(item) for item in (value.split(",") if isinstance(value, str) else value)]
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        numbers = [int(item) for item in items]
+    except ValueError as error:
+        raise cli.UsageError(
+            f"--{name}={','.join(items)}: pass integers, comma-separated."
+        ) from error
+    if not numbers or min(numbers) < minimum:
+        raise cli.UsageError(f"--{name}={','.join(items)}: pass integers >= {minimum}.")
+    return numbers
+
+
+def check_attentions(sweeps: list[str], dtype: str) -> None:
+    """UsageError for an --attentions name that is no kernel, and for cuDNN's where the
+    attention sweep cannot run it (float32, or no GPU)."""
+    unknown = sorted(set(_ATTENTIONS.value) - set(ATTENTIONS))
+    if unknown or not _ATTENTIONS.value:
+        raise cli.UsageError(f"--attentions names {unknown}; choose from {list(ATTENTIONS)}.")
+    if "attention" not in sweeps or "cudnn" not in _ATTENTIONS.value:
+        return
+    if dtype not in HALF_DTYPES:
+        raise cli.UsageError(
+            f"--attentions=cudnn needs a half-precision --dtype (cuDNN's attention takes "
+            f"{list(HALF_DTYPES)}), got --dtype={dtype}; pass --dtype=bfloat16."
+        )
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise cli.UsageError(
+            f"--attentions=cudnn needs a GPU with cuDNN, and JAX's platform here is {backend}; "
+            "leave cudnn out of --attentions."
+        )
 
 
 def model_config(shapes: Shapes, num_layers: int, vocab_size: int, **execution) -> ModelConfig:
@@ -221,14 +254,14 @@ def cases(sweep: str, shapes: Shapes) -> list[ModelConfig]:
     if sweep == "depth":
         return [
             model_config(shapes, layers, depth_vocab, scan_layers=scan)
-            for layers in int_list("layers")
+            for layers in int_list("layers", minimum=1)
             for scan in (False, True)
         ]
     if sweep == "logprob_chunk":
         layers, vocab = flag_value("chunk_layers"), flag_value("chunk_vocab")
         return [
             model_config(shapes, layers, vocab, scan_layers=True, logprob_chunk=chunk)
-            for chunk in int_list("chunks")
+            for chunk in int_list("chunks", minimum=0)
         ]
     layers = flag_value("remat_layers")
     if sweep == "remat":
@@ -254,25 +287,29 @@ def main(argv: list[str]) -> None:
             f"--rows={shapes.rows} is not a multiple of --samples_per_prompt="
             f"{shapes.samples_per_prompt} (whole prompt groups)."
         )
+    check_attentions(_SWEEPS.value, shapes.dtype)
+    try:  # every case's config built (and so checked) before the first is measured
+        planned = [(sweep, cfg) for sweep in _SWEEPS.value for cfg in cases(sweep, shapes)]
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from error
     timing = Timing(flag_value("warmup"), flag_value("repeats"))
     machine = cli.machine_fields()
-    for sweep in _SWEEPS.value:
-        for cfg in cases(sweep, shapes):
-            line = {
-                "benchmark": "learner_compile",
-                "sweep": sweep,
-                "num_layers": cfg.num_layers,
-                "vocab_size": cfg.vocab_size,
-                "scan_layers": cfg.scan_layers,
-                "remat": cfg.remat,
-                "attention": cfg.attention,
-                "logprob_chunk": cfg.logprob_chunk,
-                **measure(cfg, shapes, timing),
-                "num_params": cfg.num_params(),
-                **dataclasses.asdict(shapes),
-                **machine,
-            }
-            print(json.dumps(line), flush=True)
+    for sweep, cfg in planned:
+        line = {
+            "benchmark": "learner_compile",
+            "sweep": sweep,
+            "num_layers": cfg.num_layers,
+            "vocab_size": cfg.vocab_size,
+            "scan_layers": cfg.scan_layers,
+            "remat": cfg.remat,
+            "attention": cfg.attention,
+            "logprob_chunk": cfg.logprob_chunk,
+            **measure(cfg, shapes, timing),
+            "num_params": cfg.num_params(),
+            **dataclasses.asdict(shapes),
+            **machine,
+        }
+        print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

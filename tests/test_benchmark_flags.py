@@ -55,3 +55,44 @@ def test_replay_scale_refuses_a_bad_flag_in_the_parent_without_hanging(flag, pro
     assert done.returncode == 1
     assert len(error_lines(done)) == 1 and error_lines(done)[0].startswith(problem), done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--layers=0"], "error: --layers=0: pass integers >= 1."),
+        (["--layers=2,x"], "error: --layers=2,x: pass integers, comma-separated."),
+        (["--remat_layers=0"], "error: flag --remat_layers=0: 0 is not a positive integer"),
+        (["--chunks=-1"], "error: --chunks=-1: pass integers >= 0."),
+        (["--attentions=flash"], "error: --attentions names ['flash']; choose from ['einsum',"),
+        (["--attentions=cudnn"], "error: --attentions=cudnn needs a half-precision --dtype"),
+    ],
+)
+def test_learner_compile_refuses_a_bad_flag_before_compiling(flags, problem):
+    done = run_repo_script(
+        "benchmarks/learner_compile.py", "--smoke", *flags, timeout=ERROR_SECONDS
+    )
+    assert done.returncode == 1
+    assert len(error_lines(done)) == 1 and error_lines(done)[0].startswith(problem), done.stderr
+    assert done.stdout == ""
+
+
+def test_learner_compile_refuses_cudnn_attention_off_a_gpu():
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU runs the cuDNN kernel")
+    done = run_repo_script(
+        "benchmarks/learner_compile.py",
+        "--smoke",
+        "--sweeps=attention",
+        "--attentions=einsum,cudnn",
+        "--dtype=bfloat16",
+        timeout=ERROR_SECONDS,
+    )
+    assert done.returncode == 1
+    assert error_lines(done) == [
+        f"error: --attentions=cudnn needs a GPU with cuDNN, and JAX's platform here is "
+        f"{jax.default_backend()}; leave cudnn out of --attentions."
+    ]
+    assert done.stdout == ""
