@@ -66,7 +66,7 @@ from absl import flags
 
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import abstract_model, preset
+from tba_jax.models import PRESETS, abstract_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
@@ -94,7 +94,9 @@ _PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt tokens per row.", lower_bo
 _NEW = flags.DEFINE_integer("new", 256, "New (response) tokens per row.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
 _LAYERS = flags.DEFINE_integer("layers", None, "The preset's depth if unset.", lower_bound=1)
-_VOCAB = flags.DEFINE_integer("vocab", None, "For presets without a vocabulary size.")
+_VOCAB = flags.DEFINE_integer(
+    "vocab", None, "For presets without a vocabulary size.", lower_bound=2
+)
 _SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "model.scan_layers.")
 _SCAN_DECODE = flags.DEFINE_bool("scan_decode", False, "model.scan_decode (and scan_layers).")
 _SEGMENTS = flags.DEFINE_integer("decode_segments", 1, "sampling.decode_segments.", lower_bound=1)
@@ -131,6 +133,30 @@ def target_device(target: str) -> jax.Device:
         hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
         raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
     return topology.devices[0]
+
+
+def check_model() -> None:
+    """UsageError, before anything is compiled, for a --shape that is no preset or has no
+    vocabulary size without --vocab, for knobs the model refuses (e.g. cuDNN's attention
+    in float32), and for cuDNN's attention on this machine's backend without a GPU."""
+    if _SHAPE.value not in PRESETS:
+        raise cli.UsageError(f"--shape={_SHAPE.value}: choose one of {sorted(PRESETS)}.")
+    if _VOCAB.value is None and "vocab_size" not in PRESETS[_SHAPE.value]:
+        raise cli.UsageError(
+            f"--shape={_SHAPE.value} is a preset without a vocabulary size; pass --vocab=N "
+            "(e.g. --vocab=32000)."
+        )
+    try:
+        model_config(_DTYPE.value)
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from error
+    if _ATTENTION.value == "cudnn" and _TARGET.value == "local":
+        backend = jax.default_backend()
+        if backend != "gpu":
+            raise cli.UsageError(
+                f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
+                f"{backend}; pass --target=h100 to compile for one, or another --attention."
+            )
 
 
 def lowering_platforms() -> tuple[str, ...] | None:
@@ -467,6 +493,7 @@ def main(argv: list[str]) -> None:
         # A compile-only target needs no accelerator backend: keep JAX from looking for one.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         jax.config.update("jax_platforms", "cpu")
+    check_model()
     device = target_device(_TARGET.value)
     profile = {
         "decode": decode_profile,

@@ -96,3 +96,22 @@ def test_learner_compile_refuses_cudnn_attention_off_a_gpu():
         f"{jax.default_backend()}; leave cudnn out of --attentions."
     ]
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--shape=small"], "error: --shape=small is a preset without a vocabulary size; pass"),
+        (["--shape=tiny"], "error: --shape=tiny is a preset without a vocabulary size; pass"),
+        (["--shape=qwen3"], "error: --shape=qwen3: choose one of ['gpt2',"),
+        (
+            ["--attention=cudnn", "--dtype=float32"],
+            "error: model.attention='cudnn' needs a half-precision compute dtype",
+        ),
+    ],
+)
+def test_static_profile_refuses_a_model_it_cannot_build_before_compiling(flags, problem):
+    done = run_repo_script("benchmarks/static_profile.py", *flags, timeout=ERROR_SECONDS)
+    assert done.returncode == 1
+    assert len(error_lines(done)) == 1 and error_lines(done)[0].startswith(problem), done.stderr
+    assert done.stdout == ""
