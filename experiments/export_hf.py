@@ -27,18 +27,17 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from absl import flags
 
-from tba_jax import cli, runs
+from tba_jax import cli, config_lib, runs
 from tba_jax.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
 from tba_jax.config_lib import ConfigError
 from tba_jax.models import hf
 from tba_jax.models.config import DTYPES
 
-CHECKPOINT_KEY = "hf_path"  # a config key naming a Hugging Face folder the run reads
 SHOWN_ENTRIES = 3  # entries of a non-empty --out named in its error
 
 
@@ -118,7 +117,7 @@ def check_not_read_by_the_run(config, workdir: str, out: str) -> None:
             f"--out={out} is the run's workdir; pass another folder, e.g. "
             f"{os.path.join(workdir, 'hf')}."
         )
-    for key, folder in checkpoint_folders(config.to_dict()):
+    for key, folder in config_lib.hf_folders(config.to_dict()):
         if same_folder(out, folder):
             raise ConfigError(
                 f"--out={out} is the run's {key}={folder}, a checkpoint the run reads; "
@@ -138,17 +137,6 @@ def check_empty_folder(out: str, *, overwrite: bool) -> None:
             "--overwrite to replace the export there "
             "(removes its *.safetensors, index, config.json and tokenizer files first)."
         )
-
-
-def checkpoint_folders(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(dotted key, folder) of every non-empty `hf_path` in a run's config (as a dict):
-    model.hf_path, reference.hf_path, a task's reward model or judge, ..."""
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            yield from checkpoint_folders(value, f"{dotted}.")
-        elif key == CHECKPOINT_KEY and isinstance(value, str) and value:
-            yield dotted, value
 
 
 def same_folder(a: str, b: str) -> bool:

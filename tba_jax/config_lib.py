@@ -17,7 +17,7 @@ import ast
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ from tba_jax.sampling.engine import ENGINES
 
 LR_SCHEDULES = ("constant", "linear", "wsd")
 MAX_LEARNING_RATE = 1.0  # above this an Adam step moves every weight by more than 1
+HF_PATH_KEY = "hf_path"  # a config key naming a Hugging Face folder the run reads
 
 
 class ConfigError(ValueError):
@@ -388,11 +389,8 @@ def validate(
             f"learner's {batch_shards} batch shards; "
             "change batch.prompts_per_batch, batch.num_microbatches or mesh.learner_axes."
         )
-    for key, path in (
-        ("model.hf_path", config.model.hf_path),
-        ("reference.hf_path", config.reference.hf_path),
-    ):
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
+    for key, path in hf_folders(config.to_dict()):  # the policy, π_ref and the task's roles
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(
                 f"{key}={path!r} is not a Hugging Face model folder (no config.json there); "
                 "pass a local folder saved with save_pretrained."
@@ -413,6 +411,17 @@ def validate(
             f"loss.beta_anneal_steps={config.loss.beta_anneal_steps} must be >= 1 for a linear "
             "β schedule (or set loss.beta_schedule=constant)."
         )
+
+
+def hf_folders(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, folder) of every non-empty `hf_path` in a config (as a dict):
+    model.hf_path, reference.hf_path, a task's reward model, victim or judge, ..."""
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from hf_folders(value, f"{dotted}.")
+        elif key == HF_PATH_KEY and isinstance(value, str) and value:
+            yield dotted, value
 
 
 def check_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:

@@ -109,6 +109,14 @@ def test_missing_checkpoints_stop_the_run_with_the_flag_to_pass(tmp_path):
     assert not (tmp_path / "data").exists() and not (tmp_path / "checkpoints").exists()
 
 
+def test_a_role_folder_that_is_not_there_is_refused_before_the_data_is_prepared(tmp_path):
+    workdir = tmp_path / "run"
+    missing = tmp_path / "no_such_reward_model"
+    with pytest.raises(ConfigError, match=rf"task\.reward_model\.hf_path='{missing}' is not a"):
+        train_and_evaluate(get_config(f"tiny,task.reward_model.hf_path={missing}"), str(workdir))
+    assert not workdir.exists()
+
+
 # ---------------------------------------------------------------------------- the task
 
 
