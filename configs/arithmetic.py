@@ -5,7 +5,8 @@
 
 Variant keys: any dotted path (`optim.learning_rate=3e-4`) or a shortcut:
 mode, method, steps, seed, k (sync period), m (recency prob), beta, model, hf_path,
-K (samples per prompt in a batch), S (samples generated per prompt).
+K (samples per prompt in a batch), S (samples generated per prompt), searchers
+(search.num_searchers).
 The keys and values every training config shares are in configs/common.py.
 """
 

@@ -38,6 +38,7 @@ SHORTCUTS = {
     "hf_path": "model.hf_path",
     "K": "batch.samples_per_prompt",
     "S": "batch.samples_generated_per_prompt",
+    "searchers": "search.num_searchers",
 }
 
 # What every seconds-long CPU variant (`smoke`, `tiny`) sets: a few learner steps, logged

@@ -29,7 +29,6 @@ ATTACKER_PROMPT = (
 SHORTCUTS = {
     **common.SHORTCUTS,
     "manual_dir": "task.manual_dir",
-    "searchers": "search.num_searchers",
 }
 
 # The `tiny` variant both setups share: the same code path on a CPU in seconds, a random
