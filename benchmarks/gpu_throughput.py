@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax import device_trace, learner, roofline, run_totals, train_reward_model
+from tba_jax import cli, device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import init_model, preset
+from tba_jax.models import PRESETS, init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -45,6 +45,24 @@ from tba_jax.sampling.scoring import make_score_fn
 TEMPERATURE = 0.7
 BETA = 0.05  # the TB loss's β, held constant
 LEARNING_RATE = 1e-6
+PROGRAMS = ("decode", "score", "train")  # what --skip may leave out
+# The integer flags' smallest values (None: unset allowed where the default is None).
+MINIMUMS = {
+    "batch": 1,
+    "prompt": 1,
+    "new": 1,
+    "train_prompts": 1,
+    "train_k": 1,
+    "microbatches": 1,
+    "repeats": 1,
+    "score_rows_per_chunk": 0,
+    "layers": 1,
+    "logprob_chunk": 0,
+    "decode_segments": 1,
+    "pairs": 0,
+    "vocab": 2,
+    "profile": 0,
+}
 
 
 def timed(fn, repeats: int) -> tuple[float, list[float]]:
@@ -77,6 +95,11 @@ def profile(name: str, fn, top: int) -> None:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(fn())
         summary = device_trace.kernel_summary(trace_dir, top)
+    if not summary["kernels"]:
+        summary["note"] = (
+            f"the trace has no device kernels (JAX's platform here is {jax.default_backend()}, "
+            "whose trace has no device plane): profile on a GPU"
+        )
     print(json.dumps({"bench": f"{name}_profile", **summary}), flush=True)
 
 
@@ -116,7 +139,10 @@ def main() -> None:
         "--profile", type=int, default=0, help="> 0: also trace one run, print its N top ops"
     )
     args = parser.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
+    try:
+        skip = checked_skip(args)
+    except cli.UsageError as error:
+        cli.exit_with_error(str(error))
 
     print(json.dumps({"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}))
     rng = np.random.default_rng(0)
@@ -210,6 +236,47 @@ def main() -> None:
     if args.pairs:
         mixed = preset(args.shape, dtype=args.dtype, param_dtype="float32", **sizes, **execution)
         measure_reward_model_step(args, train_reward_model.scalar_score_config(mixed), rng)
+
+
+def checked_skip(args) -> set[str]:
+    """The programs --skip leaves out; UsageError, before any work, for an unknown one, an
+    integer flag below its minimum, a --shape that is no preset or has no vocabulary
+    without --vocab, knobs the model refuses, and cuDNN's attention without a GPU."""
+    skip = set(filter(None, args.skip.split(",")))
+    unknown = sorted(skip - set(PROGRAMS))
+    if unknown:
+        raise cli.UsageError(f"--skip={args.skip} names {unknown}; choose from {list(PROGRAMS)}.")
+    for name, minimum in MINIMUMS.items():
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise cli.UsageError(f"--{name}={value} must be >= {minimum}.")
+    if args.shape not in PRESETS:
+        raise cli.UsageError(f"--shape={args.shape}: choose one of {sorted(PRESETS)}.")
+    if args.vocab is None and "vocab_size" not in PRESETS[args.shape]:
+        raise cli.UsageError(
+            f"--shape={args.shape} is a preset without a vocabulary size; pass --vocab=N "
+            "(e.g. --vocab=32000)."
+        )
+    try:
+        preset(
+            args.shape,
+            dtype=args.dtype,
+            vocab_size=args.vocab,
+            num_layers=args.layers,
+            scan_layers=args.scan_layers or args.scan_decode,
+            scan_decode=args.scan_decode,
+            remat=args.remat,
+            attention=args.attention,
+            logprob_chunk=args.logprob_chunk,
+        )
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from error
+    if args.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise cli.UsageError(
+            f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
+            f"{jax.default_backend()}; pass another --attention (dot_product, einsum)."
+        )
+    return skip
 
 
 def new_train_state(mixed):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 from support import run_repo_script
 
@@ -50,6 +51,7 @@ def test_micro_run_prints_decode_score_and_learner_lines():
         "train_step_profile",
     }
     assert lines["decode_profile"]["kernels"] == 0  # a CPU trace has no device plane
+    assert lines["decode_profile"]["note"].endswith("profile on a GPU")  # ...and it says so
     publish = lines["publish"]
     assert publish["share_of_step_percent"] > 0 and publish["step_with_publish_ms"] > 0
     decode = lines["decode"]
@@ -77,3 +79,40 @@ def test_micro_run_prints_decode_score_and_learner_lines():
     assert scored["flops_per_token"] == pytest.approx(roofline.train_flops_per_token(scorer, 8))
     assert scored["flops_per_token"] < train["flops_per_token"]  # no vocabulary projection
     assert scored["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (
+            ["--skip=foo"],
+            "error: --skip=foo names ['foo']; choose from ['decode', 'score', 'train'].",
+        ),
+        (["--shape=qwen3"], "error: --shape=qwen3: choose one of ['gpt2',"),
+        (["--shape=small"], "error: --shape=small is a preset without a vocabulary size; pass"),
+        (["--shape=tiny"], "error: --shape=tiny is a preset without a vocabulary size; pass"),
+        (["--batch=0"], "error: --batch=0 must be >= 1."),
+        (["--logprob_chunk=-2"], "error: --logprob_chunk=-2 must be >= 0."),
+        (["--profile=-1"], "error: --profile=-1 must be >= 0."),
+        (
+            ["--attention=cudnn", "--dtype=float32"],
+            "error: model.attention='cudnn' needs a half-precision compute dtype",
+        ),
+    ],
+)
+def test_a_bad_flag_is_one_error_line_before_any_work(flags, problem):
+    done = run_repo_script("benchmarks/gpu_throughput.py", *flags, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[0].startswith(problem), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
+
+
+def test_cudnn_attention_off_a_gpu_is_one_error_line():
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU runs the cuDNN kernel")
+    done = run_repo_script("benchmarks/gpu_throughput.py", "--attention=cudnn", timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"error: --attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
+        f"{jax.default_backend()}; pass another --attention (dot_product, einsum)."
+    ]
