@@ -16,20 +16,39 @@ diversity_all, diversity_toxic, mean_toxic_logprob and num_attacks next to the t
 summary's wall_seconds, rl_seconds, samples_per_second, learner_steps and mean/max
 policy lag; the same table is printed as markdown. The TBA paper sweeps the number of
 searchers this way (more searchers: more attacks explored per learner step).
+
+Rerunning in the same root goes on where the sweep stopped: finished runs are read back,
+and the file keeps the rows of earlier calls (a count run again replaces its row), so a
+rerun with fewer counts, or one that fails, loses none. SIGTERM or Ctrl-C stops the sweep
+at its next safe point: a run being trained saves and stops, an evaluation being made is
+passed the signal and waited for; the rows so far are written and the sweep exits
+128 + the signal, like train.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from absl import flags, logging
 from ml_collections import config_flags
 
 from tba_jax import cli
-from tba_jax.checkpoint import CheckpointMismatchError
+from tba_jax.checkpoint import (
+    STOP_SIGNALS,
+    CheckpointMismatchError,
+    StopSignal,
+    WorkdirInUseError,
+    install_stop_handlers,
+)
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
 from tba_jax.train import train_and_evaluate
@@ -60,6 +79,9 @@ TABLE_COLUMNS = (
     "wall_seconds",
     "samples_per_second",
 )
+EVALUATE_POLL_S = 0.2  # how often a stop is looked for while experiments/evaluate.py runs
+# A run's advice names train.py's flag; the sweep's is --workdir_root.
+WORKDIR_FLAG = re.compile(r"--workdir\b(?!_)")
 
 
 def parse_counts(values: list[str]) -> list[int]:
@@ -89,20 +111,42 @@ def run_workdir(workdir_root: str, num_searchers: int) -> str:
     return os.path.join(workdir_root, f"searchers_{num_searchers}")
 
 
-def evaluate_in_subprocess(workdir: str, eval_flags: list[str]) -> dict:
+def evaluate_in_subprocess(
+    workdir: str, eval_flags: list[str], stop_signal: StopSignal | None = None
+) -> dict:
     """Runs experiments/evaluate.py on `workdir` in a fresh process; returns the result it
     wrote (the file its last stdout line names: with `eval_flags` other than the defaults
-    that is `evals/step_<step>_<id>.json`, not eval.json)."""
+    that is `evals/step_<step>_<id>.json`, not eval.json). When `stop_signal` is requested
+    meanwhile, the child is sent the signal that asked (SIGTERM when none did) and waited
+    for; if it ends without a result, RunStopped."""
     command = [sys.executable, EVALUATE_SCRIPT, f"--workdir={workdir}", *eval_flags]
     paths = [REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    forwarded = False
+    try:
+        while True:
+            try:
+                stdout, stderr = child.communicate(timeout=EVALUATE_POLL_S)
+                break
+            except subprocess.TimeoutExpired:  # retrying loses no output
+                if stop_signal is not None and stop_signal.requested and not forwarded:
+                    child.send_signal(stop_signal.signum or signal.SIGTERM)
+                    forwarded = True
+    except BaseException:  # e.g. a second Ctrl-C: the child is not left running
+        child.kill()
+        child.wait()
+        raise
+    if child.returncode != 0:
+        if stop_signal is not None and stop_signal.requested:
+            raise stop_signal.stopped()
         raise RuntimeError(
-            f"experiments/evaluate.py failed on {workdir} (exit {result.returncode}):\n"
-            f"{result.stderr[-3000:]}"
+            f"experiments/evaluate.py failed on {workdir} (exit {child.returncode}):\n"
+            f"{stderr[-3000:]}"
         )
-    written = json.loads(result.stdout.strip().splitlines()[-1])["files"][0]
+    written = json.loads(stdout.strip().splitlines()[-1])["files"][0]
     with open(written) as f:
         return json.load(f)
 
@@ -130,28 +174,133 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def held_rows(sweep_path: str, config) -> dict[int, dict]:
+    """The rows an earlier call wrote to `sweep_path`, by searcher count: kept when this
+    call runs fewer counts or fails ({} when there is no file, it is unreadable, or it is a
+    sweep of another config, whose rows would not belong in this one's table)."""
+    try:
+        with open(sweep_path) as f:
+            held = json.load(f)
+        if held.get("config_name") != config.name:
+            return {}
+        return {int(row["num_searchers"]): row for row in held["runs"]}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        logging.warning("%s is unreadable (%s); writing it anew.", sweep_path, error)
+        return {}
+
+
+@contextlib.contextmanager
+def stopping_on_signals(stop_signal: StopSignal) -> Iterator[Callable[[], Any]]:
+    """SIGTERM and Ctrl-C request `stop_signal` while the block runs (main thread only),
+    then the handlers before it are back. Yields `paused()`, a context in which the
+    handlers before are back: around a run's training, which installs its own (and until
+    it does, a stop ends the process as it would end train.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield contextlib.nullcontext
+        return
+    restore = install_stop_handlers(stop_signal)
+
+    @contextlib.contextmanager
+    def paused() -> Iterator[None]:
+        nonlocal restore
+        restore()
+        try:
+            yield
+        finally:
+            restore = install_stop_handlers(stop_signal)
+
+    try:
+        yield paused
+    finally:
+        restore()
+
+
+@contextlib.contextmanager
+def stop_signals_noted() -> Iterator[Callable[[], int | None]]:
+    """Notes every SIGTERM and Ctrl-C the process gets while the block runs, whoever handles
+    it (Python's wakeup fd). Yields a function that returns the last such signal since it
+    was last called (None: none): a run whose training returns normally after one got it
+    too late to stop (after its last safe point), and the sweep stops instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def last_stop_signal() -> int | None:
+        last = None
+        while True:
+            try:
+                received = os.read(read_end, 512)
+            except BlockingIOError:
+                return last
+            for signum in received:
+                if signum in STOP_SIGNALS:
+                    last = signum
+
+    try:
+        yield last_stop_signal
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+
+
+def train_in_sweep(config, workdir: str) -> dict:
+    """`train_and_evaluate`, with the advice of a refused workdir naming the sweep's flag."""
+    try:
+        return train_and_evaluate(config, workdir)  # RunStopped on SIGTERM
+    except (CheckpointMismatchError, WorkdirInUseError) as error:
+        raise type(error)(WORKDIR_FLAG.sub("--workdir_root", str(error))) from None
+
+
 def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str]) -> dict:
-    """Trains and evaluates `config` once per searcher count; writes and returns the sweep."""
+    """Trains and evaluates `config` once per searcher count; writes and returns the sweep
+    (with the rows earlier calls wrote in `workdir_root` for other counts). SIGTERM or
+    Ctrl-C: RunStopped once the run being trained is saved or the evaluation being made
+    has ended, with the rows so far written."""
     check_sweepable(config)
     os.makedirs(workdir_root, exist_ok=True)
-    rows = []
-    try:
-        for num_searchers in counts:
-            run_config = config.copy_and_resolve_references()
-            run_config.search.num_searchers = num_searchers
-            workdir = run_workdir(workdir_root, num_searchers)
-            logging.info("Sweep: training with %d searcher(s) in %s.", num_searchers, workdir)
-            summary = train_and_evaluate(run_config, workdir)  # RunStopped on SIGTERM
-            metrics = evaluate_in_subprocess(workdir, eval_flags)
-            rows.append(sweep_row(num_searchers, workdir, summary, metrics))
-    finally:  # stopped: the run's checkpoint is saved, and the sweep so far is written
-        sweep = {
+    sweep_path = os.path.join(workdir_root, SWEEP_FILENAME)
+    rows = held_rows(sweep_path, config)
+
+    def sweep_so_far() -> dict:
+        return {
             "config_name": config.name,
             "variant": config.get("variant", ""),
-            "runs": rows,
+            "runs": [rows[n] for n in sorted(rows)],
         }
-        write_json_atomically(os.path.join(workdir_root, SWEEP_FILENAME), sweep)
-    return sweep
+
+    stop_signal = StopSignal()
+    try:
+        with (
+            stop_signals_noted() as last_stop_signal,
+            stopping_on_signals(stop_signal) as handlers_paused,
+        ):
+            for num_searchers in counts:
+                stop_signal.raise_if_requested()  # a stop between runs
+                run_config = config.copy_and_resolve_references()
+                run_config.search.num_searchers = num_searchers
+                workdir = run_workdir(workdir_root, num_searchers)
+                logging.info("Sweep: training with %d searcher(s) in %s.", num_searchers, workdir)
+                last_stop_signal()  # the ones so far were the sweep's own to handle
+                with handlers_paused():  # the run's own stop handling
+                    summary = train_in_sweep(run_config, workdir)
+                missed = last_stop_signal()  # one the run got after its last safe point
+                if missed is not None:
+                    stop_signal.request(STOP_SIGNALS[missed], missed)
+                stop_signal.raise_if_requested()  # trained: evaluated on the rerun
+                metrics = evaluate_in_subprocess(workdir, eval_flags, stop_signal)
+                rows[num_searchers] = sweep_row(num_searchers, workdir, summary, metrics)
+                write_json_atomically(sweep_path, sweep_so_far())  # as each run ends
+    finally:  # stopped or failed: the rows so far are written, and none of the file's lost
+        if not os.path.exists(sweep_path):
+            write_json_atomically(sweep_path, sweep_so_far())
+    return sweep_so_far()
 
 
 def define_flags() -> None:
