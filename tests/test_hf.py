@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import shutil
+import stat
 import subprocess
 import sys
 import zlib
@@ -331,6 +332,9 @@ def test_export_loads_in_transformers_with_same_logits(
     assert os.path.exists(os.path.join(out, hf.INDEX_FILENAME)) == sharded
     weight_files = sum(name.endswith(".safetensors") for name in files)
     assert weight_files > 1 if sharded else weight_files == 1
+    # every file readable as the user's umask makes new files (not safetensors' own 0600)
+    modes = {stat.S_IMODE(os.stat(path).st_mode) for path in files}
+    assert modes == {stat.S_IMODE(os.stat(os.path.join(out, "config.json")).st_mode)}
 
     # Tensor for tensor what transformers itself wrote: names, shapes, dtypes, values.
     original, exported = stored_tensors(ckpt.path), stored_tensors(out)

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -260,8 +261,13 @@ def save_hf(
         }
         written.append(_write_json(os.path.join(out_dir, INDEX_FILENAME), index))
     hf_config = {**config_to_hf(model_cfg, dtype=name), **(hf_config_overrides or {})}
-    written.append(_write_json(os.path.join(out_dir, CONFIG_FILENAME), hf_config))
-    return written
+    config_path = _write_json(os.path.join(out_dir, CONFIG_FILENAME), hf_config)
+    # safetensors writes through a private temporary file (mode 0600): the weights get the
+    # mode a new file gets under the user's umask, as config.json has
+    mode = stat.S_IMODE(os.stat(config_path).st_mode)
+    for filename in filenames:
+        os.chmod(os.path.join(out_dir, filename), mode)
+    return [*written, config_path]
 
 
 def _write_json(path: str, value: Any) -> str:
