@@ -80,8 +80,10 @@ TABLE_COLUMNS = (
     "samples_per_second",
 )
 EVALUATE_POLL_S = 0.2  # how often a stop is looked for while experiments/evaluate.py runs
-# A run's advice names train.py's flag; the sweep's is --workdir_root.
-WORKDIR_FLAG = re.compile(r"--workdir\b(?!_)")
+# A refused run's message names train.py's flag (its advice, "pass another --workdir",
+# and "--workdir=<the run's>"); the sweep's is --workdir_root.
+WORKDIR_ADVICE = re.compile(r"another --workdir\b(?!_)")
+WORKDIR_NAMED = re.compile(r"--workdir=")
 
 
 def parse_counts(values: list[str]) -> list[int]:
@@ -255,7 +257,8 @@ def train_in_sweep(config, workdir: str) -> dict:
     try:
         return train_and_evaluate(config, workdir)  # RunStopped on SIGTERM
     except (CheckpointMismatchError, WorkdirInUseError) as error:
-        raise type(error)(WORKDIR_FLAG.sub("--workdir_root", str(error))) from None
+        message = WORKDIR_ADVICE.sub("another --workdir_root", str(error))
+        raise type(error)(WORKDIR_NAMED.sub("workdir ", message)) from None
 
 
 def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str]) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from configs import redteam_gpt2
 from experiments import sweep_searchers
 from tba_jax import checkpoint
-from tba_jax.checkpoint import CheckpointMismatchError, RunStopped
+from tba_jax.checkpoint import CheckpointMismatchError, RunStopped, WorkdirInUseError
 
 CHILD_WAIT_S = 10  # how long the stand-in evaluation waits for a signal before failing
 
@@ -125,6 +125,17 @@ def test_a_workdir_of_another_experiment_is_refused_with_the_sweeps_flag(
     assert "pass another --workdir_root or delete" in str(refused.value)
     assert "--workdir " not in str(refused.value)
     assert written_runs(tmp_path) == [(1, 1.0)]
+
+    runs.fail_on[2] = WorkdirInUseError(  # what checkpoint.WorkdirLock says to train.py
+        f"--workdir={directory.parent} is in use by another run on this machine (one still "
+        "training in it); wait for it to end, or pass another --workdir."
+    )
+    with pytest.raises(WorkdirInUseError) as refused:
+        sweep_searchers.run_sweep(config, str(tmp_path), [2], eval_flags=[])
+    assert str(refused.value) == (
+        f"workdir {directory.parent} is in use by another run on this machine (one still "
+        "training in it); wait for it to end, or pass another --workdir_root."
+    )
 
 
 def test_sigterm_between_runs_stops_the_sweep_with_the_rows_so_far(
