@@ -19,6 +19,10 @@ Prints one JSON line: steps, wall and RL seconds, the learner-step interval afte
 first step (`step_s`: the median of the `rl_seconds` differences, the run's pace with
 both roles busy), the training share of the time split per step, samples/s, and the peak
 device memory (`summary.json`'s `peak_device_gib`). `--keep` keeps the workdir.
+
+Where JAX has no GPU or TPU, a run of the paper's models (or of cuDNN's attention) is
+refused at once in one line; `--set=model.preset=micro,...` (the line says what) runs the
+script's path on a CPU with small models.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ import tempfile
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from tba_jax import metrics  # noqa: E402
+from tba_jax import cli, metrics  # noqa: E402
 
 TLDR_FIXTURE = os.path.join(REPO_ROOT, "tests", "data", "tldr_tiny")
 # Per run: the config (with its named variant), the overrides that stand in for a
-# checkpoint and a hub, and the attention kernel it runs with by default.
+# checkpoint and a hub, the attention kernel it runs with by default, and the keys of its
+# paper-sized models (without a `--set` of each, the run needs an accelerator).
 RUNS = {
     "gsm8k_rho1b": {
         "config": "configs/gsm8k_rho1b.py",
@@ -52,6 +57,7 @@ RUNS = {
             "replay.min_prompts": 7,  # one batch's prompts: the first step sooner
         },
         "attention": "cudnn",
+        "models": ("model.preset",),
     },
     "tldr_pythia_1b": {
         "config": "configs/tldr_pythia.py:1b",
@@ -65,6 +71,7 @@ RUNS = {
             "eval.batch_size": 16,
         },
         "attention": "einsum",
+        "models": ("model.preset", "task.reward_model.preset"),
     },
 }
 
@@ -74,7 +81,7 @@ def run_overrides(run: dict, args: argparse.Namespace) -> dict:
     overrides = dict(run["overrides"])
     if args.run == "gsm8k_rho1b":
         if not args.gsm8k_dir:
-            raise SystemExit("--run=gsm8k_rho1b needs --gsm8k_dir (train.jsonl, test.jsonl).")
+            raise cli.UsageError("--run=gsm8k_rho1b needs --gsm8k_dir (train.jsonl, test.jsonl).")
         overrides["task.manual_dir"] = os.path.abspath(args.gsm8k_dir)
     overrides.update(
         {
@@ -95,6 +102,45 @@ def variant_string(run: dict, overrides: dict) -> str:
     items = ",".join(f"{key}={value}" for key, value in overrides.items())
     config = run["config"]
     return f"{config},{items}" if ":" in config else f"{config}:{items}"
+
+
+def jax_backend(env: dict) -> str | None:
+    """JAX's platform ("cpu", "gpu", "tpu") as train.py will see it, asked of a short-lived
+    process, so that this one holds no accelerator memory beside the run; None if unknown."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+        env={**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = probe.stdout.split()
+    return lines[-1] if probe.returncode == 0 and lines else None
+
+
+def check_accelerator(run: dict, args: argparse.Namespace, overrides: dict, env: dict) -> None:
+    """UsageError where JAX has no GPU or TPU for a run of the paper's models (a
+    `run["models"]` key `--set` leaves as it is: at full size they do not fit a CPU
+    machine's memory, and the kernel stopped train.py with a bare -9) or of cuDNN's
+    attention (GSM8K's default)."""
+    given = {item.partition("=")[0] for item in args.set.split(",") if item}
+    paper_models = not all(key in given for key in run["models"])
+    cudnn = overrides["model.attention"] == "cudnn"
+    if not (paper_models or cudnn) or jax_backend(env) != "cpu":
+        return
+    attention = " --attention=dot_product" if cudnn else ""
+    if paper_models:
+        small = ",".join(["model.preset=micro", "model.vocab_size=512"])
+        small += "".join(f",{key}=micro" for key in run["models"] if key != "model.preset")
+        raise cli.UsageError(
+            f"--run={args.run} trains the paper's models and needs a GPU or TPU, and JAX's "
+            "platform here is cpu; run it on an accelerator (or, to try the script on a CPU, "
+            f"small models: --set={small}{attention})."
+        )
+    raise cli.UsageError(
+        "--attention=cudnn (this run's default unless --attention is given) needs a GPU with "
+        f"cuDNN, and JAX's platform here is cpu; pass{attention}."
+    )
 
 
 def step_seconds(workdir: str) -> float | None:
@@ -118,10 +164,14 @@ def main() -> None:
     args = parser.parse_args()
 
     run = RUNS[args.run]
-    overrides = run_overrides(run, args)
+    env = dict(os.environ)
+    try:
+        overrides = run_overrides(run, args)
+        check_accelerator(run, args, overrides, env)
+    except cli.UsageError as error:
+        cli.exit_with_error(str(error))
     config = variant_string(run, overrides)
     workdir = args.workdir or tempfile.mkdtemp(prefix=f"{args.run}_")
-    env = dict(os.environ)
     if overrides["model.attention"] == "cudnn":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     command = [

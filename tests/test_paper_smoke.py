@@ -12,6 +12,7 @@ import pytest
 from support import REPO_ROOT, run_repo_script
 
 from configs import gsm8k_rho1b, tldr_pythia
+from tba_jax import cli
 
 
 def load_script():
@@ -43,7 +44,7 @@ def test_the_variants_build_the_paper_configs_with_real_embedding_rows(tmp_path)
     assert config.task.reward_model.preset == "pythia-2.8b"
     args.run = "gsm8k_rho1b"
     args.gsm8k_dir = ""
-    with pytest.raises(SystemExit, match="needs --gsm8k_dir"):
+    with pytest.raises(cli.UsageError, match="needs --gsm8k_dir"):
         smoke.run_overrides(smoke.RUNS["gsm8k_rho1b"], args)
 
 
@@ -62,3 +63,51 @@ def test_micro_tldr_run_prints_its_step_time_and_rates():
     assert line["step_s"] > 0 and line["samples_per_s"] > 0 and line["training_s_per_step"] > 0
     assert line["peak_device_gib"] is None  # a CPU reports no device memory
     assert "model.vocab_size=512" in line["config"]
+
+
+@pytest.mark.parametrize(
+    "args, small",
+    [
+        (["--run=tldr_pythia_1b"], "model.preset=micro,model.vocab_size=512,task.reward_model"),
+        (["--run=tldr_pythia_1b", "--set=model.preset=micro"], "model.preset=micro,"),
+        (
+            ["--run=gsm8k_rho1b", "--gsm8k_dir=."],
+            "model.preset=micro,model.vocab_size=512 --attention=dot_product).",
+        ),
+    ],
+)
+def test_paper_models_on_a_cpu_are_refused_at_once(args, small, tmp_path):
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("an accelerator runs the paper's models")
+    done = run_repo_script("benchmarks/paper_smoke.py", *args, f"--workdir={tmp_path}", timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {args[0]} trains the paper's models and needs a GPU or TPU")
+    assert f"--set={small}" in line
+    assert not any(tmp_path.iterdir())  # train.py never started
+
+
+def test_cudnn_attention_on_a_cpu_is_refused_at_once(tmp_path):
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("an accelerator may have cuDNN")
+    small = "--set=model.preset=micro,model.vocab_size=512"
+    args = ["--run=gsm8k_rho1b", "--gsm8k_dir=.", small, f"--workdir={tmp_path}"]
+    done = run_repo_script("benchmarks/paper_smoke.py", *args, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: --attention=cudnn (this run's default unless --attention is given) needs a GPU "
+        "with cuDNN, and JAX's platform here is cpu; pass --attention=dot_product."
+    ]
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_gsm8k_run_without_its_folder_is_one_error_line():
+    done = run_repo_script("benchmarks/paper_smoke.py", "--run=gsm8k_rho1b", timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: --run=gsm8k_rho1b needs --gsm8k_dir (train.jsonl, test.jsonl)."
+    ]
