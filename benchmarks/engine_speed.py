@@ -50,9 +50,12 @@ alone would give.
 Reading the split: the batch worker blocks on generation, then scores, so its two figures
 are device time. The fused worker's π_ref scoring runs on the device behind the decode
 chunks, so its device time shows in "generating" (waits on the next chunk) and its
-"scoring" is host time only. Scoring costs the same in both paths (every sample is scored
-at the full `--max_new_tokens` width), so it bounds the speed-up where the device cannot
-run it alongside decoding, as on a CPU, whose cores do both.
+"scoring" is host time only. The batch path scores every sample at the full
+`--max_new_tokens` width, the fused path each group at the smallest of four length buckets
+that holds it (`search.score_length_buckets`' default, none under `--bucket_min_tokens`);
+what scoring is left bounds
+the speed-up where the device cannot run it alongside decoding, as on a CPU, whose cores
+do both.
 
 The last stdout line is JSON: {"benchmark": "engine_speed", "mixes": {mix: {"batch": {...},
 "fused": {...}, "fused_over_batch", ...}}, then the settings and the device}. Run it on a
