@@ -167,10 +167,20 @@ def _summarise_differences(held: Any, asked: Any) -> str:
     return shown + (f"; and {hidden} more" if hidden > 0 else "")
 
 
+def _step_directories(directory: epath.Path) -> list[epath.Path]:
+    """The saved steps in a checkpoints folder (`<step>` and orbax's temporary
+    `<step>.orbax-checkpoint-tmp-*`); [] when it does not exist."""
+    if not directory.exists():
+        return []
+    return [
+        child
+        for child in directory.iterdir()
+        if child.is_dir() and child.name.split(".")[0].isdigit()
+    ]
+
+
 def _holds_step_directories(directory: epath.Path) -> bool:
-    return directory.exists() and any(
-        child.is_dir() and child.name.split(".")[0].isdigit() for child in directory.iterdir()
-    )
+    return bool(_step_directories(directory))
 
 
 def _held_experiment(workdir: str, experiment_path: epath.Path) -> Any:
@@ -318,11 +328,14 @@ def remove_saved_steps(workdir: str) -> None:
     """Removes every saved step of the workdir's checkpoints and keeps `experiment.json`,
     which later runs in the workdir are still checked against (a run whose result is
     exported elsewhere, such as a reward model's folder)."""
-    directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
-    if directory.exists():
-        for child in directory.iterdir():
-            if child.is_dir():
-                shutil.rmtree(child)
+    for step in _step_directories(epath.Path(workdir) / CHECKPOINTS_SUBDIR):
+        shutil.rmtree(step)
+
+
+def holds_saved_steps(workdir: str) -> bool:
+    """Whether the workdir's checkpoints folder holds a saved step (what
+    `remove_saved_steps` removes)."""
+    return _holds_step_directories(epath.Path(workdir) / CHECKPOINTS_SUBDIR)
 
 
 # --------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from tba_jax.checkpoint import (
     Checkpointer,
     WorkdirLock,
     check_experiment,
+    holds_saved_steps,
     make_workdir,
     newest_restorable,
     remove_saved_steps,
@@ -445,13 +446,11 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def finished_summary(workdir: str) -> dict | None:
     """The summary of a reward model this workdir finished training (its folder written,
     its steps removed, its experiment.json kept), else None."""
-    directory = os.path.join(workdir, CHECKPOINTS_SUBDIR)
     summary_path = os.path.join(workdir, SUMMARY_FILENAME)
-    if not os.path.exists(summary_path) or not os.path.exists(
-        os.path.join(directory, EXPERIMENT_FILENAME)
-    ):
+    experiment_path = os.path.join(workdir, CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME)
+    if not os.path.exists(summary_path) or not os.path.exists(experiment_path):
         return None
-    if any(os.path.isdir(os.path.join(directory, name)) for name in os.listdir(directory)):
+    if holds_saved_steps(workdir):
         return None  # a step left: the run stopped between its summary and its clean-up
     with open(summary_path) as f:
         return json.load(f)
