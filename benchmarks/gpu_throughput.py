@@ -37,7 +37,7 @@ import numpy as np
 
 from tba_jax import cli, device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import PRESETS, init_model, preset
+from tba_jax.models import init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -250,13 +250,7 @@ def checked_skip(args) -> set[str]:
         value = getattr(args, name)
         if value is not None and value < minimum:
             raise cli.UsageError(f"--{name}={value} must be >= {minimum}.")
-    if args.shape not in PRESETS:
-        raise cli.UsageError(f"--shape={args.shape}: choose one of {sorted(PRESETS)}.")
-    if args.vocab is None and "vocab_size" not in PRESETS[args.shape]:
-        raise cli.UsageError(
-            f"--shape={args.shape} is a preset without a vocabulary size; pass --vocab=N "
-            "(e.g. --vocab=32000)."
-        )
+    cli.check_preset_flags(args.shape, args.vocab)
     try:
         preset(
             args.shape,

@@ -66,7 +66,7 @@ from absl import flags
 
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import PRESETS, abstract_model, preset
+from tba_jax.models import abstract_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
@@ -139,13 +139,7 @@ def check_model() -> None:
     """UsageError, before anything is compiled, for a --shape that is no preset or has no
     vocabulary size without --vocab, for knobs the model refuses (e.g. cuDNN's attention
     in float32), and for cuDNN's attention on this machine's backend without a GPU."""
-    if _SHAPE.value not in PRESETS:
-        raise cli.UsageError(f"--shape={_SHAPE.value}: choose one of {sorted(PRESETS)}.")
-    if _VOCAB.value is None and "vocab_size" not in PRESETS[_SHAPE.value]:
-        raise cli.UsageError(
-            f"--shape={_SHAPE.value} is a preset without a vocabulary size; pass --vocab=N "
-            "(e.g. --vocab=32000)."
-        )
+    cli.check_preset_flags(_SHAPE.value, _VOCAB.value)
     try:
         model_config(_DTYPE.value)
     except ValueError as error:

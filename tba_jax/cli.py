@@ -41,6 +41,7 @@ import tba_jax
 from tba_jax import config_keys, distributed
 from tba_jax.checkpoint import SIGNAL_EXIT_BASE, RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
+from tba_jax.models import PRESETS
 
 ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
@@ -162,16 +163,28 @@ def flag_error_message(error: flags.Error) -> str:
 def override_hint(error: flags.Error) -> str:
     """For `--config.a.b=v` given without `--config` (which a tool reading a run's own
     config.json leaves optional): that an override needs the config file named."""
-    name = (
-        getattr(error, "flagname", None) if isinstance(error, flags.UnrecognizedFlagError) else None
-    )
-    for config_flag in config_flag_names() if name else ():
+    if not isinstance(error, flags.UnrecognizedFlagError):
+        return ""
+    name = error.flagname
+    for config_flag in config_flag_names():
         if name.startswith(config_flag + "."):
             return (
                 f"; --{config_flag}.* overrides change a config file's keys, so name the file "
                 f"too (--{config_flag}=configs/<file>.py[:variant] --{name}=...)"
             )
     return ""
+
+
+def check_preset_flags(shape: str, vocab: int | None) -> None:
+    """UsageError for a benchmark's `--shape` that is no model preset, or a preset without
+    a vocabulary size given no `--vocab`."""
+    if shape not in PRESETS:
+        raise UsageError(f"--shape={shape}: choose one of {sorted(PRESETS)}.")
+    if vocab is None and "vocab_size" not in PRESETS[shape]:
+        raise UsageError(
+            f"--shape={shape} is a preset without a vocabulary size; pass --vocab=N "
+            "(e.g. --vocab=32000)."
+        )
 
 
 def config_flag_names() -> list[str]:
