@@ -14,6 +14,8 @@ Running again on the same workdir resumes from its latest checkpoint. `--print_c
 lists every key of the resolved config (change one with `--config.<key>=<value>`).
 """
 
+import sys
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -45,6 +47,7 @@ def main(argv):
         distributed.initialize_from_flags()
     except ValueError as error:
         raise cli.UsageError(str(error)) from None
+    cli.note_unread_keys(sys.argv, _CONFIG.name)
     train_and_evaluate(_CONFIG.value, workdir)
 
 

@@ -8,6 +8,9 @@
 - `parse_flags(argv)`: a `--config` file that does not exist, a misspelt `--config.a.b=v`
   key (the nearest key is named) and a `ConfigError` raised by the config file each end in
   one line.
+- `note_unread_keys(argv)`: a warning for each key the command line changed that the run
+  does not read (`loss.grpo.*` with method=tb, a slot-engine knob with the batch engine,
+  an async knob with mode=sync), which would otherwise change nothing without a word.
 - `define_print_config_flag()` / `print_config(config)`: `--print_config` prints every key
   of the resolved config (after the `:variant` and `--config.x=y` overrides) and exits.
 - `check_output_dir(path, flag_name)`: a folder a launcher will write can be made there;
@@ -32,13 +35,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import jax
 import ml_collections
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections.config_flags.config_flags import is_config_flag  # public, not re-exported
 
 import tba_jax
-from tba_jax import config_keys, distributed
+from tba_jax import config_keys, config_lib, distributed
 from tba_jax.checkpoint import SIGNAL_EXIT_BASE, RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.models import PRESETS
@@ -238,6 +242,44 @@ def unknown_override_message(argv: Sequence[str]) -> str | None:
             if not config_keys.has_key(config, key):
                 return config_keys.unknown_key_message(config, key)
     return None
+
+
+def changed_keys(
+    argv: Sequence[str], name: str, flag_values: flags.FlagValues = flags.FLAGS
+) -> list[str]:
+    """The keys of the `--name` config whose value the command line changed: by a
+    `--name.a.b=v` override or by a `key=value` item of its `:variant` (shortcuts such as
+    `k=4` included). A named variant's settings (`tiny`, `smoke`) are the config file's
+    own and are not counted."""
+    argument = flag_argument(argv, name)
+    if argument is None:
+        return []
+    path, _, variant = argument.partition(":")
+    named, _ = config_lib.parse_variant(variant)
+    config_flag = flag_values[name]
+    baseline = config_flag.parser.parse(f"{path}:{','.join(named)}" if named else path)
+    before = dict(config_keys.leaf_items(baseline))
+    return [
+        key
+        for key, value in config_keys.leaf_items(config_flag.value)
+        if key != "variant" and (key not in before or before[key] != value)
+    ]
+
+
+def note_unread_keys(
+    argv: Sequence[str], name: str = "config", flag_values: flags.FlagValues = flags.FLAGS
+) -> None:
+    """A warning (from process 0) for each key the command line changed that the run does
+    not read (`config_lib.unread_key_reason`): another method's options, the slot engine's
+    knobs with the batch engine, an async knob in a sync run."""
+    if distributed.is_initialized() and jax.process_index() != 0:
+        return
+    config = flag_values[name].value
+    for key in changed_keys(argv, name, flag_values):
+        reason = config_lib.unread_key_reason(config, key)
+        if reason:
+            value = config_keys.lookup(config, key)[1]
+            absl_logging.warning("%s=%r changes nothing in this run: %s.", key, value, reason)
 
 
 # --------------------------------------------------------------------------------------

@@ -510,6 +510,51 @@ def check_length_buckets(config: ml_collections.ConfigDict) -> None:
             )
 
 
+# The keys only one setting reads: the slot engine's knobs (the batch engine reads none),
+# and what only an async run reads (a sync run generates K samples per prompt, learns
+# from each batch once, and publishes after every step).
+SLOT_ENGINE_KEYS = (
+    "search.slots",
+    "search.chunk_steps",
+    "search.tail_chunk_steps",
+    "search.prefill_prompts",
+    "search.refill_free",
+    "search.prefill_buckets",
+    "search.compact_below",
+    "search.min_width",
+    "search.compact_min_steps",
+    "search.score_rows",
+    "search.score_length_buckets",
+    "search.bucket_min_tokens",
+    "search.in_flight_updates",
+    "eval.refill_free",
+)
+ASYNC_ONLY_KEYS = (
+    "sync_period",
+    "replay",
+    "search.prompts_per_call",
+    "batch.samples_generated_per_prompt",
+)
+
+
+def _under(key: str, section: str) -> bool:
+    return key == section or key.startswith(section + ".")
+
+
+def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None:
+    """Why the dotted `key` changes nothing in a run of `config` (another method's
+    `loss.<method>` options, the slot engine's knobs with search.engine=batch, an async
+    run's knobs with mode=sync), or None when the run reads it."""
+    for method in registered_losses():
+        if method != config.method and _under(key, f"loss.{method}"):
+            return f"only method={method} reads loss.{method}.* (this run: method={config.method})"
+    if config.search.engine != "slots" and any(_under(key, k) for k in SLOT_ENGINE_KEYS):
+        return f"only search.engine=slots reads it (this run: search.engine={config.search.engine})"
+    if config.mode != "async" and any(_under(key, k) for k in ASYNC_ONLY_KEYS):
+        return f"only mode=async reads it (this run: mode={config.mode})"
+    return None
+
+
 def samples_per_search_prompt(config: ml_collections.ConfigDict) -> int:
     """Responses generated per prompt: S in async mode, K in sync mode."""
     batch = config.batch

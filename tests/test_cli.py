@@ -15,6 +15,8 @@ import sys
 
 import ml_collections
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from configs.arithmetic import get_config
 from tba_jax import cli, config_keys
@@ -254,6 +256,44 @@ def test_a_misspelt_variant_key_is_one_line(tmp_path):
 def test_a_misspelt_variant_key_names_the_nearest_key():
     with pytest.raises(ConfigError, match=r"did you mean 'optim\.learning_rate'\?"):
         get_config("smoke,learning_rat=1")
+
+
+def test_keys_a_run_does_not_read_are_named_before_it_starts(tmp_path):
+    # a sync run given another method's option, a slot-engine knob and k (async only);
+    # then a config error, so that nothing trains
+    result = run_script(
+        "train.py",
+        f"{SMOKE},mode=sync,k=4,loss.grpo.clip_epsilon=0.1",
+        "--config.search.chunk_steps=4",
+        "--config.optim.learning_rate=3e-4",
+        "--config.batch.num_microbatches=3",
+        f"--workdir={tmp_path / 'run'}",
+    )
+    assert "does not divide into batch.num_microbatches=3" in error_line(result)
+    warnings = [line for line in result.stderr.splitlines() if "changes nothing" in line]
+    assert [line.split("] ", 1)[1] for line in warnings] == [
+        "loss.grpo.clip_epsilon=0.1 changes nothing in this run: only method=grpo reads "
+        "loss.grpo.* (this run: method=tb).",
+        "search.chunk_steps=4 changes nothing in this run: only search.engine=slots reads it "
+        "(this run: search.engine=batch).",
+        "sync_period=4 changes nothing in this run: only mode=async reads it (this run: "
+        "mode=sync).",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_changed_keys_are_the_command_lines_not_a_named_variants():
+    argv = ["prog", f"{SMOKE},k=4,method=rloo", "--config.loss.grpo.clip_epsilon=0.1"]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, sys_argv=argv)
+    flag_values(argv)
+    # smoke's own settings (steps, lengths, ...) are the config's; k is a shortcut
+    assert cli.changed_keys(argv, "config", flag_values) == [
+        "loss.grpo.clip_epsilon",
+        "method",
+        "sync_period",
+    ]
+    assert cli.changed_keys(["prog"], "config", flag_values) == []
 
 
 def test_the_workdir_is_required_unless_printing_the_config():

@@ -335,3 +335,25 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == names
+
+
+@pytest.mark.parametrize(
+    "variant, key, reason",
+    [
+        ("", "loss.grpo.clip_epsilon", "only method=grpo reads loss.grpo.* (this run: method=tb)"),
+        ("method=grpo", "loss.grpo.clip_epsilon", None),
+        ("method=ppo", "loss.vineppo.rollouts", "only method=vineppo reads"),
+        ("", "search.refill_free", "only search.engine=slots reads it"),
+        ("", "eval.refill_free", "only search.engine=slots reads it"),
+        ("search.engine=slots", "search.refill_free", None),
+        ("mode=sync", "replay.recency_prob", "only mode=async reads it (this run: mode=sync)"),
+        ("mode=sync", "sync_period", "only mode=async reads it"),
+        ("mode=sync", "batch.samples_per_prompt", None),
+        ("", "replay.recency_prob", None),
+        ("", "optim.learning_rate", None),
+        ("", "loss.beta_start", None),
+    ],
+)
+def test_unread_key_reason(variant, key, reason):
+    found = config_lib.unread_key_reason(get_config(variant), key)
+    assert found == reason if reason is None else found.startswith(reason)
