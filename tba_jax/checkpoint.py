@@ -324,6 +324,17 @@ class WorkdirLock:
         self.release()
 
 
+@contextlib.contextmanager
+def claimed_workdir(workdir: str, held: contextlib.ExitStack | None) -> Iterator[None]:
+    """Around a run's first writes (its task's data): `make_workdir`, locked by a
+    `WorkdirLock` until `held` closes (None: not locked), and removed again if the body
+    fails and this call created it (`removed_if_refused`)."""
+    with removed_if_refused(make_workdir(workdir)):
+        if held is not None:
+            held.enter_context(WorkdirLock(workdir))
+        yield
+
+
 def remove_saved_steps(workdir: str) -> None:
     """Removes every saved step of the workdir's checkpoints and keeps `experiment.json`,
     which later runs in the workdir are still checked against (a run whose result is

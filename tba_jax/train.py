@@ -58,11 +58,9 @@ from tba_jax.checkpoint import (
     Checkpointer,
     RunStopped,
     StopSignal,
-    WorkdirLock,
     check_experiment,
-    make_workdir,
+    claimed_workdir,
     newest_restorable,
-    removed_if_refused,
     restore_failure,
     set_aside,
     stop_on_signals,
@@ -339,9 +337,7 @@ def setup(
     if topology.is_searcher:
         placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
     if topology.is_primary:
-        with removed_if_refused(make_workdir(workdir)):
-            if held is not None:
-                held.enter_context(WorkdirLock(workdir))
+        with claimed_workdir(workdir, held):
             task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:

@@ -55,13 +55,11 @@ from tba_jax.checkpoint import (
     CHECKPOINTS_SUBDIR,
     EXPERIMENT_FILENAME,
     Checkpointer,
-    WorkdirLock,
     check_experiment,
+    claimed_workdir,
     holds_saved_steps,
-    make_workdir,
     newest_restorable,
     remove_saved_steps,
-    removed_if_refused,
     stop_on_signals,
 )
 from tba_jax.config_lib import ConfigError
@@ -426,8 +424,7 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
     compile_cache.use(config)
     tokenizer = rm_tokenizer(config)
     with contextlib.ExitStack() as held:  # the workdir, locked while this run is in it
-        with removed_if_refused(make_workdir(workdir)):
-            held.enter_context(WorkdirLock(workdir))
+        with claimed_workdir(workdir, held):
             summary = finished_summary(workdir)
             if summary is not None:
                 logging.info(
