@@ -226,3 +226,55 @@ def test_a_run_stopped_by_a_signal_stops_the_grid_as_a_stop(tmp_path, signum):
     with pytest.raises(RunStopped, match=signum.name) as stopped:
         run_logged(exits_as_stopped, str(tmp_path / "run.log"))
     assert stopped.value.exit_status == 128 + signum  # reproduce.py exits as the run did
+
+
+# A cell's run that stops as train.py does: at a signal it saves (for a second), then exits
+# 128 + the signal.
+SAVING_CHILD = """
+import pathlib, signal, sys, time
+asked = []
+for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda signum, frame: asked.append(signum))
+pathlib.Path(sys.argv[1]).write_text("ready")
+while not asked:
+    time.sleep(0.05)
+time.sleep(1.0)
+pathlib.Path(sys.argv[2]).write_text(str(len(asked)))
+sys.exit(128 + asked[0])
+"""
+GRID_PARENT = """
+import sys
+from tba_jax.checkpoint import RunStopped
+from tba_jax.reproduce.cells import run_logged
+try:
+    run_logged([sys.executable, "-c", sys.argv[1], *sys.argv[2:4]], sys.argv[4])
+except RunStopped as stopped:
+    sys.exit(stopped.exit_status)
+"""
+
+
+@pytest.mark.parametrize(
+    "signum, to_group",
+    [(signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["ctrl-c-in-a-terminal", "sigterm-to-the-grid"],
+)
+def test_a_stop_of_the_grid_waits_for_its_run_to_save(tmp_path, signum, to_group):
+    import subprocess
+    import time
+
+    ready, saved = tmp_path / "ready", tmp_path / "saved"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", GRID_PARENT, SAVING_CHILD, ready, saved, tmp_path / "run.log"],
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists()
+    if to_group:
+        os.killpg(parent.pid, signum)  # what a terminal's Ctrl-C does
+    else:
+        os.kill(parent.pid, signum)  # what a scheduler does
+    assert parent.wait(timeout=60) == 128 + signum
+    assert saved.read_text() == "1"  # its save finished, and it was asked once

@@ -26,7 +26,13 @@ import subprocess
 import sys
 import time
 
-from tba_jax.checkpoint import SIGNAL_EXIT_BASE, STOPPED_STATUSES, RunStopped
+from tba_jax.checkpoint import (
+    SIGNAL_EXIT_BASE,
+    STOPPED_STATUSES,
+    RunStopped,
+    StopSignal,
+    stop_on_signals,
+)
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +42,7 @@ SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its w
 EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into the run's workdir
 CONFIG_FILENAME = "config.json"  # the run's config, written when it starts
 LOG_TAIL_CHARS = 3000
+STOP_POLL_S = 0.2  # how soon a stop asked of the grid is passed on to its running cell
 # summary.json's evaluations of a metric (experiments/train.py): `<metric>_start` at
 # step 0, before any RL, and `<metric>_end` after its `learner_steps` steps
 START_SUFFIX, END_SUFFIX = "_start", "_end"
@@ -158,27 +165,53 @@ def evaluate_command(workdir: str) -> list[str]:
 def run_logged(command: list[str], log_path: str) -> float:
     """Runs `command` with its output appended to `log_path`; returns its wall seconds
     from start to exit (what /usr/bin/time reports as elapsed). RunError when it fails;
-    RunStopped when SIGTERM or Ctrl-C stopped it (it saved: the grid's rerun goes on)."""
+    RunStopped when SIGTERM or Ctrl-C stopped it: a stop asked of this process is passed
+    on and waited for while the run saves, so the grid's rerun goes on from there."""
     paths = [REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    with open(log_path, "a") as log:
+    with open(log_path, "a") as log, stop_on_signals() as stop_signal:
         start = time.perf_counter()
-        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own session: a terminal's Ctrl-C reaches this process alone, which passes the
+        # stop on once (a second SIGINT would make the child quit without saving).
+        child = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        returncode = wait_passing_on_stop(child, stop_signal)
         wall_seconds = time.perf_counter() - start
-    if result.returncode in STOPPED_STATUSES:  # SIGTERM / Ctrl-C: it saved, a rerun goes on
-        signum = result.returncode - SIGNAL_EXIT_BASE
+    if returncode in STOPPED_STATUSES:  # SIGTERM / Ctrl-C: it saved, a rerun goes on
+        signum = returncode - SIGNAL_EXIT_BASE
         raise RunStopped(
             f"a run of the grid (its log {log_path}) was stopped by {signal.Signals(signum).name}",
             signum,
         )
-    if result.returncode != 0:
+    stop_signal.raise_if_requested()  # it ended as the stop came: stop before the next one
+    if returncode != 0:
         with open(log_path) as log:
             tail = log.read()[-LOG_TAIL_CHARS:]
         raise RunError(
-            f"{' '.join(command)} failed (exit {result.returncode}); its log is {log_path}, "
+            f"{' '.join(command)} failed (exit {returncode}); its log is {log_path}, "
             f"ending:\n{tail}"
         )
     return wall_seconds
+
+
+def wait_passing_on_stop(child: subprocess.Popen, stop_signal: StopSignal) -> int:
+    """`child`'s exit status. A stop requested meanwhile (SIGTERM, Ctrl-C) is passed on to
+    it once, as the same signal, and it is waited for while it saves; a second Ctrl-C
+    (KeyboardInterrupt here) kills it."""
+    passed_on = False
+    try:
+        while True:
+            try:
+                return child.wait(timeout=STOP_POLL_S)
+            except subprocess.TimeoutExpired:
+                if stop_signal.requested and not passed_on:
+                    child.send_signal(stop_signal.signum or signal.SIGTERM)
+                    passed_on = True
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
 
 
 def is_finished(cell: Cell, workdir: str) -> bool:
