@@ -14,6 +14,11 @@ from configs.reward_model import get_config as reward_model_config
 from tba_jax import compile_cache, train, train_reward_model
 
 CACHE_HITS = "/jax/compilation_cache/cache_hits"
+SETTINGS = (  # the JAX settings compile_cache.use changes
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_compilation_cache_max_size",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -21,12 +26,7 @@ def restore_jax_cache_settings(monkeypatch):
     """Each test starts without the session's JAX_COMPILATION_CACHE_DIR (tests/conftest.py)
     and leaves JAX's cache settings as it found them."""
     monkeypatch.delenv(compile_cache.ENVIRONMENT_VARIABLE, raising=False)
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_compilation_cache_max_size",
-    )
-    before = {name: jax.config.values[name] for name in names}
+    before = {name: jax.config.values[name] for name in SETTINGS}
     yield
     for name, value in before.items():
         jax.config.update(name, value)
@@ -92,9 +92,30 @@ def test_no_folder_leaves_jax_settings_alone(tmp_path):
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "set_by_the_user"))
     config = cache_config("")
     assert compile_cache.use(config) == ""
-    del config["compile_cache"]  # a config.json saved before the key existed
+    with config.unlocked():
+        del config["compile_cache"]  # a config.json saved before the key existed
     assert compile_cache.use(config) == ""
     assert jax.config.values["jax_compilation_cache_dir"] == str(tmp_path / "set_by_the_user")
+
+
+def test_no_folder_after_a_folder_turns_the_cache_off_again(tmp_path):
+    # a notebook: a run that caches, then one with compile_cache.dir=""
+    own = {name: jax.config.values[name] for name in SETTINGS}
+    compile_cache.use(cache_config(tmp_path / "first"))
+    assert jax.config.values["jax_compilation_cache_dir"] == str(tmp_path / "first")
+    assert compile_cache.use(cache_config("")) == ""
+    assert {name: jax.config.values[name] for name in SETTINGS} == own
+    compile_a_new_program(6.5)
+    assert cache_entries(tmp_path / "first") == []
+
+
+def test_a_folder_that_cannot_be_written_after_one_that_could_caches_nothing(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    compile_cache.use(cache_config(tmp_path / "first"))
+    assert compile_cache.use(cache_config(a_file)) == ""
+    compile_a_new_program(7.25)
+    assert cache_entries(tmp_path / "first") == []
 
 
 def test_the_environment_variable_wins_over_the_config(tmp_path, monkeypatch):
