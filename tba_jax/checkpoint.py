@@ -282,7 +282,7 @@ def removed_if_refused(created: str | None) -> Iterator[None]:
     is removed if they fail, so a refused run leaves no trace."""
     try:
         yield
-    except Exception:
+    except BaseException:  # a Ctrl-C while the task's data is prepared too
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
@@ -777,7 +777,11 @@ class RunStopped(Exception):
 
     def __init__(self, reason: str, signum: int | None = None):
         super().__init__(reason)
+        self.reason = reason  # what stopped it ("Ctrl-C", "SIGTERM", ...)
         self.signum = signum
+
+    def __str__(self) -> str:  # what a notebook shows; the launchers print their own line
+        return f"{self.reason}: stopped and saved; run it again on the same workdir to go on."
 
     @property
     def exit_status(self) -> int:

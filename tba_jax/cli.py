@@ -105,7 +105,8 @@ def run(
             exit_with_error(str(error))
         except RunStopped as stopped:
             print(
-                f"{stopped}: stopped and saved; rerun the same command to go on.", file=sys.stderr
+                f"{stopped.reason}: stopped and saved; rerun the same command to go on.",
+                file=sys.stderr,
             )
             sys.exit(stopped.exit_status)
         except KeyboardInterrupt:

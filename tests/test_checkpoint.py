@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -396,8 +397,12 @@ def test_sigterm_and_ctrl_c_set_the_stop_flag_and_handlers_are_restored(signum, 
         os.kill(os.getpid(), signum)
         assert wait_for(lambda: stop.requested, SIGNAL_WAIT_SECONDS)
         assert stop.reason == reason
-        with pytest.raises(RunStopped, match=reason):
+        with pytest.raises(RunStopped, match=reason) as stopped:
             stop.raise_if_requested()
+        # what a notebook shows (the launchers print their own line from .reason)
+        assert str(stopped.value) == (
+            f"{reason}: stopped and saved; run it again on the same workdir to go on."
+        )
     finally:
         restore()
     assert {s: signal.getsignal(s) for s in previous} == previous
@@ -470,6 +475,21 @@ def test_a_pytree_round_trips(tmp_path):
     restored = restore_pytree(str(tmp_path / "tree"), tree)
     for expected, got in zip(jax.tree.leaves(tree), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(expected), np.asarray(got))
+
+
+@pytest.mark.parametrize("interruption", [ValueError, KeyboardInterrupt])
+def test_a_workdir_claimed_by_a_refused_or_interrupted_run_is_removed(tmp_path, interruption):
+    workdir = tmp_path / "new" / "run"
+    with contextlib.ExitStack() as held, pytest.raises(interruption):
+        with checkpoint.claimed_workdir(str(workdir), held):
+            (workdir / "data").mkdir()  # the task's data, half prepared
+            raise interruption()
+    assert list(tmp_path.iterdir()) == []  # the folders this run made are gone
+    (tmp_path / "kept").mkdir()
+    with contextlib.ExitStack() as held, pytest.raises(KeyboardInterrupt):
+        with checkpoint.claimed_workdir(str(tmp_path / "kept"), held):
+            raise KeyboardInterrupt()
+    assert (tmp_path / "kept").is_dir()  # one that was there stays
 
 
 def test_a_workdir_lock_refuses_a_second_holder_until_released_and_writes_nothing(tmp_path):
