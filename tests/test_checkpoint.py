@@ -480,15 +480,21 @@ def test_a_pytree_round_trips(tmp_path):
 @pytest.mark.parametrize("interruption", [ValueError, KeyboardInterrupt])
 def test_a_workdir_claimed_by_a_refused_or_interrupted_run_is_removed(tmp_path, interruption):
     workdir = tmp_path / "new" / "run"
-    with contextlib.ExitStack() as held, pytest.raises(interruption):
-        with checkpoint.claimed_workdir(str(workdir), held):
-            (workdir / "data").mkdir()  # the task's data, half prepared
-            raise interruption()
+    with (
+        contextlib.ExitStack() as held,
+        pytest.raises(interruption),
+        checkpoint.claimed_workdir(str(workdir), held),
+    ):
+        (workdir / "data").mkdir()  # the task's data, half prepared
+        raise interruption()
     assert list(tmp_path.iterdir()) == []  # the folders this run made are gone
     (tmp_path / "kept").mkdir()
-    with contextlib.ExitStack() as held, pytest.raises(KeyboardInterrupt):
-        with checkpoint.claimed_workdir(str(tmp_path / "kept"), held):
-            raise KeyboardInterrupt()
+    with (
+        contextlib.ExitStack() as held,
+        pytest.raises(KeyboardInterrupt),
+        checkpoint.claimed_workdir(str(tmp_path / "kept"), held),
+    ):
+        raise KeyboardInterrupt()
     assert (tmp_path / "kept").is_dir()  # one that was there stays
 
 
