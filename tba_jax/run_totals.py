@@ -20,6 +20,8 @@ from tba_jax.metrics import RateMeter, TimeSplit
 PER_SECOND = ("samples", "tokens")  # logged as <name>_per_second
 EXCHANGING = "exchanging"  # a learner's time inside exchanges with searcher processes
 MIN_SECONDS = 1e-9  # divides rates over an empty interval
+WALL_SECONDS = "wall_seconds"  # the run's wall-clock seconds, every segment summed
+WARM_START_SECONDS = "warm_start_seconds"  # ...of them in the warm start
 
 
 @dataclasses.dataclass
@@ -36,7 +38,7 @@ def empty_totals() -> dict:
         "samples_generated": 0,
         "tokens_generated": 0,
         "rl_seconds": 0.0,
-        "wall_seconds": 0.0,
+        WALL_SECONDS: 0.0,
         "learner_steps_trained": 0,
         "policy_lag_sum": 0.0,
         "policy_lag_count": 0,
@@ -93,7 +95,7 @@ def history_so_far(history: dict, segment: Segment) -> dict:
         "samples_generated": history["samples_generated"] + totals.get("samples", 0),
         "tokens_generated": history["tokens_generated"] + totals.get("tokens", 0),
         "rl_seconds": history["rl_seconds"] + rl_seconds,
-        "wall_seconds": history["wall_seconds"] + now - segment.started_at,
+        WALL_SECONDS: history[WALL_SECONDS] + now - segment.started_at,
         "learner_steps_trained": history["learner_steps_trained"] + segment.steps_trained,
         "policy_lag_sum": history["policy_lag_sum"] + segment.lag_sum,
         "policy_lag_count": history["policy_lag_count"] + segment.lag_count,
@@ -136,8 +138,8 @@ def run_summary(
         "learner_steps": learner_steps,
         "samples_generated": history["samples_generated"],
         "tokens_generated": history["tokens_generated"],
-        "wall_seconds": history["wall_seconds"],
-        "warm_start_seconds": history.get("warm_start_seconds", 0.0),
+        WALL_SECONDS: history[WALL_SECONDS],
+        WARM_START_SECONDS: history.get(WARM_START_SECONDS, 0.0),
         "rl_seconds": history["rl_seconds"],
         f"{key}_start": history.get(f"{key}_start"),
         f"{key}_end": score_end,

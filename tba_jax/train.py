@@ -70,6 +70,7 @@ from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_
 from tba_jax.models import Model, Params, abstract_model, init_model
 from tba_jax.models.tokenizers import tokenizer_mismatch
 from tba_jax.placement import RolePlacement
+from tba_jax.run_totals import WALL_SECONDS, WARM_START_SECONDS
 from tba_jax.sampling.engine import make_generator
 from tba_jax.trajectories import SampledBatch, collate
 from tba_jax.warmstart import (
@@ -508,15 +509,19 @@ def restore_warm_start(
     return None
 
 
-def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
+def warm_started_params(
+    run: Setup, stop_signal: StopSignal, started_at: float, earlier: dict[str, float]
+) -> Params:
     """The policy after `warm_start.steps` supervised steps, going on from a saved,
     unfinished warm start. When stopped part-way, saves the progress in
-    `workdir/warm_start/` and raises RunStopped."""
+    `workdir/warm_start/`, with the run's warm-start and wall seconds so far (`earlier`,
+    the saved ones, plus this segment's since `started_at`), and raises RunStopped."""
     config = run.config
     cfg = WarmStartConfig(**config.warm_start.to_dict())
     if cfg.steps == 0:
         return initial_policy_params(config, run.model, run.learner_shardings)
     saved = WarmStartCheckpoint(os.path.join(run.workdir, WARM_START_SUBDIR))
+    begin = time.time()
     progress = restore_warm_start(run, saved, cfg) if saved.exists() else None
     if progress is not None:
         params = progress.params
@@ -541,17 +546,24 @@ def warm_started_params(run: Setup, stop_signal: StopSignal) -> Params:
     )
     if progress.steps_done < cfg.steps:
         run.checkpointer.write_experiment()  # a rerun with another config is refused
-        saved.save(progress)
+        now = time.time()
+        seconds = {
+            WARM_START_SECONDS: earlier.get(WARM_START_SECONDS, 0.0) + now - begin,
+            WALL_SECONDS: earlier.get(WALL_SECONDS, 0.0) + now - started_at,
+        }
+        saved.save(progress, seconds)
         logging.info("Saved the warm start at step %d of %d.", progress.steps_done, cfg.steps)
         raise stop_signal.stopped()
     return progress.params
 
 
-def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
+def fresh_start(run: Setup, stop_signal: StopSignal, segment: run_totals.Segment) -> Start:
     """A new run's start: the warm-started policy (also π_ref unless `reference.hf_path`
-    is set) with a fresh optimiser. The first evaluation comes after the first save."""
+    is set) with a fresh optimiser. The first evaluation comes after the first save. The
+    history counts the segments a stop ended during the warm start."""
     begin = time.time()
-    params = warm_started_params(run, stop_signal)
+    earlier = WarmStartCheckpoint(os.path.join(run.workdir, WARM_START_SUBDIR)).seconds_so_far()
+    params = warm_started_params(run, stop_signal, segment.started_at, earlier)
     reference = reference_params(run.config, run.model, params, run.reference_shardings)
     if run.critic is None:
         state = learner.init_train_state(params, run.optimizer, run.state_sharding)
@@ -564,7 +576,11 @@ def fresh_start(run: Setup, stop_signal: StopSignal) -> Start:
             run.state_sharding,
             critic_start=runs.critic_start_params(run.config, run.task.tokenizer),
         )
-    history = {"warm_start_seconds": time.time() - begin, **run_totals.empty_totals()}
+    history = {
+        **run_totals.empty_totals(),
+        WARM_START_SECONDS: earlier.get(WARM_START_SECONDS, 0.0) + time.time() - begin,
+        WALL_SECONDS: earlier.get(WALL_SECONDS, 0.0),  # this segment's is added when saving
+    }
     return Start(state, reference, history, source_state=None)
 
 
@@ -963,7 +979,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     """The start, the loop and the final evaluation (see `train_and_evaluate`)."""
     config, workdir, topology = run.config, run.workdir, run.topology
     resuming = run.checkpointer.latest_step() is not None
-    start = resume(run) if resuming else fresh_start(run, stop_signal)
+    start = resume(run) if resuming else fresh_start(run, stop_signal, segment)
     state, reference, history = start.state, start.reference, start.history
     step = int(jax.device_get(state.step))
     source = make_batch_source(run, state, reference, segment)
@@ -1079,8 +1095,8 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     logging.info(
         "Finished %d learner steps in %.0f s (warm start %.0f s); %s %s → %.3f; %s",
         summary["learner_steps"],
-        summary["wall_seconds"],
-        summary["warm_start_seconds"],
+        summary[WALL_SECONDS],
+        summary[WARM_START_SECONDS],
         key,
         "?" if summary[f"{key}_start"] is None else f"{summary[f'{key}_start']:.3f}",
         score_end,

@@ -223,29 +223,41 @@ class WarmStartCheckpoint:
 
     def steps_saved(self) -> int | None:
         """The warm-start step the saved progress reached, or None when none is saved."""
-        if not self.exists():
-            return None
-        with open(self._progress_path()) as f:
-            return json.load(f)["steps_done"]
+        return self._record()["steps_done"] if self.exists() else None
 
-    def save(self, progress: WarmStartProgress) -> None:
-        if self.steps_saved() == progress.steps_done:
-            return  # stopped again before another step: what is saved is this progress
+    def _record(self) -> dict:
+        with open(self._progress_path()) as f:
+            return json.load(f)
+
+    def save(self, progress: WarmStartProgress, seconds: dict[str, float]) -> None:
+        """Saves `progress` and `seconds`, the run's times up to this stop (warm start and
+        wall: `seconds_so_far` gives them back to the segment that goes on)."""
+        if self.steps_saved() == progress.steps_done:  # stopped again before another step
+            write_json_atomically(self._progress_path(), {**self._record(), "seconds": seconds})
+            return
         state_dir = os.path.join(self.directory, str(progress.steps_done))
         if os.path.exists(state_dir):  # a stale, half-written folder no record names
             shutil.rmtree(state_dir)
         save_pytree(state_dir, {"params": progress.params, "opt_state": progress.opt_state})
-        record = {"steps_done": progress.steps_done, "rng_state": progress.rng_state}
+        record = {
+            "steps_done": progress.steps_done,
+            "rng_state": progress.rng_state,
+            "seconds": seconds,
+        }
         write_json_atomically(self._progress_path(), record)
         for name in os.listdir(self.directory):  # older saves are superseded
             if name.isdigit() and int(name) != progress.steps_done:
                 shutil.rmtree(os.path.join(self.directory, name))
 
+    def seconds_so_far(self) -> dict[str, float]:
+        """The times `save` was given (empty when nothing, or a save from before they were
+        kept, is saved)."""
+        return self._record().get("seconds", {}) if self.exists() else {}
+
     def restore(self, params_template: Params, opt_state_template: Any) -> WarmStartProgress:
         """The saved progress, on the shardings of the templates (sharded ShapeDtypeStructs
         of the params and of the warm-start optimiser's state)."""
-        with open(self._progress_path()) as f:
-            record = json.load(f)
+        record = self._record()
         template = {"params": params_template, "opt_state": opt_state_template}
         state_dir = os.path.join(self.directory, str(record["steps_done"]))
         restored = restore_pytree(state_dir, template)

@@ -10,11 +10,13 @@ and the safe points are the run's own.
 import dataclasses
 import gc
 import glob
+import json
 import logging
 import os
 import shutil
 import signal
 import sys
+import time
 import warnings
 
 import jax
@@ -85,10 +87,18 @@ def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
     straight_run, tmp_path, monkeypatch
 ):
     workdir = str(tmp_path)
+    began = time.time()
     stop_in_the_warm_start(workdir, monkeypatch)
-    assert os.path.exists(os.path.join(workdir, WARM_START_SUBDIR, "progress.json"))
+    stopped_segment = time.time() - began
+    with open(os.path.join(workdir, WARM_START_SUBDIR, "progress.json")) as f:
+        saved = json.load(f)["seconds"]  # the stopped segment's times
+    assert 0 < saved["warm_start_seconds"] <= saved["wall_seconds"] <= stopped_segment
     assert not steps_saved(workdir)
+    began = time.time()
     summary = train_and_evaluate(get_config(SYNC), workdir)
+    # the summary's times are both segments'
+    assert saved["wall_seconds"] < summary["wall_seconds"] <= stopped_segment + time.time() - began
+    assert summary["warm_start_seconds"] > saved["warm_start_seconds"]
     assert summary["learner_steps"] == STEPS
     assert not os.path.exists(os.path.join(workdir, WARM_START_SUBDIR))  # superseded
     # Going on from step 2 of the warm start is exact: the run ends where a straight one does.
@@ -326,13 +336,14 @@ def test_saving_the_same_warm_start_step_again_keeps_the_saved_progress(tmp_path
     tree = {"w": np.arange(4, dtype=np.float32)}
     progress = warmstart.WarmStartProgress(tree, {"count": np.zeros((), np.int32)}, 2, {"s": 1})
     saved = warmstart.WarmStartCheckpoint(str(tmp_path / "warm_start"))
-    saved.save(progress)
+    saved.save(progress, {"wall_seconds": 1.0})
     state_dir = tmp_path / "warm_start" / "2"
     before = {p: p.stat().st_mtime_ns for p in state_dir.rglob("*") if p.is_file()}
-    saved.save(progress)
+    saved.save(progress, {"wall_seconds": 2.0})
     assert {p: p.stat().st_mtime_ns for p in state_dir.rglob("*") if p.is_file()} == before
+    assert saved.seconds_so_far() == {"wall_seconds": 2.0}  # the second stop's times
     restored = saved.restore(tree, progress.opt_state)
     assert restored.steps_done == 2 and restored.rng_state == {"s": 1}
     np.testing.assert_array_equal(restored.params["w"], tree["w"])
-    saved.save(progress._replace(steps_done=3))  # a later step supersedes it
+    saved.save(progress._replace(steps_done=3), {})  # a later step supersedes it
     assert saved.steps_saved() == 3 and not state_dir.exists()
