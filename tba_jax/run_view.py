@@ -22,22 +22,52 @@ scalars) are read again on every access, so a view of a run in progress stays cu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import jax
 import ml_collections
 import numpy as np
 
 from tba_jax import evaluation, runs, sources, tasks
-from tba_jax.checkpoint import Checkpointer
+from tba_jax.checkpoint import Checkpointer, CheckpointUnreadableError
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.engine import make_generator
 from tba_jax.train import SUMMARY_FILENAME
+
+T = TypeVar("T")
+# A checkpoint read of a run in progress is tried this many times, this far apart, while
+# the run saves and removes checkpoints around it.
+READ_ATTEMPTS = 5
+READ_RETRY_S = 0.5
+# orbax's warning for a step whose save is still being finalized, when a reader lists the
+# checkpoints of a run in progress
+STEP_IN_FLIGHT_NOTICE = "Metadata file does not exist"
+
+
+class _StepInFlightFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(STEP_IN_FLIGHT_NOTICE)
+
+
+@contextlib.contextmanager
+def orbax_notices_of_steps_in_flight_hidden() -> Iterator[None]:
+    """Leaves out orbax's warning about a step still being saved while the block reads the
+    checkpoints of a run in progress (absl's logger, which orbax logs through)."""
+    logger, quiet = logging.getLogger("absl"), _StepInFlightFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +157,36 @@ class RunView:
     @property
     def checkpoint_steps(self) -> list[int]:
         """The steps with a checkpoint (0: right after the warm start), oldest first."""
-        with self._checkpointer() as checkpointer:
+        with orbax_notices_of_steps_in_flight_hidden(), self._checkpointer() as checkpointer:
             return sorted(checkpointer.all_steps())
+
+    def _read_checkpoint(self, step: int | None, read: Callable[[int], T]) -> T:
+        """`read(step)` of the checkpoint of `step` (None: the latest). A run in progress
+        writes and removes checkpoints while they are read (`keep_checkpoints`): a read that
+        fails is tried again, on the newest step when none was asked for, and a step the run
+        has removed meanwhile is named as such, not as a truncated file."""
+        for attempt in range(READ_ATTEMPTS):
+            chosen = self._step(step)
+            try:
+                with orbax_notices_of_steps_in_flight_hidden():
+                    return read(chosen)
+            except (CheckpointUnreadableError, OSError):
+                still_there = chosen in self.checkpoint_steps
+                if step is not None and not still_there:
+                    raise FileNotFoundError(
+                        f"Checkpoint {step} in {self.workdir} was removed while it was read "
+                        f"(the run keeps its newest keep_checkpoints); its steps now: "
+                        f"{self.checkpoint_steps}."
+                    ) from None
+                if attempt + 1 == READ_ATTEMPTS or (still_there and not self._in_progress):
+                    raise
+            time.sleep(READ_RETRY_S)
+        raise AssertionError("unreachable")
+
+    @property
+    def _in_progress(self) -> bool:
+        """Whether the run may still be writing checkpoints (no summary.json yet)."""
+        return not os.path.isfile(os.path.join(self.workdir, SUMMARY_FILENAME))
 
     def _step(self, step: int | None) -> int:
         steps = self.checkpoint_steps
@@ -144,7 +202,9 @@ class RunView:
 
     def policy(self, step: int | None = None) -> runs.RestoredRun:
         """The checkpoint of `step` (default: the latest): model, params, π_ref, metadata."""
-        step = self._step(step)
+        return self._read_checkpoint(step, self._policy)
+
+    def _policy(self, step: int) -> runs.RestoredRun:
         if step not in self._policies:
             self._policies[step] = runs.restore_run(self.config, self.workdir, step)
         return self._policies[step]
@@ -152,7 +212,7 @@ class RunView:
     def checkpoint_metadata(self, step: int | None = None) -> dict:
         """What the checkpoint of `step` records besides arrays: `policy_version` (the
         version its searchers were sampling with), `data_position`, `seed`, `history`."""
-        return self._buffer_checkpoint(self._step(step))[1]
+        return self._read_checkpoint(step, self._buffer_checkpoint)[1]
 
     def replay_buffer(self, step: int | None = None) -> ReplayBuffer | None:
         """A new `ReplayBuffer` holding what the checkpoint of `step` (default: the latest)
@@ -160,7 +220,7 @@ class RunView:
         are the ones the run would have made next (each call gives a fresh copy). Built
         from the run's `replay` settings. None for a sync run, which keeps no buffer. A
         multi-process run's buffer is process 0's."""
-        state = dict(self._buffer_checkpoint(self._step(step))[0])
+        state = dict(self._read_checkpoint(step, self._buffer_checkpoint)[0])
         if not state:
             return None
         for key in sources.STREAM_POSITION_KEYS:  # a process's prompt-stream position

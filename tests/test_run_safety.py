@@ -25,7 +25,7 @@ import pytest
 from support import sigterm_in_step
 
 from configs.arithmetic import get_config
-from tba_jax import evaluation, learner, runtime, tasks, warmstart
+from tba_jax import evaluation, learner, runs, runtime, tasks, warmstart
 from tba_jax.checkpoint import SET_ASIDE_SUBDIR, CheckpointUnreadableError, RunStopped
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
@@ -347,3 +347,29 @@ def test_saving_the_same_warm_start_step_again_keeps_the_saved_progress(tmp_path
     np.testing.assert_array_equal(restored.params["w"], tree["w"])
     saved.save(progress._replace(steps_done=3), {})  # a later step supersedes it
     assert saved.steps_saved() == 3 and not state_dir.exists()
+
+
+def test_a_view_of_a_run_in_progress_reads_past_checkpoints_removed_meanwhile(
+    run_with_three_checkpoints, tmp_path, monkeypatch
+):
+    """The training run prunes a checkpoint (keep_checkpoints) while a notebook reads it:
+    the latest is read again at the new latest, and an asked-for step that is gone is
+    named as removed, not as a truncated file."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    os.remove(os.path.join(workdir, "summary.json"))  # still training
+    monkeypatch.setattr("tba_jax.run_view.READ_RETRY_S", 0.0)
+    original, reads = runs.restore_run, []
+
+    def pruned_while_read(config, workdir_read, step, **kwargs):
+        reads.append(step)
+        if step == 4:  # the run removes it as the read begins
+            shutil.rmtree(os.path.join(workdir_read, "checkpoints", "4"))
+        return original(config, workdir_read, step, **kwargs)
+
+    monkeypatch.setattr(runs, "restore_run", pruned_while_read)
+    view = RunView(workdir)
+    assert view.policy().metadata["policy_version"] == 2 and reads == [4, 2]
+    shutil.copytree(run_with_three_checkpoints + "/checkpoints/4", workdir + "/checkpoints/4")
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint 4 .* was removed while it was read"):
+        view.policy(4)
