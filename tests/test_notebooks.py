@@ -141,6 +141,23 @@ def test_ablation_notebook_trains_each_m_and_k_plots_and_tabulates(ablation):
     assert "Using custom data configuration" not in printed  # libraries' logs left out
 
 
+def test_ablation_notebook_with_fewer_steps_reads_the_longer_run_back_and_says_so(
+    ablation, cache_dir
+):
+    _, root = ablation
+    parameters = dict(CONFIG="smoke", M_VALUES=(M,), K_VALUES=(1,), STEPS=TINY_STEPS - 1, SEED=0)
+    notebook = execute(
+        "ablation_m_k.ipynb",
+        {**parameters, "EVAL_EVERY": 1, "WORKDIR_ROOT": str(root), "COMPILATION_CACHE": ""},
+        cache_dir,
+    )
+    printed = "".join(outputs(notebook, "stream"))
+    assert f"holds a run of {TINY_STEPS} learner steps, more than STEPS={TINY_STEPS - 1}" in printed
+    assert "training" not in printed
+    (table,) = outputs(notebook, "text/markdown")
+    assert f"| {M:g} | 1 | {TINY_STEPS} |" in table
+
+
 def test_inside_a_run_notebook_looks_inside_a_finished_run(ablation, cache_dir):
     # the ablation's k=1 run (training one here, the notebook's default, would cost a run;
     # the ablation notebook trains through the same API)
