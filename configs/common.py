@@ -353,8 +353,12 @@ def finalize(
     named: dict[str, dict],
 ) -> ml_collections.ConfigDict:
     """Checks that the config file set every value the base left to it, then applies the
-    variant string (`config_lib.apply_variant`)."""
+    variant string (`config_lib.apply_variant`). The config comes back locked, as
+    `--config` locks it: a misspelt key set from Python (`config.learner_step = 2`) is an
+    AttributeError naming the nearest key, not a new key the run never reads."""
     unset = unset_keys(config)
     if unset:
         raise ValueError(f"Config {config.name!r} leaves these keys unset: {', '.join(unset)}.")
-    return apply_variant(config, arg, shortcuts, named)
+    config = apply_variant(config, arg, shortcuts, named)
+    config.lock()
+    return config

@@ -133,7 +133,8 @@ def test_model_vocab_size_gives_a_preset_policy_a_real_checkpoints_rows():
     with pytest.raises(ValueError, match=r"model\.hf_path='/ckpt' has its own"):
         runs.model_config(get_config("model.vocab_size=512,model.hf_path=/ckpt"), 40)
     older_run = get_config()  # a config.json written before the key existed
-    del older_run.model["vocab_size"]
+    with older_run.unlocked():
+        del older_run.model["vocab_size"]
     assert runs.model_config(older_run, 40).vocab_size == 40
 
 
@@ -357,3 +358,11 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
 def test_unread_key_reason(variant, key, reason):
     found = config_lib.unread_key_reason(get_config(variant), key)
     assert found == reason if reason is None else found.startswith(reason)
+
+
+@pytest.mark.parametrize("config_module", [*TRAINING_CONFIGS, reward_model])
+def test_a_misspelt_key_set_from_python_is_refused_naming_the_nearest(config_module):
+    config = config_module.get_config("tiny" if config_module is reward_model else None)
+    with pytest.raises(AttributeError, match=r'Did you mean "seed"'):
+        config.sed = 3  # a new key would be silently ignored by the run
+    config.seed = 3  # the config's own keys are set as before
