@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from support import GSM8K_DIR, HIDE_TENSORFLOW, requires_gsm8k
+from support import GSM8K_DIR, HIDE_TENSORFLOW, requires_gsm8k, run_repo_script
 
+from tba_jax.config_lib import ConfigError
 from tba_jax.data import builder_utils, gsm8k
 from tba_jax.rewards.gsm8k import (
     batch_rewards,
@@ -118,6 +119,53 @@ def test_missing_manual_files_are_named_with_where_to_get_them(tmp_path):
     write_jsonl(manual_dir / "train.jsonl", [{"question": "1+1?", "answer": "2\n#### 2"}])
     with pytest.raises(FileNotFoundError, match=r"Missing test\.jsonl in manual directory"):
         gsm8k.load_split("train", tmp_path / "data", manual_dir=manual_dir)
+
+
+def manual_dir_with_train_text(tmp_path: Path, train_bytes: bytes) -> Path:
+    """A manual directory whose train.jsonl holds `train_bytes` and test.jsonl one problem."""
+    manual_dir = tmp_path / "manual"
+    manual_dir.mkdir()
+    (manual_dir / "train.jsonl").write_bytes(train_bytes)
+    write_jsonl(manual_dir / "test.jsonl", [{"question": "1+1?", "answer": "2\n#### 2"}])
+    return manual_dir
+
+
+@pytest.mark.parametrize(
+    "train_bytes, message",
+    [
+        (b'{"question": "a" "answer": "b"}\n', r"train\.jsonl:1 is not valid JSON \(Expecting"),
+        (b'\n["a", "b"]\n', r"train\.jsonl:2 holds a list, not a JSON object"),
+        (b'{"question": "a"}\n', r"train\.jsonl:1 lacks field\(s\) \['answer'\]"),
+        (b'{"question": 5, "answer": "#### 5"}\n', r"train\.jsonl: Problem 0 has question=5"),
+        (b'{"question": "a", "answer": 5}\n', r"Problem 0 has answer=5; it must be a string"),
+        (b'{"question": "\xff"}\n', r"train\.jsonl is not utf-8 text \(byte 14"),
+    ],
+)
+def test_a_malformed_manual_file_is_a_config_error_naming_the_file(tmp_path, train_bytes, message):
+    """A ConfigError, so the launchers print it as one `error:` line (a ValueError, a
+    TypeError from TFDS or an AttributeError was a traceback)."""
+    manual_dir = manual_dir_with_train_text(tmp_path, train_bytes)
+    with pytest.raises(ConfigError, match=message):
+        gsm8k.load_split("train", tmp_path / "data", manual_dir=manual_dir)
+
+
+def test_train_py_reports_a_malformed_manual_file_in_one_line(tmp_path):
+    manual_dir = manual_dir_with_train_text(tmp_path, b'{"question": "a" "answer": "b"}\n')
+    workdir = tmp_path / "run"
+    result = run_repo_script(
+        "experiments/train.py",
+        "--config=configs/gsm8k_rho1b.py:tiny",
+        f"--config.task.manual_dir={manual_dir}",
+        f"--workdir={workdir}",
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {manual_dir}/train.jsonl:1 is not valid JSON (Expecting ',' delimiter); "
+        "each line of a JSONL file must hold one JSON object."
+    )
+    assert not workdir.exists()  # the refused run removes the workdir it made
 
 
 def test_without_a_manual_dir_the_public_files_are_downloaded(tmp_path, monkeypatch):

@@ -36,7 +36,16 @@ import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
+from tba_jax.config_lib import ConfigError
+
 TEXT_ENCODING = "utf-8"
+
+
+class SourceFileError(ConfigError):
+    """A source file the user gave (in a manual directory) that cannot be read as the
+    dataset expects: a line that is not a JSON object, a record without a required field.
+    A ConfigError, so the launchers print it as one `error: ...` line."""
+
 
 # ------------------------------------------------------------------- source files
 
@@ -44,12 +53,12 @@ TEXT_ENCODING = "utf-8"
 def read_jsonl(path: epath.PathLike, required_fields: tuple[str, ...] = ()) -> list[dict]:
     """The JSON objects of a JSONL file, one per non-blank line.
 
-    Raises ValueError naming the file and line of a malformed line or of a
+    Raises SourceFileError naming the file and line of a malformed line or of a
     record without one of `required_fields`.
     """
     path = epath.Path(path)
     records = []
-    for line_number, line in enumerate(path.read_text(encoding=TEXT_ENCODING).splitlines(), 1):
+    for line_number, line in enumerate(read_source_text(path).splitlines(), 1):
         if not line.strip():
             continue
         record = parse_jsonl_line(line, path, line_number)
@@ -58,17 +67,28 @@ def read_jsonl(path: epath.PathLike, required_fields: tuple[str, ...] = ()) -> l
     return records
 
 
+def read_source_text(path: epath.Path) -> str:
+    """The text of a source file; SourceFileError if it is not UTF-8."""
+    try:
+        return path.read_text(encoding=TEXT_ENCODING)
+    except UnicodeDecodeError as error:
+        raise SourceFileError(
+            f"{path} is not {TEXT_ENCODING} text (byte {error.start}: {error.reason}); "
+            f"save it as {TEXT_ENCODING}."
+        ) from None
+
+
 def parse_jsonl_line(line: str, path: epath.Path, line_number: int) -> dict:
-    """One JSONL line as a dict, or a ValueError saying where the file is broken."""
+    """One JSONL line as a dict, or a SourceFileError saying where the file is broken."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ValueError(
+        raise SourceFileError(
             f"{path}:{line_number} is not valid JSON ({error.msg}); each line of a JSONL "
             "file must hold one JSON object."
         ) from error
     if not isinstance(record, dict):
-        raise ValueError(
+        raise SourceFileError(
             f"{path}:{line_number} holds a {type(record).__name__}, not a JSON object; "
             "each line of a JSONL file must hold one JSON object."
         )
@@ -78,18 +98,26 @@ def parse_jsonl_line(line: str, path: epath.Path, line_number: int) -> dict:
 def check_required_fields(
     record: dict, required_fields: tuple[str, ...], path: epath.Path, line_number: int
 ) -> None:
-    """Raise ValueError naming the fields `record` lacks, if any."""
+    """Raise SourceFileError naming the fields `record` lacks, if any."""
     missing = [field for field in required_fields if field not in record]
     if missing:
-        raise ValueError(
+        raise SourceFileError(
             f"{path}:{line_number} lacks field(s) {missing}; every record needs "
             f"{list(required_fields)}."
         )
 
 
+def check_text_fields(record: dict, fields: tuple[str, ...], what: str) -> None:
+    """SourceFileError naming the first of `fields` whose value in `record` (`what`, e.g.
+    "Problem 3") is not a string."""
+    for field in fields:
+        if not isinstance(record[field], str):
+            raise SourceFileError(f"{what} has {field}={record[field]!r}; it must be a string.")
+
+
 def read_text_lines(path: epath.PathLike) -> list[str]:
     """The non-blank lines of a text file, stripped of surrounding whitespace."""
-    lines = epath.Path(path).read_text(encoding=TEXT_ENCODING).splitlines()
+    lines = read_source_text(epath.Path(path)).splitlines()
     return [line.strip() for line in lines if line.strip()]
 
 
@@ -268,7 +296,14 @@ class JsonlSourceBuilder(
 
     def _generate_examples(self, path: epath.Path) -> Iterator[tuple[int, dict]]:
         for index, record in enumerate(self.read_records(path)):
-            yield index, self.make_example(index, record)
+            yield index, self.example_from(path, index, record)
+
+    def example_from(self, path: epath.Path, index: int, record: dict) -> dict:
+        """`make_example`; a record it refuses gives a SourceFileError naming `path`."""
+        try:
+            return self.make_example(index, record)
+        except SourceFileError as error:
+            raise SourceFileError(f"{path}: {error}") from None
 
 
 def prepare_builder(

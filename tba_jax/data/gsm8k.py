@@ -33,6 +33,7 @@ SOURCE_URL_PREFIX = (
     "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
 )
 SPLIT_FILES = {split: f"{split}.jsonl" for split in SPLITS}
+REQUIRED_FIELDS = ("question", "answer")
 
 
 def format_prompt(question: str) -> str:
@@ -41,7 +42,9 @@ def format_prompt(question: str) -> str:
 
 
 def make_example(index: int, record: dict) -> dict:
-    """The example for the `index`-th line of a GSM8K file."""
+    """The example for the `index`-th line of a GSM8K file; SourceFileError unless its
+    question and answer are text."""
+    builder_utils.check_text_fields(record, REQUIRED_FIELDS, f"Problem {index}")
     return {
         "id": index,
         "question": record["question"],
@@ -68,7 +71,7 @@ class Gsm8k(builder_utils.JsonlSourceBuilder):
     SOURCE_URLS: ClassVar[dict[str, str]] = {
         split: SOURCE_URL_PREFIX + filename for split, filename in SPLIT_FILES.items()
     }
-    REQUIRED_FIELDS = ("question", "answer")
+    REQUIRED_FIELDS = REQUIRED_FIELDS
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
         f"Download {' and '.join(SPLIT_FILES.values())} from {SOURCE_URL_PREFIX} "
         f"(the grade_school_math/data/ directory of {SOURCE_REPOSITORY}) into one directory, "

@@ -50,10 +50,9 @@ RESPONSE_PREFIX = " "  # summaries follow "TL;DR:" after one space
 
 
 def make_example(index: int, record: dict) -> dict:
-    """The example for the `index`-th pair of a split; ValueError unless its fields are text."""
-    for field in PAIR_FIELDS:
-        if not isinstance(record[field], str):
-            raise ValueError(f"Pair {index} has {field}={record[field]!r}; it must be a string.")
+    """The example for the `index`-th pair of a split; SourceFileError unless its fields are
+    text."""
+    builder_utils.check_text_fields(record, PAIR_FIELDS, f"Pair {index}")
     return {"id": index, **{field: record[field] for field in PAIR_FIELDS}}
 
 

@@ -42,11 +42,11 @@ def expected_files_description() -> str:
 
 
 def find_split_file(manual_dir: epath.Path, split: str) -> epath.Path | None:
-    """The one source file of `split` in `manual_dir`, or None; ValueError if ambiguous."""
+    """The one source file of `split` in `manual_dir`, or None; SourceFileError if ambiguous."""
     present = [manual_dir / name for name in candidate_filenames(split)]
     present = [path for path in present if path.is_file()]
     if len(present) > 1:
-        raise ValueError(
+        raise builder_utils.SourceFileError(
             f"Both {' and '.join(path.name for path in present)} are in {manual_dir}; keep "
             f"exactly one source file for the {split} split."
         )
@@ -54,10 +54,12 @@ def find_split_file(manual_dir: epath.Path, split: str) -> epath.Path | None:
 
 
 def text_field(record: dict, field: str, index: int, default: str | None = None) -> str:
-    """`record[field]` as a string (or `default` when absent); ValueError if not text."""
+    """`record[field]` as a string (or `default` when absent); SourceFileError if not text."""
     value = record.get(field, default)
     if not isinstance(value, str):
-        raise ValueError(f"Seed prompt {index} has {field}={value!r}; it must be a string.")
+        raise builder_utils.SourceFileError(
+            f"Seed prompt {index} has {field}={value!r}; it must be a string."
+        )
     return value
 
 
@@ -65,7 +67,9 @@ def make_example(index: int, record: dict) -> dict:
     """The example for the `index`-th seed prompt of a split."""
     prompt = text_field(record, "prompt", index)
     if not prompt.strip():
-        raise ValueError(f"Seed prompt {index} is empty; remove it or write the prompt.")
+        raise builder_utils.SourceFileError(
+            f"Seed prompt {index} is empty; remove it or write the prompt."
+        )
     return {
         "id": index,
         "prompt": prompt,

@@ -38,6 +38,7 @@ SOURCE_URL_PREFIX = (
 )
 SOURCE_REPOSITORY = "https://github.com/openai/summarize-from-feedback"
 SPLIT_FILES = {"train": "train.jsonl", "validation": "valid.jsonl", "test": "test.jsonl"}
+REQUIRED_FIELDS = ("id", "subreddit", "title", "post", "summary")
 UNTRUNCATED_CONFIG_NAME = "untruncated"
 
 # True when a prompt built with the given (possibly truncated) post is within budget.
@@ -161,7 +162,9 @@ def builder_config_for(max_prompt_chars: int | None) -> TldrConfig:
 
 
 def make_example(record: dict, max_prompt_chars: int | None) -> dict:
-    """The example for one source record; ValueError naming the record if it cannot fit."""
+    """The example for one source record; SourceFileError unless its fields are text,
+    ValueError naming the record if it cannot fit."""
+    builder_utils.check_text_fields(record, REQUIRED_FIELDS, f"Post {record['id']!r}")
     try:
         prompt = build_prompt(
             record["subreddit"], record["title"], record["post"], max_prompt_chars
@@ -193,7 +196,7 @@ class RedditTldr(builder_utils.JsonlSourceBuilder):
     SOURCE_URLS: ClassVar[dict[str, str]] = {
         split: SOURCE_URL_PREFIX + filename for split, filename in SPLIT_FILES.items()
     }
-    REQUIRED_FIELDS = ("id", "subreddit", "title", "post", "summary")
+    REQUIRED_FIELDS = REQUIRED_FIELDS
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
         f"Download {', '.join(SPLIT_FILES.values())} from {SOURCE_URL_PREFIX} (the "
         f"tldr_3_filtered set of {SOURCE_REPOSITORY}) into one directory, unchanged, and pass "
