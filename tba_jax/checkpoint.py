@@ -645,16 +645,34 @@ class Checkpointer:
 # --------------------------------------------------------------------------------------
 
 
-def newest_restorable(checkpointer: Checkpointer, restore: Callable[[int], Any]) -> Any:
+# orbax's words when a checkpoint's train state has another tree than the template: the
+# config makes another optimiser state or critic, not a damaged file
+OTHER_STRUCTURE = "tree structures do not match"
+
+
+def newest_restorable(
+    checkpointer: Checkpointer,
+    restore: Callable[[int], Any],
+    other_structure_advice: Callable[[], str] = lambda: "",
+) -> Any:
     """`restore(step)` of the newest step for which it succeeds. A step whose restore
     raises (a truncated file, or params `restore` refuses) is moved to `SET_ASIDE_SUBDIR`,
     not deleted, with a one-line warning, and the one before it is tried; a ConfigError
-    when none restores (the workdir must hold a checkpoint)."""
+    when none restores (the workdir must hold a checkpoint). A step whose train state has
+    another structure than `restore`'s template (a changed optimiser or critic setting) is
+    a CheckpointMismatchError, nothing moved, ending with `other_structure_advice()`."""
     set_aside_paths = []
     while (step := checkpointer.latest_step()) is not None:
         try:
             return restore(step)
         except Exception as error:
+            if OTHER_STRUCTURE in str(error):
+                raise CheckpointMismatchError(
+                    f"Checkpoint {step} in {checkpointer.workdir} holds a train state of "
+                    "another structure than this config makes (its optimiser state or critic; "
+                    f"nothing was moved){other_structure_advice()}; resume with the settings it "
+                    "was saved with, or pass another --workdir."
+                ) from None
             failure = restore_failure(error)
         where = checkpointer.set_aside(step)
         set_aside_paths.append(where)

@@ -38,6 +38,7 @@ from tba_jax import (
     batch_log,
     by_process,
     compile_cache,
+    config_keys,
     config_lib,
     distributed,
     evaluation,
@@ -130,6 +131,9 @@ class Start(NamedTuple):
     history: dict
     source_state: sources.SourceState | None
 
+
+# The config sections whose settings shape the saved train state (optimiser state, critic).
+STATE_SECTIONS = ("optim.", "loss.")
 
 # ------------------------------------------------------------------------------- setup
 
@@ -637,7 +641,26 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
             raise ValueError("its params hold NaN or infinite values")
         return restored, buffer_state, metadata
 
-    return newest_restorable(run.checkpointer, restore)
+    return newest_restorable(
+        run.checkpointer, restore, other_structure_advice=lambda: changed_state_settings(run)
+    )
+
+
+def changed_state_settings(run: Setup) -> str:
+    """'; ... differ from ...' naming the optim.* and loss.* keys whose values differ from
+    the run's config.json (what it last ran with), or '' when none do."""
+    try:
+        saved = dict(config_keys.leaf_items(runs.load_config(run.workdir)))
+    except (OSError, ValueError):
+        return ""
+    changed = [
+        f"{key}: {saved[key]!r} vs {value!r}"
+        for key, value in config_keys.leaf_items(run.config)
+        if key.startswith(STATE_SECTIONS) and key in saved and saved[key] != value
+    ]
+    if not changed:
+        return ""
+    return f"; these settings differ from its config.json (saved vs now): {', '.join(changed)}"
 
 
 def resume(run: Setup) -> Start:
@@ -862,6 +885,12 @@ def batch_row_facts(run: Setup, batch: SampledBatch) -> runtime.BatchRows:
     return runtime.BatchRows(*facts)
 
 
+def write_run_config(run: Setup) -> None:
+    """config.json: the config this segment of the run trains with (process 0)."""
+    if run.topology.is_primary:
+        runs.write_config(run.workdir, run.config)
+
+
 def finished_summary(run: Setup) -> dict | None:
     """The summary of a run that already reached `learner_steps` and wrote it, else None."""
     path = os.path.join(run.workdir, SUMMARY_FILENAME)
@@ -897,8 +926,6 @@ def _train_and_evaluate(
         if run.checkpointer is not None:
             run.checkpointer.close()
         return summary or {}  # its config.json stays the config it trained with
-    if run.topology.is_primary:
-        runs.write_config(workdir, config)
     with stop_on_signals() as stop_signal:
         if not run.topology.is_learner:
             search_only(run, segment, stop_signal)
@@ -979,7 +1006,12 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     """The start, the loop and the final evaluation (see `train_and_evaluate`)."""
     config, workdir, topology = run.config, run.workdir, run.topology
     resuming = run.checkpointer.latest_step() is not None
-    start = resume(run) if resuming else fresh_start(run, stop_signal, segment)
+    if resuming:  # config.json changes only once the checkpoint is known to restore
+        start = resume(run)
+        write_run_config(run)
+    else:
+        write_run_config(run)
+        start = fresh_start(run, stop_signal, segment)
     state, reference, history = start.state, start.reference, start.history
     step = int(jax.device_get(state.step))
     source = make_batch_source(run, state, reference, segment)

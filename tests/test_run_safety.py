@@ -26,7 +26,12 @@ from support import sigterm_in_step
 
 from configs.arithmetic import get_config
 from tba_jax import evaluation, learner, runs, runtime, tasks, warmstart
-from tba_jax.checkpoint import SET_ASIDE_SUBDIR, CheckpointUnreadableError, RunStopped
+from tba_jax.checkpoint import (
+    SET_ASIDE_SUBDIR,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+    RunStopped,
+)
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import read_scalars
 from tba_jax.run_view import RunView
@@ -373,3 +378,25 @@ def test_a_view_of_a_run_in_progress_reads_past_checkpoints_removed_meanwhile(
     shutil.copytree(run_with_three_checkpoints + "/checkpoints/4", workdir + "/checkpoints/4")
     with pytest.raises(FileNotFoundError, match=r"Checkpoint 4 .* was removed while it was read"):
         view.policy(4)
+
+
+def test_a_resume_whose_config_makes_another_train_state_is_refused_and_moves_nothing(
+    run_with_three_checkpoints, tmp_path
+):
+    """No gradient clipping makes an optimiser state of another structure: that is a changed
+    config, not three damaged checkpoints to set aside (after which the same command would
+    have started the run over)."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    with open(os.path.join(workdir, "config.json")) as f:
+        config_before = f.read()
+    config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3,steps=6")
+    config.optim.grad_clip_norm = 0.0
+    with pytest.raises(CheckpointMismatchError) as refused:
+        train_and_evaluate(config, workdir)
+    assert "another structure" in str(refused.value)
+    assert "optim.grad_clip_norm: 1.0 vs 0.0" in str(refused.value)
+    assert steps_saved(workdir) == [0, 2, 4]
+    assert not os.path.exists(os.path.join(workdir, SET_ASIDE_SUBDIR))
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert f.read() == config_before  # still the config the run trained with
