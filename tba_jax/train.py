@@ -1081,13 +1081,19 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
                 metrics.update(runtime.lag_metrics(last_lags, prefix="policy_lag_last"))
             metrics.update(segment.rates_since_rl_start())
             metrics.update(source.metrics(step))
+            stopped_in_evaluation = None
             if config.eval.every_steps and step % config.eval.every_steps == 0:
                 eval_began = time.time()
-                metrics[key] = evaluate(state.params)
-                metrics[EVAL_SECONDS] = time.time() - eval_began
+                try:
+                    metrics[key] = evaluate(state.params)
+                    metrics[EVAL_SECONDS] = time.time() - eval_began
+                except RunStopped as stopped:  # the step is saved below: log it first
+                    stopped_in_evaluation = stopped
             metrics[RL_SECONDS] = time.time() - segment.rl_started_at  # this segment's
             if writer is not None:
                 writer.write(step, metrics)
+            if stopped_in_evaluation is not None:
+                raise stopped_in_evaluation
             if nonfinite_in_a_row >= config.max_nonfinite_steps:
                 save(force=True)
                 raise NonFiniteError(

@@ -161,6 +161,21 @@ def test_a_stop_in_the_final_evaluation_saves_the_last_step(straight_run, tmp_pa
     assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
 
 
+def test_a_stop_in_an_evaluation_during_training_keeps_that_steps_metrics(tmp_path, monkeypatch):
+    workdir = str(tmp_path)
+    config = get_config(SYNC + ",eval.every_steps=2,log_every=1")
+    start_batches = 2  # the first evaluation: 16 problems, 8 at a time; then step 2's
+    with monkeypatch.context() as patch:
+        sigterm_on_call(patch, evaluation, "generate_and_score", call_index=start_batches)
+        with pytest.raises(RunStopped, match="SIGTERM"):
+            train_and_evaluate(config, workdir)
+    assert steps_saved(workdir)[-1] == 2
+    train_and_evaluate(config, workdir)
+    scalars = read_scalars(os.path.join(workdir, "tensorboard"))
+    assert [step for step, _ in scalars["loss"]] == [1, 2, 3, 4]  # step 2's too
+    assert [step for step, _ in scalars["eval_accuracy"]] == [4]  # 2's was stopped
+
+
 def task_with_rewards(monkeypatch, rewards_of):
     """Registers an arithmetic task whose training rewards are `rewards_of(task)`
     (evaluation keeps the exact ones)."""
