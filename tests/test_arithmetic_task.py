@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from support import HIDE_TENSORFLOW
+from support import HIDE_TENSORFLOW, run_repo_script
 
+from tba_jax.config_lib import ConfigError
 from tba_jax.data import arithmetic
 from tba_jax.data.arithmetic import (
     ArithmeticTaskConfig,
     builder_config_for,
+    check_enough_questions,
     count_distinct_questions,
     enumerate_questions,
     generate_splits,
@@ -166,8 +168,37 @@ def test_requesting_every_distinct_question_uses_them_all():
 
 def test_requesting_more_questions_than_exist_is_a_clear_error():
     task = ArithmeticTaskConfig(**{**TINY_TASK.__dict__, "num_train": 20, "num_test": 7})
-    with pytest.raises(ValueError, match=f"only {TINY_TASK_QUESTION_COUNT} exist"):
+    with pytest.raises(ConfigError, match=f"only {TINY_TASK_QUESTION_COUNT} exist"):
         generate_splits(task)
+    with pytest.raises(ConfigError, match=f"Requested 27 .* only {TINY_TASK_QUESTION_COUNT}"):
+        check_enough_questions(task)
+    assert check_enough_questions(TINY_TASK, count=TINY_TASK_QUESTION_COUNT) == 26
+
+
+def test_too_many_questions_are_refused_before_tfds_prepares_anything(tmp_path, monkeypatch):
+    task = ArithmeticTaskConfig(**{**TINY_TASK.__dict__, "num_train": 20, "num_test": 7})
+
+    def fail_if_preparing(*_, **__):
+        raise AssertionError("TFDS started preparing data the task cannot have")
+
+    monkeypatch.setattr(arithmetic.ArithmeticReasoning, "download_and_prepare", fail_if_preparing)
+    with pytest.raises(ConfigError, match=f"only {TINY_TASK_QUESTION_COUNT} exist"):
+        load_split(task, "train", str(tmp_path))
+
+
+def test_train_py_reports_too_many_questions_in_one_line(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_repo_script(
+        "experiments/train.py",
+        "--config=configs/arithmetic.py:smoke,task.num_train=100000",
+        f"--workdir={workdir}",
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: Requested 100016 distinct questions"), last_line
+    assert not workdir.exists()  # the refused run removes the workdir it made
 
 
 @pytest.mark.parametrize(
@@ -184,7 +215,7 @@ def test_requesting_more_questions_than_exist_is_a_clear_error():
     ],
 )
 def test_invalid_task_configs_are_rejected(bad_fields, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):  # the launchers print it in one line
         ArithmeticTaskConfig(**bad_fields)
 
 

@@ -45,6 +45,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from tba_jax.config_lib import ConfigError
 from tba_jax.data import builder_utils
 from tba_jax.rewards.arithmetic import ANSWER_MARKER
 
@@ -64,7 +65,11 @@ Question = tuple[tuple[int, ...], tuple[str, ...]]  # (operands, operators)
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTaskConfig:
-    """Parameters of the arithmetic task; every field changes the generated data."""
+    """Parameters of the arithmetic task; every field changes the generated data.
+
+    A ConfigError (a ValueError the launchers print as one line) for values that cannot
+    work; `check_enough_questions` says whether the ranges hold enough distinct questions.
+    """
 
     num_terms_min: int = 2
     num_terms_max: int = 3
@@ -86,38 +91,38 @@ class ArithmeticTaskConfig:
 
     def __post_init__(self):
         if self.num_terms_min < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"num_terms_min={self.num_terms_min}: a question needs at least 2 terms."
             )
         if self.num_terms_max < self.num_terms_min:
-            raise ValueError(
+            raise ConfigError(
                 f"num_terms_max={self.num_terms_max} is below "
                 f"num_terms_min={self.num_terms_min}; set num_terms_max >= num_terms_min."
             )
         if self.max_operand < 0 or self.max_result < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"max_operand={self.max_operand} and max_result={self.max_result} "
                 "must both be non-negative."
             )
         unknown = sorted(set(self.ops) - set(OPERATORS))
         if not self.ops or unknown or len(set(self.ops)) != len(self.ops):
-            raise ValueError(
+            raise ConfigError(
                 f"ops={self.ops!r} must be a non-empty string of distinct operators "
                 f"from {''.join(OPERATORS)!r}."
             )
         if self.num_train < 1 or self.num_test < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"num_train={self.num_train} and num_test={self.num_test} must both be >= 1 "
                 "(TFDS cannot write an empty split)."
             )
         if not 0.0 < self.sampling_max_fill_fraction <= 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"sampling_max_fill_fraction={self.sampling_max_fill_fraction} must be in (0, 1]."
             )
         if not 0.0 <= self.demo_error_rate <= 1.0:
-            raise ValueError(f"demo_error_rate={self.demo_error_rate} must be in [0, 1].")
+            raise ConfigError(f"demo_error_rate={self.demo_error_rate} must be in [0, 1].")
         if self.max_draws_per_example < 1:
-            raise ValueError(f"max_draws_per_example={self.max_draws_per_example} must be >= 1.")
+            raise ConfigError(f"max_draws_per_example={self.max_draws_per_example} must be >= 1.")
 
 
 # ----------------------------------------------------------------------------- format
@@ -280,19 +285,34 @@ def draw_distinct_by_enumeration(config: ArithmeticTaskConfig, count: int) -> li
     return questions[:count]
 
 
-def draw_distinct_questions(config: ArithmeticTaskConfig, count: int) -> list[Question]:
-    """`count` distinct questions, deterministic in the seed; errors if too few exist."""
-    sampling_limit = int(count / config.sampling_max_fill_fraction) + 1
-    available = count_distinct_questions(config, limit=sampling_limit)
+def sampling_limit(config: ArithmeticTaskConfig, count: int) -> int:
+    """Questions needed for `count` of them to fill at most sampling_max_fill_fraction."""
+    return int(count / config.sampling_max_fill_fraction) + 1
+
+
+def check_enough_questions(config: ArithmeticTaskConfig, count: int | None = None) -> int:
+    """The distinct questions there are, counted up to `sampling_limit`; a ConfigError when
+    fewer than `count` (default: both splits, num_train + num_test) exist.
+
+    Cheap next to generating the data, so a task can call it before preparing anything.
+    """
+    count = config.num_train + config.num_test if count is None else count
+    available = count_distinct_questions(config, limit=sampling_limit(config, count))
     if available < count:
-        raise ValueError(
+        raise ConfigError(
             f"Requested {count} distinct questions (num_train={config.num_train} + "
             f"num_test={config.num_test}) but only {available} exist for "
             f"num_terms in [{config.num_terms_min}, {config.num_terms_max}], "
             f"max_operand={config.max_operand}, max_result={config.max_result}, "
             f"ops={config.ops!r}; lower the split sizes or widen the ranges."
         )
-    if available >= sampling_limit:
+    return available
+
+
+def draw_distinct_questions(config: ArithmeticTaskConfig, count: int) -> list[Question]:
+    """`count` distinct questions, deterministic in the seed; errors if too few exist."""
+    available = check_enough_questions(config, count)
+    if available >= sampling_limit(config, count):
         return draw_distinct_by_sampling(config, count)
     return draw_distinct_by_enumeration(config, count)
 
@@ -413,6 +433,8 @@ def load_split(task_config: ArithmeticTaskConfig, split: str, data_dir: str) -> 
         data_dir=data_dir,
         file_format="array_record",
     )
+    if not builder.is_prepared():
+        check_enough_questions(task_config)  # a ConfigError before TFDS starts preparing
     builder.download_and_prepare()
     data_source = builder.as_data_source(split=split)
     # One batched read: several times faster than indexing record by record.
