@@ -219,13 +219,15 @@ def _check_experiment(
                 f"{_summarise_differences(held, experiment)}); "
                 + (
                     mismatch_advice
-                    or f"pass another --workdir or delete {directory} to start over."
+                    or f"pass another --workdir, or delete {workdir} to start over (the whole "
+                    "folder: its warm start and logs are the other experiment's too)."
                 )
             )
     elif _holds_step_directories(directory):
         raise CheckpointMismatchError(
             f"Workdir {workdir} holds checkpoints with no {EXPERIMENT_FILENAME}, so they may "
-            f"belong to another experiment; pass another --workdir or delete {directory}."
+            f"belong to another experiment; pass another --workdir, or delete {workdir} to "
+            "start over."
         )
 
 

@@ -118,11 +118,12 @@ def test_a_workdir_of_another_experiment_is_refused_with_the_sweeps_flag(
     directory = tmp_path / "searchers_2" / "checkpoints"
     runs.fail_on[2] = CheckpointMismatchError(  # what checkpoint.py says to train.py
         f"Workdir {directory.parent} holds checkpoints of another experiment (held vs "
-        f"asked: seed: 0 vs 1); pass another --workdir or delete {directory} to start over."
+        f"asked: seed: 0 vs 1); pass another --workdir, or delete {directory.parent} to start "
+        "over (the whole folder: its warm start and logs are the other experiment's too)."
     )
     with pytest.raises(CheckpointMismatchError) as refused:
         sweep_searchers.run_sweep(config, str(tmp_path), [2], eval_flags=[])
-    assert "pass another --workdir_root or delete" in str(refused.value)
+    assert "pass another --workdir_root, or delete" in str(refused.value)
     assert "--workdir " not in str(refused.value)
     assert written_runs(tmp_path) == [(1, 1.0)]
 
