@@ -526,6 +526,7 @@ def warm_started_params(
         return initial_policy_params(config, run.model, run.learner_shardings)
     saved = WarmStartCheckpoint(os.path.join(run.workdir, WARM_START_SUBDIR))
     begin = time.time()
+    check_warm_start_settings(saved, config.warm_start.to_dict())
     progress = restore_warm_start(run, saved, cfg) if saved.exists() else None
     if progress is not None:
         params = progress.params
@@ -555,10 +556,28 @@ def warm_started_params(
             WARM_START_SECONDS: earlier.get(WARM_START_SECONDS, 0.0) + now - begin,
             WALL_SECONDS: earlier.get(WALL_SECONDS, 0.0) + now - started_at,
         }
-        saved.save(progress, seconds)
+        saved.save(progress, seconds, settings=config.warm_start.to_dict())
         logging.info("Saved the warm start at step %d of %d.", progress.steps_done, cfg.steps)
         raise stop_signal.stopped()
     return progress.params
+
+
+def check_warm_start_settings(saved: WarmStartCheckpoint, settings: dict) -> None:
+    """ConfigError when the saved, unfinished warm start was made with other warm_start
+    settings (its steps were taken on their schedule): going on would mix the two."""
+    held = saved.saved_settings()
+    if held is None or held == settings:
+        return
+    changed = ", ".join(
+        f"warm_start.{key}: {held.get(key)!r} vs {settings.get(key)!r}"
+        for key in sorted(set(held) | set(settings))
+        if held.get(key) != settings.get(key)
+    )
+    raise ConfigError(
+        f"The saved warm start in {saved.directory} was made with other settings (saved vs now: "
+        f"{changed}); rerun with those to go on, or delete {saved.directory} to start the warm "
+        "start over."
+    )
 
 
 def fresh_start(run: Setup, stop_signal: StopSignal, segment: run_totals.Segment) -> Start:

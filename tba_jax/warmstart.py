@@ -229,21 +229,21 @@ class WarmStartCheckpoint:
         with open(self._progress_path()) as f:
             return json.load(f)
 
-    def save(self, progress: WarmStartProgress, seconds: dict[str, float]) -> None:
-        """Saves `progress` and `seconds`, the run's times up to this stop (warm start and
-        wall: `seconds_so_far` gives them back to the segment that goes on)."""
+    def save(
+        self, progress: WarmStartProgress, seconds: dict[str, float], settings: dict[str, Any]
+    ) -> None:
+        """Saves `progress`, `seconds` (the run's times up to this stop, warm start and wall:
+        `seconds_so_far` gives them back to the segment that goes on) and `settings` (the
+        config's warm_start section it was made with: `saved_settings`)."""
+        extras = {"seconds": seconds, "settings": settings}
         if self.steps_saved() == progress.steps_done:  # stopped again before another step
-            write_json_atomically(self._progress_path(), {**self._record(), "seconds": seconds})
+            write_json_atomically(self._progress_path(), {**self._record(), **extras})
             return
         state_dir = os.path.join(self.directory, str(progress.steps_done))
         if os.path.exists(state_dir):  # a stale, half-written folder no record names
             shutil.rmtree(state_dir)
         save_pytree(state_dir, {"params": progress.params, "opt_state": progress.opt_state})
-        record = {
-            "steps_done": progress.steps_done,
-            "rng_state": progress.rng_state,
-            "seconds": seconds,
-        }
+        record = {"steps_done": progress.steps_done, "rng_state": progress.rng_state, **extras}
         write_json_atomically(self._progress_path(), record)
         for name in os.listdir(self.directory):  # older saves are superseded
             if name.isdigit() and int(name) != progress.steps_done:
@@ -253,6 +253,11 @@ class WarmStartCheckpoint:
         """The times `save` was given (empty when nothing, or a save from before they were
         kept, is saved)."""
         return self._record().get("seconds", {}) if self.exists() else {}
+
+    def saved_settings(self) -> dict[str, Any] | None:
+        """The warm_start settings the saved progress was made with (None: nothing saved,
+        or a save from before they were kept)."""
+        return self._record().get("settings") if self.exists() else None
 
     def restore(self, params_template: Params, opt_state_template: Any) -> WarmStartProgress:
         """The saved progress, on the shardings of the templates (sharded ShapeDtypeStructs

@@ -113,6 +113,16 @@ def test_a_stop_in_the_warm_start_saves_it_and_the_rerun_goes_on(
     assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
 
 
+def test_a_saved_warm_start_is_not_gone_on_with_other_warm_start_settings(tmp_path, monkeypatch):
+    workdir = str(tmp_path)
+    stop_in_the_warm_start(workdir, monkeypatch)
+    config = get_config(SYNC)
+    config.warm_start.learning_rate = 1e-9
+    with pytest.raises(ConfigError, match=r"warm_start\.learning_rate: 0\.003 vs 1e-09"):
+        train_and_evaluate(config, workdir)
+    assert warmstart.WarmStartCheckpoint(os.path.join(workdir, WARM_START_SUBDIR)).exists()
+
+
 def test_a_corrupt_saved_warm_start_is_set_aside_and_started_over(
     straight_run, tmp_path, monkeypatch, caplog
 ):
@@ -356,16 +366,16 @@ def test_saving_the_same_warm_start_step_again_keeps_the_saved_progress(tmp_path
     tree = {"w": np.arange(4, dtype=np.float32)}
     progress = warmstart.WarmStartProgress(tree, {"count": np.zeros((), np.int32)}, 2, {"s": 1})
     saved = warmstart.WarmStartCheckpoint(str(tmp_path / "warm_start"))
-    saved.save(progress, {"wall_seconds": 1.0})
+    saved.save(progress, {"wall_seconds": 1.0}, settings={})
     state_dir = tmp_path / "warm_start" / "2"
     before = {p: p.stat().st_mtime_ns for p in state_dir.rglob("*") if p.is_file()}
-    saved.save(progress, {"wall_seconds": 2.0})
+    saved.save(progress, {"wall_seconds": 2.0}, settings={})
     assert {p: p.stat().st_mtime_ns for p in state_dir.rglob("*") if p.is_file()} == before
     assert saved.seconds_so_far() == {"wall_seconds": 2.0}  # the second stop's times
     restored = saved.restore(tree, progress.opt_state)
     assert restored.steps_done == 2 and restored.rng_state == {"s": 1}
     np.testing.assert_array_equal(restored.params["w"], tree["w"])
-    saved.save(progress._replace(steps_done=3), {})  # a later step supersedes it
+    saved.save(progress._replace(steps_done=3), {}, settings={})  # a later step supersedes it
     assert saved.steps_saved() == 3 and not state_dir.exists()
 
 
