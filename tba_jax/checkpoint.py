@@ -872,6 +872,27 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
+def sigterm_stops_at_once() -> Iterator[None]:
+    """While the block runs (a run's setup, before there is anything to save), SIGTERM
+    raises RunStopped at once, as Ctrl-C raises KeyboardInterrupt: the launchers say so in
+    one line and exit 143 (not a silent death by the signal), and a workdir the run made is
+    removed (`claimed_workdir`). On another thread than the main one nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        del frame
+        raise RunStopped(STOP_SIGNALS[signum], signum)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def stop_on_signals() -> Iterator[StopSignal]:
     """A StopSignal that SIGTERM and Ctrl-C set while the block runs (main thread only)."""
     stop_signal = StopSignal()

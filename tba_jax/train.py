@@ -64,6 +64,7 @@ from tba_jax.checkpoint import (
     newest_restorable,
     restore_failure,
     set_aside,
+    sigterm_stops_at_once,
     stop_on_signals,
 )
 from tba_jax.config_lib import ConfigError
@@ -937,7 +938,8 @@ def _train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, held: contextlib.ExitStack
 ) -> dict:
     segment = run_totals.Segment(run_totals.Meters(), started_at=time.time())
-    run = setup(config, workdir, held)
+    with sigterm_stops_at_once():  # nothing to save yet: a SIGTERM ends the run at once
+        run = setup(config, workdir, held)
     summary = finished_summary(run) if run.topology.is_primary else None
     if distributed.any_process(summary is not None):
         if summary is not None:

@@ -143,6 +143,25 @@ def test_a_corrupt_saved_warm_start_is_set_aside_and_started_over(
     assert leaves_equal(params, straight)
 
 
+def test_a_sigterm_while_a_new_run_prepares_its_data_stops_it_and_leaves_no_workdir(
+    tmp_path, monkeypatch
+):
+    workdir = tmp_path / "new_run"
+    original = tasks.build_task
+
+    def preempted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption, mid-preparation
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tasks, "build_task", preempted)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunStopped, match="SIGTERM") as stopped:
+        train_and_evaluate(get_config(SYNC), str(workdir))
+    assert stopped.value.exit_status == 143  # what the launchers exit with
+    assert not workdir.exists()  # nothing of it was worth keeping
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
 def test_a_stop_in_the_first_evaluation_keeps_the_warm_start(straight_run, tmp_path, monkeypatch):
     workdir = str(tmp_path)
     with monkeypatch.context() as patch:
