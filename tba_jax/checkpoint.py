@@ -99,11 +99,22 @@ class NumpyDictCheckpointHandler(ocp.CheckpointHandler):
         path = directory / _buffer_filename()
         if not path.exists():
             raise FileNotFoundError(
-                f"No replay-buffer file {path}; this checkpoint was written by fewer processes — "
-                "restore with the same number of processes that saved it."
+                f"No replay-buffer file {path}; {_missing_buffer_cause(directory)}"
             )
         with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
+
+
+def _missing_buffer_cause(directory: epath.Path) -> str:
+    """Why this process's buffer file is not in `directory`: a checkpoint saved by fewer
+    processes (other processes' files are there, fewer than this run has) or a file lost."""
+    saved = len(list(directory.glob(BUFFER_FILENAME_FORMAT.format(process_index="*"))))
+    if 0 < saved < jax.process_count():
+        return (
+            f"this checkpoint was written by {saved} process(es), this run has "
+            f"{jax.process_count()}: restore with the number of processes that saved it."
+        )
+    return "the file is missing (deleted, or lost in a copy)."
 
 
 @ocp.args.register_with_handler(NumpyDictCheckpointHandler, for_save=True)
@@ -687,7 +698,8 @@ def newest_restorable(
         )
     raise ConfigError(
         f"No checkpoint in {checkpointer.workdir} restores; the unreadable ones were moved to "
-        f"{', '.join(set_aside_paths)}. Pass another --workdir to start over."
+        f"{', '.join(set_aside_paths)}. Rerun to start the run over in this workdir, or pass "
+        "another --workdir."
     )
 
 

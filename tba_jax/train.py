@@ -135,6 +135,9 @@ class Start(NamedTuple):
 
 # The config sections whose settings shape the saved train state (optimiser state, critic).
 STATE_SECTIONS = ("optim.", "loss.")
+# Keys a resumed run changes as a matter of course: more steps extend it; the variant string
+# records how the config was spelt.
+EXPECTED_TO_CHANGE = ("learner_steps", "variant")
 
 # ------------------------------------------------------------------------------- setup
 
@@ -666,21 +669,41 @@ def restore_newest_good(run: Setup) -> tuple[dict, dict, dict]:
     )
 
 
-def changed_state_settings(run: Setup) -> str:
-    """'; ... differ from ...' naming the optim.* and loss.* keys whose values differ from
-    the run's config.json (what it last ran with), or '' when none do."""
+def changed_settings(run: Setup, sections: tuple[str, ...] = ("",)) -> list[str]:
+    """'key: saved vs now' for each key under `sections` whose value differs from the run's
+    config.json (what its last segment ran with; [] when there is none to read)."""
     try:
         saved = dict(config_keys.leaf_items(runs.load_config(run.workdir)))
     except (OSError, ValueError):
-        return ""
-    changed = [
+        return []
+    return [
         f"{key}: {saved[key]!r} vs {value!r}"
         for key, value in config_keys.leaf_items(run.config)
-        if key.startswith(STATE_SECTIONS) and key in saved and saved[key] != value
+        if key.startswith(sections)
+        and key not in EXPECTED_TO_CHANGE
+        and key in saved
+        and saved[key] != json.loads(json.dumps(value))  # tuples as config.json holds them
     ]
+
+
+def changed_state_settings(run: Setup) -> str:
+    """'; ... differ from ...' naming the optim.* and loss.* keys whose values differ from
+    the run's config.json, or '' when none do."""
+    changed = changed_settings(run, STATE_SECTIONS)
     if not changed:
         return ""
     return f"; these settings differ from its config.json (saved vs now): {', '.join(changed)}"
+
+
+def note_changed_settings(run: Setup) -> None:
+    """A warning naming the settings a resumed run goes on with that differ from those of
+    its last segment (config.json, which is then rewritten): the run's record holds them."""
+    changed = changed_settings(run)
+    if changed and run.topology.is_primary:
+        logging.warning(
+            "Going on with settings that differ from the run's last segment (saved vs now): %s.",
+            ", ".join(changed),
+        )
 
 
 def resume(run: Setup) -> Start:
@@ -1029,6 +1052,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     resuming = run.checkpointer.latest_step() is not None
     if resuming:  # config.json changes only once the checkpoint is known to restore
         start = resume(run)
+        note_changed_settings(run)
         write_run_config(run)
     else:
         write_run_config(run)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from etils import epath
 from flax import nnx
 
 from tba_jax import checkpoint
@@ -531,3 +532,14 @@ lock = WorkdirLock(sys.argv[1])
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_missing_buffer_file_is_named_as_missing_or_as_fewer_processes(tmp_path, monkeypatch):
+    handler = checkpoint.NumpyDictCheckpointHandler()
+    with pytest.raises(FileNotFoundError, match=r"the file is missing"):
+        handler.restore(epath.Path(tmp_path))
+    handler.save(epath.Path(tmp_path), checkpoint.NumpyDictSave({"a": np.arange(3)}))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # this run: 2 processes, we are 1
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(FileNotFoundError, match=r"written by 1 process\(es\), this run has 2"):
+        handler.restore(epath.Path(tmp_path))

@@ -444,3 +444,16 @@ def test_a_resume_whose_config_makes_another_train_state_is_refused_and_moves_no
     assert not os.path.exists(os.path.join(workdir, SET_ASIDE_SUBDIR))
     with open(os.path.join(workdir, "config.json")) as f:
         assert f.read() == config_before  # still the config the run trained with
+
+
+def test_a_resume_with_other_settings_names_them(run_with_three_checkpoints, tmp_path, caplog):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(run_with_three_checkpoints, workdir)
+    config = get_config(SYNC + ",checkpoint_every=2,keep_checkpoints=3,steps=6,seed=5")
+    with caplog.at_level(logging.WARNING):
+        train_and_evaluate(config, workdir)
+    messages = [record.getMessage() for record in caplog.records]
+    (notice,) = [message for message in messages if "differ from the run's" in message]
+    assert notice.endswith("(saved vs now): seed: 0 vs 5.")  # more steps are no news
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["seed"] == 5  # config.json: the last segment's settings
