@@ -357,6 +357,20 @@ class LibraryLogFilter(logging.Filter):
         return not record.getMessage().startswith(EXPECTED_LIBRARY_WARNINGS)
 
 
+class OwnNoticeFormatter(absl_logging.PythonFormatter):
+    """absl's format, except our own warnings and errors (without a traceback): one
+    `warning: ...` / `error: ...` line, as the launchers print a user's mistake."""
+
+    def __init__(self, own: LibraryLogFilter):
+        super().__init__()
+        self.own = own
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING and not record.exc_info and self.own.is_own(record):
+            return f"{record.levelname.lower()}: {record.getMessage()}"
+        return super().format(record)
+
+
 def hide_library_progress_bars() -> None:
     """TFDS draws bars while it prepares a dataset (when the launcher has loaded it)."""
     tfds = sys.modules.get("tensorflow_datasets")
@@ -365,16 +379,19 @@ def hide_library_progress_bars() -> None:
 
 
 def configure_console() -> None:
-    """Our INFO logs without absl's prefix; libraries' only from WARNING; no library
-    progress bars. Nothing changes when `--verbosity`/`-v` was given. Call after the flags
-    are parsed (`run` does)."""
+    """Our INFO logs without absl's prefix and our warnings as `warning: ...` lines;
+    libraries' logs only from WARNING, in absl's format; no library progress bars. Nothing
+    changes when `--verbosity`/`-v` was given. Call after the flags are parsed (`run`
+    does)."""
     if flags.FLAGS[VERBOSITY_FLAG].present:
         return
     if not flags.FLAGS[INFO_PREFIX_FLAG].present:
         setattr(flags.FLAGS, INFO_PREFIX_FLAG, False)
     handler = absl_logging.get_absl_handler()
     if not any(isinstance(installed, LibraryLogFilter) for installed in handler.filters):
-        handler.addFilter(LibraryLogFilter(own_source_roots()))
+        own = LibraryLogFilter(own_source_roots())
+        handler.addFilter(own)
+        handler.setFormatter(OwnNoticeFormatter(own))
     hide_library_progress_bars()
 
 

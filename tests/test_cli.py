@@ -271,12 +271,12 @@ def test_keys_a_run_does_not_read_are_named_before_it_starts(tmp_path):
     )
     assert "does not divide into batch.num_microbatches=3" in error_line(result)
     warnings = [line for line in result.stderr.splitlines() if "changes nothing" in line]
-    assert [line.split("] ", 1)[1] for line in warnings] == [
-        "loss.grpo.clip_epsilon=0.1 changes nothing in this run: only method=grpo reads "
+    assert warnings == [
+        "warning: loss.grpo.clip_epsilon=0.1 changes nothing in this run: only method=grpo reads "
         "loss.grpo.* (this run: method=tb).",
-        "search.chunk_steps=4 changes nothing in this run: only search.engine=slots reads it "
-        "(this run: search.engine=batch).",
-        "sync_period=4 changes nothing in this run: only mode=async reads it (this run: "
+        "warning: search.chunk_steps=4 changes nothing in this run: only search.engine=slots "
+        "reads it (this run: search.engine=batch).",
+        "warning: sync_period=4 changes nothing in this run: only mode=async reads it (this run: "
         "mode=sync).",
     ]
     assert not (tmp_path / "run").exists()
