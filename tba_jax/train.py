@@ -86,6 +86,9 @@ from tba_jax.warmstart import (
 
 SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
+# The policy's held-out score before any RL, kept when a run stops before its first learner
+# step (its step-0 checkpoint, saved before the evaluation, is never rewritten).
+START_EVALUATION_FILENAME = "start_evaluation.json"
 WARM_START_NOTICES = 5  # console lines over a warm start
 # In-training evaluation with the slot engine: eval.batch_size × this many prompts per
 # engine call (a stop is honoured between calls).
@@ -928,6 +931,25 @@ def batch_row_facts(run: Setup, batch: SampledBatch) -> runtime.BatchRows:
     return runtime.BatchRows(*facts)
 
 
+def start_evaluation(
+    run: Setup, evaluate: Callable[[Params], float], params: Params, key: str, resuming: bool
+) -> float:
+    """The held-out score of the policy before any RL: evaluated, and written to
+    START_EVALUATION_FILENAME, or, `resuming` at step 0, read back from it when the last
+    segment evaluated and then stopped before step 1 (one-process runs; over several,
+    each segment evaluates)."""
+    path = os.path.join(run.workdir, START_EVALUATION_FILENAME)
+    if resuming and not run.topology.multi_process and os.path.exists(path):
+        with open(path) as f:
+            score, where = json.load(f)[key], f" (read back from {START_EVALUATION_FILENAME})"
+    else:
+        score, where = evaluate(params), ""
+        if run.topology.is_primary:
+            write_json_atomically(path, {key: score})
+    logging.info("Held-out greedy %s at the start: %.3f%s", run.task.eval_metric, score, where)
+    return score
+
+
 def write_run_config(run: Setup) -> None:
     """config.json: the config this segment of the run trains with (process 0)."""
     if run.topology.is_primary:
@@ -1078,9 +1100,7 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
     evaluate = make_evaluate(run, stop_signal)
     key = eval_key(run)
     if f"{key}_start" not in history and step == 0:
-        score_start = evaluate(state.params)
-        history[f"{key}_start"] = score_start
-        logging.info("Held-out greedy %s at the start: %.3f", run.task.eval_metric, score_start)
+        history[f"{key}_start"] = start_evaluation(run, evaluate, state.params, key, resuming)
     writer = None
     if topology.is_primary:
         writer = MetricsWriter(

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from support import sigterm_in_step
 
+import tba_jax.train as train_module
 from configs.arithmetic import get_config
 from tba_jax import evaluation, learner, runs, runtime, tasks, warmstart
 from tba_jax.checkpoint import (
@@ -171,6 +172,28 @@ def test_a_stop_in_the_first_evaluation_keeps_the_warm_start(straight_run, tmp_p
     assert steps_saved(workdir) == [0]
     summary = train_and_evaluate(get_config(SYNC), workdir)
     assert summary["warm_start_seconds"] > 0  # from the saved history, not redone
+    assert summary["eval_accuracy_start"] == straight_run[1]["eval_accuracy_start"]
+    assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
+
+
+def test_a_stop_before_the_first_step_keeps_the_start_evaluation(
+    straight_run, tmp_path, monkeypatch
+):
+    workdir = str(tmp_path)
+    with monkeypatch.context() as patch:  # the start evaluation is done; step 1 is not
+        sigterm_on_call(patch, train_module, "precompile_train_step", call_index=0)
+        with pytest.raises(RunStopped, match="SIGTERM"):
+            train_and_evaluate(get_config(SYNC), workdir)
+    assert steps_saved(workdir) == [0]
+    evaluated = []
+    original = evaluation.generate_and_score
+    monkeypatch.setattr(
+        evaluation,
+        "generate_and_score",
+        lambda *args, **kwargs: evaluated.append(1) or original(*args, **kwargs),
+    )
+    summary = train_and_evaluate(get_config(SYNC), workdir)
+    assert len(evaluated) == 2  # the final evaluation's two batches: the start's is read back
     assert summary["eval_accuracy_start"] == straight_run[1]["eval_accuracy_start"]
     assert summary["eval_accuracy_end"] == straight_run[1]["eval_accuracy_end"]
 
