@@ -499,10 +499,12 @@ def train_on_pairs(
     batches = batch_indices(num_train, config.train.batch_size, steps, config.seed)
 
     seconds_before, segment_start = progress["train_seconds"], time.time()
+    wall_before = progress.get("wall_seconds", 0.0)  # a save from before it was kept: 0
 
-    def save(step: int) -> None:  # with the training seconds of every segment so far
+    def save(step: int) -> None:  # with the training and wall seconds of every segment so far
         train_seconds = seconds_before + time.time() - segment_start
-        progress.update(step=step, train_seconds=train_seconds)
+        wall_seconds = wall_before + time.time() - wall_start
+        progress.update(step=step, train_seconds=train_seconds, wall_seconds=wall_seconds)
         checkpointer.save(step, train_state=state, buffer_state={}, metadata=progress, force=True)
 
     try:
@@ -549,7 +551,7 @@ def train_on_pairs(
         **{f"test_{name}_before": value for name, value in progress["before"].items()},
         **{f"test_{name}_after": value for name, value in after.items()},
         "train_seconds": progress["train_seconds"],
-        "wall_seconds": time.time() - wall_start,
+        "wall_seconds": wall_before + time.time() - wall_start,
         "hf_folder": out,
         "files": sorted(os.path.basename(path) for path in files),
     }

@@ -3,6 +3,7 @@ builder and converter (tba_jax/data/preferences.py) and configs/reward_model.py.
 
 import json
 import os
+import time
 from pathlib import Path
 
 import jax
@@ -216,10 +217,12 @@ def test_a_stopped_reward_model_goes_on_from_its_checkpoints_to_the_same_model(
     tiny_rm, tmp_path, monkeypatch
 ):
     original = train_reward_model.make_train_step
+    began = time.time()
     with monkeypatch.context() as patch:
         sigterm_in_step(patch, train_reward_model, "make_train_step", 14)  # step 15 of 24
         with pytest.raises(RunStopped, match="SIGTERM"):
             train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path))
+    stopped_segment = time.time() - began
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["10", "15", "experiment.json"]
     assert not (tmp_path / "hf").exists()
     with pytest.raises(CheckpointMismatchError, match="another experiment"):
@@ -230,10 +233,15 @@ def test_a_stopped_reward_model_goes_on_from_its_checkpoints_to_the_same_model(
         step_fn = original(*args, **kwargs)
         return lambda *step_args: steps_run.append(1) or step_fn(*step_args)
 
+    began = time.time()
     with monkeypatch.context() as patch:
         patch.setattr(train_reward_model, "make_train_step", counted)
         summary = train_reward_model.train_reward_model(get_config("tiny"), str(tmp_path))
+    resumed_segment = time.time() - began
     assert len(steps_run) == 24 - 15  # from the checkpoint of step 15
+    both_segments = stopped_segment + resumed_segment  # the summary's times are both's
+    assert 0.9 * both_segments <= summary["wall_seconds"] <= both_segments
+    assert summary["train_seconds"] < summary["wall_seconds"]
     workdir, straight = tiny_rm
     for key in ("test_accuracy_before", "test_loss_before", "test_loss_after", "steps"):
         assert summary[key] == straight[key]
