@@ -6,7 +6,9 @@ It reads top to bottom in three parts:
    the Hugging Face folders, the workdir's experiment) before it writes a byte, then
    builds the task, model, meshes, shardings, optimiser and train step.
 2. The start: `resume` from the newest checkpoint that restores (a corrupt one is set
-   aside), or a `fresh_start` (going on from a saved, unfinished warm start).
+   aside; one of another train-state structure is refused), naming the settings that
+   differ from the last segment's, or a `fresh_start` (going on from a saved, unfinished
+   warm start of the same settings). config.json is written once the start is known.
 3. The loop over a `sources.BatchSource` (async: searcher threads + replay buffer;
    sync: fresh on-policy samples each step): draw a batch, take a train step, publish
    every `source.publish_every` steps, log, evaluate, checkpoint. The loop has no mode
@@ -15,7 +17,8 @@ It reads top to bottom in three parts:
 
 Then the final evaluation and `workdir/summary.json`, whose figures cover the whole run
 across resumed segments. SIGTERM and Ctrl-C stop at the next safe point (between steps
-or evaluation batches) and save what exists; a step whose loss or gradient is not finite
+or evaluation batches) and save what exists (during setup, with nothing to save yet, a
+SIGTERM stops at once); a step whose loss or gradient is not finite
 is skipped, and `max_nonfinite_steps` of them in a row stop the run.
 """
 
