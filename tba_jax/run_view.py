@@ -22,14 +22,11 @@ scalars) are read again on every access, so a view of a run in progress stays cu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
-import logging
 import os
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -37,37 +34,17 @@ import ml_collections
 import numpy as np
 
 from tba_jax import evaluation, runs, sources, tasks
-from tba_jax.checkpoint import Checkpointer, CheckpointUnreadableError
+from tba_jax.checkpoint import Checkpointer
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.engine import make_generator
 from tba_jax.train import SUMMARY_FILENAME
 
 T = TypeVar("T")
-# A checkpoint read of a run in progress is tried this many times, this far apart, while
-# the run saves and removes checkpoints around it.
-READ_ATTEMPTS = 5
-READ_RETRY_S = 0.5
-# orbax's warning for a step whose save is still being finalized, when a reader lists the
-# checkpoints of a run in progress
-STEP_IN_FLIGHT_NOTICE = "Metadata file does not exist"
-
-
-class _StepInFlightFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(STEP_IN_FLIGHT_NOTICE)
-
-
-@contextlib.contextmanager
-def orbax_notices_of_steps_in_flight_hidden() -> Iterator[None]:
-    """Leaves out orbax's warning about a step still being saved while the block reads the
-    checkpoints of a run in progress (absl's logger, which orbax logs through)."""
-    logger, quiet = logging.getLogger("absl"), _StepInFlightFilter()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
+# A view's checkpoint read of a run in progress is tried this many times, this far apart,
+# while the run saves and removes checkpoints around it (`runs.read_checkpoint`).
+READ_ATTEMPTS = runs.READ_ATTEMPTS
+READ_RETRY_S = runs.READ_RETRY_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,48 +134,15 @@ class RunView:
     @property
     def checkpoint_steps(self) -> list[int]:
         """The steps with a checkpoint (0: right after the warm start), oldest first."""
-        with orbax_notices_of_steps_in_flight_hidden(), self._checkpointer() as checkpointer:
-            return sorted(checkpointer.all_steps())
+        return runs.saved_steps(self.workdir)
 
     def _read_checkpoint(self, step: int | None, read: Callable[[int], T]) -> T:
-        """`read(step)` of the checkpoint of `step` (None: the latest). A run in progress
-        writes and removes checkpoints while they are read (`keep_checkpoints`): a read that
-        fails is tried again, on the newest step when none was asked for, and a step the run
-        has removed meanwhile is named as such, not as a truncated file."""
-        for attempt in range(READ_ATTEMPTS):
-            chosen = self._step(step)
-            try:
-                with orbax_notices_of_steps_in_flight_hidden():
-                    return read(chosen)
-            except (CheckpointUnreadableError, OSError):
-                still_there = chosen in self.checkpoint_steps
-                if step is not None and not still_there:
-                    raise FileNotFoundError(
-                        f"Checkpoint {step} in {self.workdir} was removed while it was read "
-                        f"(the run keeps its newest keep_checkpoints); its steps now: "
-                        f"{self.checkpoint_steps}."
-                    ) from None
-                if attempt + 1 == READ_ATTEMPTS or (still_there and not self._in_progress):
-                    raise
-            time.sleep(READ_RETRY_S)
-        raise AssertionError("unreachable")
-
-    @property
-    def _in_progress(self) -> bool:
-        """Whether the run may still be writing checkpoints (no summary.json yet)."""
-        return not os.path.isfile(os.path.join(self.workdir, SUMMARY_FILENAME))
-
-    def _step(self, step: int | None) -> int:
-        steps = self.checkpoint_steps
-        if not steps:
-            raise FileNotFoundError(f"No checkpoint in {self.workdir}; train first.")
-        if step is None:
-            return steps[-1]
-        if step not in steps:
-            raise FileNotFoundError(
-                f"No checkpoint for step {step} in {self.workdir}; its steps: {steps}."
-            )
-        return step
+        """`read(step)` of the checkpoint of `step` (None: the latest), as
+        `runs.read_checkpoint` reads a run in progress: tried again while the run saves and
+        removes checkpoints around it; a step removed meanwhile is named as such."""
+        return runs.read_checkpoint(
+            self.workdir, step, read, attempts=READ_ATTEMPTS, retry_s=READ_RETRY_S
+        )
 
     def policy(self, step: int | None = None) -> runs.RestoredRun:
         """The checkpoint of `step` (default: the latest): model, params, π_ref, metadata."""
@@ -206,7 +150,8 @@ class RunView:
 
     def _policy(self, step: int) -> runs.RestoredRun:
         if step not in self._policies:
-            self._policies[step] = runs.restore_run(self.config, self.workdir, step)
+            # read once: `_read_checkpoint` tries again
+            self._policies[step] = runs.restore_run(self.config, self.workdir, step, attempts=1)
         return self._policies[step]
 
     def checkpoint_metadata(self, step: int | None = None) -> dict:
@@ -231,16 +176,10 @@ class RunView:
 
     def _buffer_checkpoint(self, step: int) -> tuple[dict, dict]:
         if step not in self._buffers:
-            unreadable = None
             with self._checkpointer() as checkpointer:
-                try:
-                    self._buffers[step] = checkpointer.restore_buffer(step)
-                except Exception as error:
-                    unreadable = runs.checkpoint_unreadable(
-                        checkpointer, step, error, "pass one as `step`"
-                    )
-            if unreadable is not None:  # one line, without orbax's chain of errors
-                raise unreadable
+                self._buffers[step] = runs.read_or_unreadable(
+                    checkpointer, step, checkpointer.restore_buffer
+                )
         return self._buffers[step]
 
     # ------------------------------------------------------------------ the policy

@@ -5,6 +5,7 @@ training loop when it resumes) goes through this module, which never imports the
 training loop:
 
 - `load_config(workdir)` / `write_config(workdir, config)`: `workdir/config.json`;
+  `holds_a_run(folder)` / `enclosing_run(path)`: where a run's files are;
 - `model_config(config, vocab_size)`, `policy_tokenizer(config)`: the policy's
   architecture and (for Hugging Face runs) its tokenizer; `run_tokenizer(config, workdir)`:
   the tokenizer of any run;
@@ -13,16 +14,22 @@ training loop:
   `reading_checkpointer(config, workdir)` checking it;
 - `checkpoint_template(...)`: the abstract pytree a checkpoint restores into;
 - `restore_run(config, workdir, step)`: the trained policy and π_ref on one device (or a
-  given mesh).
+  given mesh);
+- `read_checkpoint(workdir, step, read)`: any read of a checkpoint, tried again while a
+  run in progress saves and removes checkpoints around it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
+import logging
 import os
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import ml_collections
@@ -46,9 +53,26 @@ from tba_jax.models import (
     unstack_layers,
 )
 from tba_jax.tasks.base import task_identity
+from tba_jax.warmstart import WarmStartCheckpoint
 
+T = TypeVar("T")
 CONFIG_FILENAME = "config.json"
 PROCESSES_KEY = "processes"  # a multi-process run's layout in the experiment identity
+# Keys every run's config.json has (config_lib.base_config's); a config.json without them
+# is another file of that name, e.g. an exported model's.
+RUN_CONFIG_KEYS = ("name", "mode", "method", "seed", "task", "model", "eval")
+# What train.py writes into a run's workdir besides config.json (train.SUMMARY_FILENAME,
+# train.WARM_START_SUBDIR; this module never imports the training loop).
+SUMMARY_FILENAME = "summary.json"
+WARM_START_SUBDIR = "warm_start"
+
+# A checkpoint read of a run in progress is tried this many times, this far apart, while
+# the run saves and removes checkpoints around it (`keep_checkpoints`).
+READ_ATTEMPTS = 5
+READ_RETRY_S = 0.5
+# orbax's warning for a step whose save is still being finalized, when a reader lists the
+# checkpoints of a run in progress
+STEP_IN_FLIGHT_NOTICE = "Metadata file does not exist"
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -60,14 +84,74 @@ def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run was started with (`workdir/config.json`, written at its start)."""
+    """The config a run was started with (`workdir/config.json`, written at its start).
+    FileNotFoundError when there is none, or the file there is not a run's config."""
     path = os.path.join(workdir, CONFIG_FILENAME)
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} is missing: {workdir} is not the workdir of a tba_jax training run."
         )
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+    stored = read_json_object(path)
+    missing = [key for key in RUN_CONFIG_KEYS if key not in (stored or {})]
+    if missing:
+        raise FileNotFoundError(
+            f"{path} is not a training run's config (it lacks {', '.join(missing)}; an "
+            f"exported model's config.json?): {workdir} is not the workdir of a tba_jax "
+            "training run."
+        )
+    return ml_collections.ConfigDict(stored)
+
+
+def read_json_object(path: str) -> dict | None:
+    """The JSON object in the file `path`; None when it holds anything else."""
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def is_run_config(path: str) -> bool:
+    """Whether the file `path` is a training run's config.json (not, e.g., an export's)."""
+    stored = read_json_object(path)
+    return stored is not None and all(key in stored for key in RUN_CONFIG_KEYS)
+
+
+def run_files_in(folder: str) -> list[str]:
+    """The files in `folder` that only a training run's workdir holds: its checkpoints'
+    experiment.json, its saved warm start, or a config.json that is a run's config (names
+    such as checkpoints/ or summary.json alone may be anything's)."""
+    marks = [
+        path
+        for path in (
+            os.path.join(CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME),
+            os.path.join(WARM_START_SUBDIR, WarmStartCheckpoint.PROGRESS_FILENAME),
+        )
+        if os.path.isfile(os.path.join(folder, path))
+    ]
+    config = os.path.join(folder, CONFIG_FILENAME)
+    if os.path.isfile(config) and is_run_config(config):
+        marks.append(CONFIG_FILENAME)
+    return marks
+
+
+def holds_a_run(folder: str) -> bool:
+    """Whether `folder` is a training run's workdir (`run_files_in`)."""
+    return os.path.isdir(folder) and bool(run_files_in(folder))
+
+
+def enclosing_run(path: str) -> str | None:
+    """The workdir of the training run that `path` is, or lies inside (links resolved; a
+    path that does not exist yet by its real path); None when it is in no run."""
+    folder = os.path.realpath(path)
+    while True:
+        if holds_a_run(folder):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 def policy_tokenizer(config: ml_collections.ConfigDict):
@@ -365,12 +449,26 @@ def stored_experiment(workdir: str) -> dict:
     """The experiment identity a workdir's checkpoints were written for (experiment.json)."""
     path = os.path.join(workdir, CHECKPOINTS_SUBDIR, EXPERIMENT_FILENAME)
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"No checkpoint in workdir {workdir} ({path} is missing); pass the --workdir of a "
-            "run that saved one."
-        )
+        raise no_checkpoint_error(workdir, f"{path} is missing")
     with open(path) as f:
         return json.load(f)
+
+
+def no_checkpoint_error(workdir: str, why: str | None = None) -> FileNotFoundError:
+    """The error for a workdir without a checkpoint (`why`: what shows it): a run stopped
+    during its warm start is told to go on, anything else to train first."""
+    saved = WarmStartCheckpoint(os.path.join(workdir, WARM_START_SUBDIR)).steps_saved()
+    if saved is not None:
+        return FileNotFoundError(
+            f"No checkpoint in workdir {workdir} yet: its run stopped during its warm start "
+            f"(unfinished, {saved} warm-start steps saved); run its train command again on "
+            "this workdir to go on."
+        )
+    where = f" ({why})" if why else ""
+    return FileNotFoundError(
+        f"No checkpoint in workdir {workdir}{where}; train first, or pass the workdir of a "
+        "run that saved one."
+    )
 
 
 def reading_identity(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -407,6 +505,7 @@ class RestoredRun(NamedTuple):
     params: Params
     reference_params: Params
     metadata: dict
+    step: int  # the checkpoint's
     critic: tuple | None = None  # PPO: (tba_jax.critic.Critic, the critic's params)
 
 
@@ -417,6 +516,7 @@ def restore_run(
     *,
     mesh: jax.sharding.Mesh | None = None,
     rules: mesh_lib.Rules = (),
+    attempts: int = READ_ATTEMPTS,
 ) -> RestoredRun:
     """Loads the trained policy and reference of the run `config` in `workdir` (latest step
     by default), onto the default device, or straight onto `mesh` sharded by `rules`
@@ -424,53 +524,176 @@ def restore_run(
     sits whole on one device). Raises a clear error if the workdir has no checkpoint or
     one of another experiment. The model has the checkpoint's params layout
     (`scan_layers` as that segment of the run had it). Reads the params alone: not the
-    optimizer state (twice the policy's bytes with Adam) nor the replay buffer."""
+    optimizer state (twice the policy's bytes with Adam) nor the replay buffer. A run
+    still training is read as `read_checkpoint` reads it (`attempts`: its default)."""
+
+    def read(chosen: int) -> RestoredRun:
+        return restore_step(config, workdir, chosen, mesh=mesh, rules=rules)
+
+    return read_checkpoint(workdir, step, read, attempts=attempts)
+
+
+def restore_step(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    step: int,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: mesh_lib.Rules = (),
+) -> RestoredRun:
+    """`restore_run` of the saved `step`, read once: CheckpointUnreadableError (one line,
+    naming the other saved steps) when any part of it does not restore."""
     model_cfg = stored_model_config(workdir)
-    checkpointer = reading_checkpointer(config, workdir)
-    stacked = checkpoint_stacked(checkpointer.read_metadata(step), workdir)
-    model, abstract_params = abstract_model(model_cfg.in_layout(stacked))
     if mesh is None:
         mesh, rules = mesh_lib.make_mesh(jax.devices()[:1], {}), ()
-    shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, rules)
-    params = mesh_lib.abstract_on(abstract_params, shardings)
-    template = {"train": {"params": params}, "reference": params}  # no Adam state, no buffer
-    critic = critic_parts(config, model, mesh, rules)
-    if critic is not None:
-        template["critic"] = {"params": critic.abstract_state.params}
-    step = max(checkpointer.all_steps()) if step is None else step  # read_metadata checked it
-    unreadable = None
-    try:
-        restored, metadata = checkpointer.restore_subset(template=template, step=step)
-    except Exception as error:
-        unreadable = checkpoint_unreadable(
+    with reading_checkpointer(config, workdir) as checkpointer:
+        metadata = read_or_unreadable(checkpointer, step, checkpointer.read_metadata)
+        stacked = checkpoint_stacked(metadata, workdir)
+        model, abstract_params = abstract_model(model_cfg.in_layout(stacked))
+        shardings = mesh_lib.param_shardings(model.logical_axes, abstract_params, mesh, rules)
+        params = mesh_lib.abstract_on(abstract_params, shardings)
+        template = {"train": {"params": params}, "reference": params}  # no Adam state, buffer
+        critic = critic_parts(config, model, mesh, rules)
+        if critic is not None:
+            template["critic"] = {"params": critic.abstract_state.params}
+        restored, metadata = read_or_unreadable(
             checkpointer,
             step,
-            error,
-            "pass one as the step to load (evaluate.py --checkpoint_step)",
+            lambda saved: checkpointer.restore_subset(template=template, step=saved),
         )
-    checkpointer.close()
-    if unreadable is not None:  # raised here: without orbax's chain of errors as its cause
-        raise unreadable
     return RestoredRun(
         model,
         restored["train"]["params"],
         restored["reference"],
         metadata,
+        step,
         critic=None if critic is None else (critic.critic, restored["critic"]["params"]),
     )
 
 
+def read_or_unreadable(checkpointer: Checkpointer, step: int, read: Callable[[int], T]) -> T:
+    """`read(step)` of `checkpointer`, or the one-line `checkpoint_unreadable` error when it
+    fails (raised without orbax's chain of errors as its cause)."""
+    try:
+        return read(step)
+    except Exception as error:
+        unreadable = checkpoint_unreadable(checkpointer, step, error)
+    raise unreadable
+
+
 def checkpoint_unreadable(
-    checkpointer: Checkpointer, step: int, error: Exception, pick_another: str
+    checkpointer: Checkpointer, step: int, error: Exception
 ) -> CheckpointUnreadableError:
     """The one-line error for checkpoint `step` failing to restore with `error`: orbax's
-    cause in one line, the other saved steps, and `pick_another` (how to load one)."""
+    cause in one line, the other saved steps, and how the caller picks another
+    (`steps_picked_with`)."""
     others = [saved for saved in checkpointer.all_steps() if saved != step]
     return CheckpointUnreadableError(
         f"Checkpoint {step} in {checkpointer.workdir} does not restore "
         f"({restore_failure(error)}); a file of it is likely truncated or half-written. The "
-        f"other saved steps: {others or 'none'}; {pick_another}."
+        f"other saved steps: {sorted(others) or 'none'}; pass one as {STEP_OPTION.get()}."
     )
+
+
+# How the caller of a checkpoint read picks another step (a launcher's flag, or Python's
+# `step` argument), for the errors that tell to.
+STEP_OPTION = contextvars.ContextVar("STEP_OPTION", default="`step`")
+
+
+@contextlib.contextmanager
+def steps_picked_with(option: str) -> Iterator[None]:
+    """Within the block, checkpoint errors tell to pass another step as `option` (e.g. a
+    launcher's "--step")."""
+    token = STEP_OPTION.set(option)
+    try:
+        yield
+    finally:
+        STEP_OPTION.reset(token)
+
+
+class _StepInFlightFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(STEP_IN_FLIGHT_NOTICE)
+
+
+@contextlib.contextmanager
+def orbax_notices_of_steps_in_flight_hidden() -> Iterator[None]:
+    """Leaves out orbax's warning about a step still being saved while the block reads the
+    checkpoints of a run in progress (absl's logger, which orbax logs through)."""
+    logger, quiet = logging.getLogger("absl"), _StepInFlightFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def saved_steps(workdir: str) -> list[int]:
+    """The steps with a checkpoint in `workdir` (0: right after the warm start), oldest
+    first, as they are now (a run in progress adds and removes them)."""
+    experiment = stored_experiment(workdir)  # any run's checkpoints list here
+    with (
+        orbax_notices_of_steps_in_flight_hidden(),
+        Checkpointer(workdir, experiment=experiment) as saved,
+    ):
+        return sorted(saved.all_steps())
+
+
+def saved_step(workdir: str, step: int | None, steps: list[int]) -> int:
+    """`step` (None: the latest) of a workdir's saved `steps`; FileNotFoundError when it has
+    none or `step` is not one of them."""
+    if not steps:
+        raise no_checkpoint_error(workdir)
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(
+            f"No checkpoint for step {step} in workdir {workdir}; available steps: {steps}."
+        )
+    return step
+
+
+def read_checkpoint(
+    workdir: str,
+    step: int | None,
+    read: Callable[[int], T],
+    *,
+    attempts: int = READ_ATTEMPTS,
+    retry_s: float | None = None,
+) -> T:
+    """`read(step)` of the checkpoint of `step` (None: the latest). A run in progress
+    writes and removes checkpoints while they are read (`keep_checkpoints`): a read that
+    fails is tried again (`attempts` reads in all, `retry_s` apart, default READ_RETRY_S),
+    on the newest step when none was asked for; a step the run removed meanwhile is named
+    as such (FileNotFoundError), not as a truncated file; a step still there that fails
+    in a finished run raises `read`'s error (CheckpointUnreadableError) at once."""
+    for attempt in range(attempts):
+        chosen = saved_step(workdir, step, saved_steps(workdir))
+        try:
+            with orbax_notices_of_steps_in_flight_hidden():
+                return read(chosen)
+        except (CheckpointUnreadableError, OSError):
+            steps_now = saved_steps(workdir)
+            if step is not None and step not in steps_now:
+                raise removed_while_read(workdir, step, steps_now) from None
+            still_there = chosen in steps_now
+            if attempt + 1 == attempts or (still_there and not in_progress(workdir)):
+                raise
+        time.sleep(READ_RETRY_S if retry_s is None else retry_s)
+    raise AssertionError("unreachable")
+
+
+def removed_while_read(workdir: str, step: int, steps_now: list[int]) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"Checkpoint {step} in {workdir} was removed while it was read (the run keeps its "
+        f"newest keep_checkpoints); its steps now: {steps_now}; pass one as "
+        f"{STEP_OPTION.get()}, or none for the latest."
+    )
+
+
+def in_progress(workdir: str) -> bool:
+    """Whether the run in `workdir` may still be writing checkpoints (no summary yet)."""
+    return not os.path.isfile(os.path.join(workdir, SUMMARY_FILENAME))
 
 
 def restore_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):
