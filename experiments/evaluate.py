@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -330,14 +331,9 @@ def write_result(workdir: str, out: str | None, result: dict, latest_step: int) 
 def latest_checkpoint_step(config, workdir: str, step: int | None = None) -> int:
     """The workdir's latest checkpoint step (the checkpoints must be of `config`'s run);
     FileNotFoundError, before any data is read, when it has none or `step` is not saved."""
-    with runs.reading_checkpointer(config, workdir) as checkpointer:
-        saved = sorted(checkpointer.all_steps())
-    if not saved:
-        raise FileNotFoundError(f"No checkpoint in workdir {workdir}; train first.")
-    if step is not None and step not in saved:
-        raise FileNotFoundError(
-            f"No checkpoint for step {step} in workdir {workdir}; available steps: {saved}."
-        )
+    with runs.reading_checkpointer(config, workdir):  # checks whose checkpoints they are
+        saved = runs.saved_steps(workdir)
+    runs.saved_step(workdir, step, saved)
     return saved[-1]
 
 
@@ -353,15 +349,19 @@ def note_if_unfinished(run_config, workdir: str, latest_step: int) -> None:
         )
 
 
-def evaluate_run(config, workdir: str, identity: EvalIdentity, settings) -> dict:
-    """The metrics of the run's policy at `identity.step` on its task's test split, with
-    the evaluation's identity (step, settings id, settings)."""
+def evaluate_run(
+    config, workdir: str, step: int | None, settings, identify: Callable[[int], EvalIdentity]
+) -> dict:
+    """The metrics of the run's policy at checkpoint `step` (None: the latest when it is
+    read; a run still training may have saved a newer one meanwhile) on its task's test
+    split, with the evaluation's identity: `identify(the step read)`."""
     # the policy, π_ref and the role models (reward models, victim, judge) sharded as the
     # trainer's sampler holds them, the batches' rows split over the other devices
     placement = over_all_devices(config)
     task = tasks.build_task(config.task, workdir, runs.policy_tokenizer(config), placement)
     mesh, rules = (None, ()) if placement is None else (placement.mesh, placement.rules)
-    run = runs.restore_run(config, workdir, identity.step, mesh=mesh, rules=rules)
+    run = runs.restore_run(config, workdir, step, mesh=mesh, rules=rules)
+    identity = identify(run.step)
     if mesh is not None and mesh.size > 1:
         logging.info("Evaluating on %d devices: %s.", mesh.size, dict(mesh.shape))
     metrics = evaluation.evaluate_policy(
@@ -403,11 +403,19 @@ def main(argv):
     check_settings(settings)
     latest_step = latest_checkpoint_step(config, workdir, step)
     note_if_unfinished(run_config, workdir, latest_step)
-    identity = eval_identity(run_config, config, settings, latest_step if step is None else step)
-    check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
+
+    def identify(step_read: int) -> EvalIdentity:
+        """The evaluation's identity, its output checked (before anything is evaluated)."""
+        identity = eval_identity(run_config, config, settings, step_read)
+        check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
+        return identity
+
+    identify(latest_step if step is None else step)  # before any data or checkpoint is read
     compile_cache.use(config)
-    result = evaluate_run(config, workdir, identity, settings)
-    written = write_result(workdir, _OUT.value, result, latest_step)
+    with runs.steps_picked_with("--checkpoint_step"):
+        result = evaluate_run(config, workdir, step, settings, identify)
+    identity = EvalIdentity(result["step"], result["settings_id"], result["settings"])
+    written = write_result(workdir, _OUT.value, result, max(latest_step, identity.step))
     logging.info("Wrote %s: %s", ", ".join(written), json.dumps(result, sort_keys=True))
     print(
         json.dumps({"step": identity.step, "settings_id": identity.settings_id, "files": written})

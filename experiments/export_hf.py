@@ -15,7 +15,8 @@ tokenizer.json with the same ids. Prints one JSON line: workdir, out, family, nu
 and the files written.
 
 `--out` must be a new or empty folder, and never the run's workdir or a checkpoint folder
-the run reads (`model.hf_path`, `reference.hf_path`, any other `hf_path` of its config).
+the run reads (`model.hf_path`, `reference.hf_path`, any other `hf_path` of its config),
+nor any training run's workdir or a folder inside one (not even with `--overwrite`).
 `--overwrite` writes into a non-empty folder: it first removes the files an export writes
 or a loader would read with them (`*.safetensors`, `*.safetensors.index.json`,
 config.json, the tokenizer files) and keeps the others.
@@ -104,9 +105,11 @@ def export_run(
 
 def check_out(config, workdir: str, out: str, *, overwrite: bool) -> None:
     """ConfigError when `out` is the run's workdir or one of its checkpoint folders (the
-    export would overwrite what the run reads, e.g. its π_ref), a file, or a non-empty
-    folder without `overwrite` (an earlier export's files would be left beside the new)."""
+    export would overwrite what the run reads, e.g. its π_ref), any run's workdir or a
+    folder inside one, a file, or a non-empty folder without `overwrite` (an earlier
+    export's files would be left beside the new)."""
     check_not_read_by_the_run(config, workdir, out)
+    check_in_no_run(out)
     check_empty_folder(out, overwrite=overwrite)
 
 
@@ -115,7 +118,7 @@ def check_not_read_by_the_run(config, workdir: str, out: str) -> None:
     if same_folder(out, workdir):
         raise ConfigError(
             f"--out={out} is the run's workdir; pass another folder, e.g. "
-            f"{os.path.join(workdir, 'hf')}."
+            f"{beside_the_run(workdir)}."
         )
     for key, folder in config_lib.hf_folders(config.to_dict()):
         if same_folder(out, folder):
@@ -123,6 +126,26 @@ def check_not_read_by_the_run(config, workdir: str, out: str) -> None:
                 f"--out={out} is the run's {key}={folder}, a checkpoint the run reads; "
                 "exporting there would overwrite it. Pass another folder."
             )
+
+
+def check_in_no_run(out: str) -> None:
+    """ConfigError when `out` is a training run's workdir or lies inside one: an export
+    (with --overwrite) would replace that run's config.json, or write into its checkpoints."""
+    run = runs.enclosing_run(out)
+    if run is None:
+        return
+    where = "is" if same_folder(out, run) else "lies inside"
+    shown = ", ".join(runs.run_files_in(run))
+    raise ConfigError(
+        f"--out={out} {where} the workdir of a training run ({run} holds {shown}); an export "
+        f"there would overwrite the run's files. Pass a folder outside any run, e.g. "
+        f"{beside_the_run(run)}."
+    )
+
+
+def beside_the_run(workdir: str) -> str:
+    """A folder to export `workdir`'s run to that is not inside it: <workdir>_hf."""
+    return os.path.abspath(workdir).rstrip(os.sep) + "_hf"
 
 
 def check_empty_folder(out: str, *, overwrite: bool) -> None:
@@ -205,15 +228,16 @@ def main(argv):
     values = flags.FLAGS
     overrides = parse_overrides(values.hf_config_overrides)
     cli.check_output_dir(values.out, "out")
-    result = export_run(
-        values.workdir,
-        values.out,
-        dtype=values.dtype,
-        step=values.step,
-        hf_config_overrides=overrides,
-        critic=values.critic,
-        overwrite=values.overwrite,
-    )
+    with runs.steps_picked_with("--step"):
+        result = export_run(
+            values.workdir,
+            values.out,
+            dtype=values.dtype,
+            step=values.step,
+            hf_config_overrides=overrides,
+            critic=values.critic,
+            overwrite=values.overwrite,
+        )
     print(json.dumps(result, sort_keys=True))
 
 

@@ -168,8 +168,10 @@ def test_evaluate_names_the_steps_there_are_and_an_unfinished_run(smoke_run, tmp
 
 def test_export_of_a_workdir_without_a_checkpoint(smoke_run, tmp_path):
     workdir, _ = smoke_run
-    shutil.copy(workdir / "config.json", tmp_path / "config.json")
-    result = run_script("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'out'}")
+    (tmp_path / "run").mkdir()
+    shutil.copy(workdir / "config.json", tmp_path / "run" / "config.json")
+    run, out = tmp_path / "run", tmp_path / "out"  # not inside the run: refused
+    result = run_script("export_hf.py", f"--workdir={run}", f"--out={out}")
     assert "No checkpoint in workdir" in error_line(result)
 
 
