@@ -61,8 +61,8 @@ PROCESSES_KEY = "processes"  # a multi-process run's layout in the experiment id
 # Keys every run's config.json has (config_lib.base_config's); a config.json without them
 # is another file of that name, e.g. an exported model's.
 RUN_CONFIG_KEYS = ("name", "mode", "method", "seed", "task", "model", "eval")
-# What train.py writes into a run's workdir besides config.json (train.SUMMARY_FILENAME,
-# train.WARM_START_SUBDIR; this module never imports the training loop).
+# What train.py writes into a run's workdir besides config.json: the summary when it ends,
+# an unfinished warm start's progress (train.py takes these names from here).
 SUMMARY_FILENAME = "summary.json"
 WARM_START_SUBDIR = "warm_start"
 

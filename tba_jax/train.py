@@ -76,6 +76,7 @@ from tba_jax.models import Model, Params, abstract_model, init_model
 from tba_jax.models.tokenizers import tokenizer_mismatch
 from tba_jax.placement import RolePlacement
 from tba_jax.run_totals import WALL_SECONDS, WARM_START_SECONDS
+from tba_jax.runs import SUMMARY_FILENAME, WARM_START_SUBDIR
 from tba_jax.sampling.engine import make_generator
 from tba_jax.trajectories import SampledBatch, collate
 from tba_jax.warmstart import (
@@ -87,8 +88,6 @@ from tba_jax.warmstart import (
     warm_start_optimizer,
 )
 
-SUMMARY_FILENAME = "summary.json"
-WARM_START_SUBDIR = "warm_start"
 # The policy's held-out score before any RL, kept when a run stops before its first learner
 # step (its step-0 checkpoint, saved before the evaluation, is never rewritten).
 START_EVALUATION_FILENAME = "start_evaluation.json"

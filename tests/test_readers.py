@@ -251,8 +251,3 @@ def test_a_run_stopped_in_its_warm_start_is_told_to_go_on(finished_run, tmp_path
     os.remove(workdir / "checkpoints" / "experiment.json")
     with told:
         runs.restore_run(config, str(workdir))
-
-
-def test_runs_names_the_files_train_writes_as_train_does():
-    assert runs.SUMMARY_FILENAME == train.SUMMARY_FILENAME
-    assert runs.WARM_START_SUBDIR == train.WARM_START_SUBDIR
