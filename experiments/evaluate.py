@@ -45,7 +45,7 @@ from collections.abc import Callable
 from absl import flags, logging
 from ml_collections import config_flags
 
-from tba_jax import cli, compile_cache, distributed, evaluation, runs, sources, tasks
+from tba_jax import cli, compile_cache, distributed, evaluation, runs, tasks
 from tba_jax.checkpoint import (
     CHECKPOINTS_SUBDIR,
     CheckpointMismatchError,
@@ -60,8 +60,6 @@ EVALS_SUBDIR = "evals"  # every evaluation: one file per step and settings
 DEFAULT_SETTINGS_ID = "default"
 SETTINGS_ID_HEX_DIGITS = 8
 # For configs whose `eval` section does not say (e.g. configs/arithmetic.py).
-FALLBACK_NUM_SAMPLES = 16
-FALLBACK_KS = (1, 4, 16)
 # Config keys that name a config rather than set anything (each value a variant sets shows
 # in its own key): left out of an evaluation's config_changes.
 LABEL_KEYS = ("variant",)
@@ -161,28 +159,6 @@ def flag_overrides() -> dict:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def eval_settings(config, overrides: dict | None = None) -> tasks.EvalSettings:
-    """The config's eval section and sampling settings, with `overrides` (flag values by
-    field name) in place of theirs."""
-    eval_config = config.eval
-    from_config = {
-        "max_new_tokens": eval_config.get("max_new_tokens", config.max_response_len),
-        "num_examples": eval_config.num_examples,
-        "num_samples": eval_config.get("num_samples", FALLBACK_NUM_SAMPLES),
-        "ks": tuple(int(k) for k in eval_config.get("ks", FALLBACK_KS)),
-    }
-    return tasks.EvalSettings(
-        max_prompt_len=config.max_prompt_len,
-        batch_size=eval_config.batch_size,
-        temperature=config.sampling.temperature,
-        top_k=config.sampling.top_k,
-        top_p=config.sampling.top_p,
-        seed=config.seed,
-        engine=sources.evaluation_engine_config(config),
-        **{**from_config, **(overrides or {})},
-    )
-
-
 def check_settings(settings: tasks.EvalSettings) -> None:
     """ConfigError for settings that cannot work, before anything is loaded."""
     if settings.max_new_tokens < 1:
@@ -235,7 +211,7 @@ def eval_identity(run_config, eval_config, settings, step: int) -> EvalIdentity:
     """The identity of evaluating `step` with `settings` and `eval_config` (which may be
     --config), against the default: the run's own config and no flags."""
     record = settings_record(settings, config_changes(run_config, eval_config))
-    default_record = settings_record(eval_settings(run_config), {})
+    default_record = settings_record(runs.eval_settings(run_config), {})
     return EvalIdentity(step, settings_id(record, default_record), record)
 
 
@@ -399,7 +375,7 @@ def main(argv):
     workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
     run_config = runs.load_config(workdir)
     config = _CONFIG.value or run_config
-    settings = eval_settings(config, flag_overrides())
+    settings = runs.eval_settings(config, flag_overrides())
     check_settings(settings)
     latest_step = latest_checkpoint_step(config, workdir, step)
     note_if_unfinished(run_config, workdir, latest_step)

@@ -10,10 +10,12 @@ and any script that looks inside a run read.
     for s in view.sample(4, n=2):             # the first 4 test problems, 2 responses each
         print(s.prompt, s.response, s.reward)
     buffer = view.replay_buffer()             # the latest checkpoint's ReplayBuffer
+    view.evaluate(num_samples=0)              # evaluate.py's metrics: {"greedy_pass@1": ...}
 
 Everything is read with the functions the tools use (`runs.load_config`,
 `runs.restore_run`, `metrics.read_scalars` and `evaluation_curve`, `tasks.build_task`, the
-generators the evaluation uses, `Checkpointer.restore_buffer`,
+generators the evaluation uses, `evaluation.evaluate_policy` with `runs.eval_settings`,
+`Checkpointer.restore_buffer`,
 `sources.make_replay_buffer`), so a view sees what `evaluate.py` and
 `experiments/reproduce.py` see.
 Checkpoints are restored on the default device, once per step; files (the summary, the
@@ -38,7 +40,6 @@ from tba_jax.checkpoint import Checkpointer
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
 from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.engine import make_generator
-from tba_jax.train import SUMMARY_FILENAME
 
 T = TypeVar("T")
 # A view's checkpoint read of a run in progress is tried this many times, this far apart,
@@ -80,7 +81,7 @@ class RunView:
     @property
     def summary(self) -> dict | None:
         """summary.json: the whole run's figures; None while the run is unfinished."""
-        path = os.path.join(self.workdir, SUMMARY_FILENAME)
+        path = os.path.join(self.workdir, runs.SUMMARY_FILENAME)
         if not os.path.isfile(path):
             return None
         with open(path) as f:
@@ -202,6 +203,21 @@ class RunView:
     def test_examples(self, num: int | None = None) -> list[dict]:
         """The first `num` (None: all) examples of the task's test split."""
         return list(self.task.test[:num])
+
+    def evaluate(self, step: int | None = None, **settings) -> dict:
+        """The task's held-out metrics of the policy at checkpoint `step` (default: the
+        latest), as `experiments/evaluate.py` computes them: greedy pass@1 and sampled
+        pass@k (or the task's own, e.g. TL;DR's win rate), with the run's evaluation
+        settings and `settings` in place of theirs (max_new_tokens, num_examples,
+        num_samples, ks: `view.evaluate(num_samples=0)` is greedy only)."""
+        run = self.policy(step)
+        return evaluation.evaluate_policy(
+            run.model,
+            run.params,
+            self.task,
+            runs.eval_settings(self.config, settings),
+            reference_params=run.reference_params,
+        )
 
     def sample(
         self,

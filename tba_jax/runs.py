@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import ml_collections
 
-from tba_jax import learner, tasks
+from tba_jax import learner, sources, tasks
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import (
     CHECKPOINTS_SUBDIR,
@@ -694,6 +694,37 @@ def removed_while_read(workdir: str, step: int, steps_now: list[int]) -> FileNot
 def in_progress(workdir: str) -> bool:
     """Whether the run in `workdir` may still be writing checkpoints (no summary yet)."""
     return not os.path.isfile(os.path.join(workdir, SUMMARY_FILENAME))
+
+
+# What experiments/evaluate.py (and RunView.evaluate) samples when the run's config has no
+# eval.num_samples / eval.ks (a config saved before they existed).
+FALLBACK_NUM_SAMPLES = 16
+FALLBACK_KS = (1, 4, 16)
+
+
+def eval_settings(
+    config: ml_collections.ConfigDict, overrides: dict | None = None
+) -> tasks.EvalSettings:
+    """The evaluation settings of the run `config`: its eval section and sampling settings,
+    with `overrides` (by EvalSettings field name: max_new_tokens, num_examples,
+    num_samples, ks) in place of theirs."""
+    eval_config = config.eval
+    from_config = {
+        "max_new_tokens": eval_config.get("max_new_tokens", config.max_response_len),
+        "num_examples": eval_config.num_examples,
+        "num_samples": eval_config.get("num_samples", FALLBACK_NUM_SAMPLES),
+        "ks": tuple(int(k) for k in eval_config.get("ks", FALLBACK_KS)),
+    }
+    return tasks.EvalSettings(
+        max_prompt_len=config.max_prompt_len,
+        batch_size=eval_config.batch_size,
+        temperature=config.sampling.temperature,
+        top_k=config.sampling.top_k,
+        top_p=config.sampling.top_p,
+        seed=config.seed,
+        engine=sources.evaluation_engine_config(config),
+        **{**from_config, **(overrides or {})},
+    )
 
 
 def restore_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None):

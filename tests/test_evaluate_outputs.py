@@ -10,6 +10,7 @@ import pytest
 
 from configs import arithmetic
 from experiments import evaluate
+from tba_jax import runs
 
 LATEST_STEP = 4
 OLDER_STEP = 2
@@ -24,7 +25,7 @@ def run_config():
 
 def identity_of(run_config, step, overrides=None, eval_config=None):
     eval_config = eval_config or run_config
-    settings = evaluate.eval_settings(eval_config, overrides)
+    settings = runs.eval_settings(eval_config, overrides)
     return evaluate.eval_identity(run_config, eval_config, settings, step)
 
 
@@ -45,11 +46,11 @@ def test_the_run_config_without_flags_is_the_default_evaluation(run_config):
     identity = identity_of(run_config, LATEST_STEP)
     assert identity.settings_id == evaluate.DEFAULT_SETTINGS_ID
     assert identity.settings["config_changes"] == {}
-    assert identity.settings["num_samples"] == evaluate.FALLBACK_NUM_SAMPLES
+    assert identity.settings["num_samples"] == runs.FALLBACK_NUM_SAMPLES
 
 
 def test_flags_equal_to_the_defaults_are_still_the_default_evaluation(run_config):
-    default = evaluate.eval_settings(run_config)
+    default = runs.eval_settings(run_config)
     overrides = {"num_samples": default.num_samples, "ks": default.ks}
     assert identity_of(run_config, 1, overrides).settings_id == evaluate.DEFAULT_SETTINGS_ID
 

@@ -227,6 +227,13 @@ def test_run_view_samples_the_trained_policy_with_rewards(view):
     assert own.prompt == "1+2=" and own.reward is None
 
 
+def test_run_view_evaluates_as_the_run_and_evaluate_py_do(view):
+    metrics = view.evaluate(num_samples=0)  # greedy only: the run's final evaluation
+    assert metrics["greedy_pass@1"] == view.summary["eval_accuracy_end"]
+    assert metrics["num_problems"] == view.config.eval.num_examples
+    assert view.evaluate(0, num_samples=0)["greedy_pass@1"] == view.summary["eval_accuracy_start"]
+
+
 def test_run_view_restores_the_replay_buffer_of_a_checkpoint(view):
     buffer = view.replay_buffer()
     assert len(buffer) > 0 and buffer.num_prompts <= view.config.task.num_train

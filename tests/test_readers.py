@@ -165,7 +165,7 @@ def test_the_latest_checkpoint_removed_while_read_is_read_at_the_new_latest(
     shutil.copytree(checkpoint_folder(run_in_progress, 2), checkpoint_folder(run_in_progress, 4))
     reads = recorded_reads(monkeypatch, pruned_step=4)
     config = runs.load_config(run_in_progress)
-    settings = evaluate.eval_settings(config, {"num_samples": 0, "num_examples": 2})
+    settings = runs.eval_settings(config, {"num_samples": 0, "num_examples": 2})
     identified = []
 
     def identify(step):
