@@ -117,6 +117,23 @@ def test_convert_command_writes_files_the_builder_reads(tmp_path, capsys):
     assert pairs[0]["chosen"] == " cat sneezes"
 
 
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"split": "train", "info": {"post": "p"}}', "has no summaries, choice"),
+        ('{"split": "train" "info": 1}', "batch1.json:1 is not valid JSON"),
+        (json.dumps(comparison("extra", 0)), "split='extra'"),
+    ],
+)
+def test_convert_command_reports_a_bad_comparison_in_one_line(tmp_path, capsys, line, message):
+    (tmp_path / "batch1.json").write_text(line + "\n")
+    argv = [f"--comparisons={tmp_path}/batch*.json", f"--out={tmp_path}/out"]
+    assert preferences.main(argv) == 1
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith("error: ") and message in error
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
 # ----------------------------------------------------------------------------- training
 
 

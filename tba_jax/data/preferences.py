@@ -30,6 +30,7 @@ import argparse
 import glob
 import json
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
@@ -88,6 +89,10 @@ def load_split(
 # --------------------------------------------------------- summarize-from-feedback records
 
 
+# The keys of a summarize-from-feedback comparison record that a pair is made from.
+COMPARISON_KEYS = ("info", "summaries", "choice")
+
+
 def comparison_to_pair(
     record: dict, *, max_prompt_len: int | None = None, length_fn: tldr.LengthFn = len
 ) -> dict | None:
@@ -96,6 +101,12 @@ def comparison_to_pair(
     The prompt is `tldr.build_prompt`'s, its post truncated at whitespace to measure at
     most `max_prompt_len` with `length_fn` (None: untruncated).
     """
+    missing = [key for key in COMPARISON_KEYS if key not in record]
+    if missing:
+        raise ValueError(
+            f"A comparison record has no {', '.join(missing)} (its keys: {sorted(record)}); "
+            f"expected summarize-from-feedback's {', '.join(COMPARISON_KEYS)}."
+        )
     info = record["info"]
     if not info.get("post"):
         return None
@@ -160,7 +171,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Converts comparison files to pairs; a file or record that cannot be converted is one
+    `error: ...` line on stderr and status 1."""
     args = _parser().parse_args(argv)
+    try:
+        return convert_files(args)
+    except (ValueError, FileNotFoundError) as error:  # ConfigError / SourceFileError too
+        print("error: " + " ".join(str(error).split()), file=sys.stderr)
+        return 1
+
+
+def convert_files(args: argparse.Namespace) -> int:
     length_fn = len
     if args.tokenizer:
         from tba_jax.models.hf_tokenizer import HFTokenizer
