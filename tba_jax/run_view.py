@@ -42,10 +42,6 @@ from tba_jax.replay import ReplayBuffer
 from tba_jax.sampling.engine import make_generator
 
 T = TypeVar("T")
-# A view's checkpoint read of a run in progress is tried this many times, this far apart,
-# while the run saves and removes checkpoints around it (`runs.read_checkpoint`).
-READ_ATTEMPTS = runs.READ_ATTEMPTS
-READ_RETRY_S = runs.READ_RETRY_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +137,7 @@ class RunView:
         """`read(step)` of the checkpoint of `step` (None: the latest), as
         `runs.read_checkpoint` reads a run in progress: tried again while the run saves and
         removes checkpoints around it; a step removed meanwhile is named as such."""
-        return runs.read_checkpoint(
-            self.workdir, step, read, attempts=READ_ATTEMPTS, retry_s=READ_RETRY_S
-        )
+        return runs.read_checkpoint(self.workdir, step, read)
 
     def policy(self, step: int | None = None) -> runs.RestoredRun:
         """The checkpoint of `step` (default: the latest): model, params, π_ref, metadata."""

@@ -659,11 +659,10 @@ def read_checkpoint(
     read: Callable[[int], T],
     *,
     attempts: int = READ_ATTEMPTS,
-    retry_s: float | None = None,
 ) -> T:
     """`read(step)` of the checkpoint of `step` (None: the latest). A run in progress
     writes and removes checkpoints while they are read (`keep_checkpoints`): a read that
-    fails is tried again (`attempts` reads in all, `retry_s` apart, default READ_RETRY_S),
+    fails is tried again (`attempts` reads in all, READ_RETRY_S apart),
     on the newest step when none was asked for; a step the run removed meanwhile is named
     as such (FileNotFoundError), not as a truncated file; a step still there that fails
     in a finished run raises `read`'s error (CheckpointUnreadableError) at once."""
@@ -679,7 +678,7 @@ def read_checkpoint(
             still_there = chosen in steps_now
             if attempt + 1 == attempts or (still_there and not in_progress(workdir)):
                 raise
-        time.sleep(READ_RETRY_S if retry_s is None else retry_s)
+        time.sleep(READ_RETRY_S)
     raise AssertionError("unreachable")
 
 

@@ -430,7 +430,7 @@ def test_a_view_of_a_run_in_progress_reads_past_checkpoints_removed_meanwhile(
     workdir = str(tmp_path / "run")
     shutil.copytree(run_with_three_checkpoints, workdir)
     os.remove(os.path.join(workdir, "summary.json"))  # still training
-    monkeypatch.setattr("tba_jax.run_view.READ_RETRY_S", 0.0)
+    monkeypatch.setattr(runs, "READ_RETRY_S", 0.0)
     original, reads = runs.restore_run, []
 
     def pruned_while_read(config, workdir_read, step, **kwargs):
