@@ -47,6 +47,7 @@ from tba_jax.checkpoint import (
     CheckpointMismatchError,
     StopSignal,
     WorkdirInUseError,
+    communicate_passing_on_stop,
     install_stop_handlers,
 )
 from tba_jax.config_lib import ConfigError
@@ -79,7 +80,6 @@ TABLE_COLUMNS = (
     "wall_seconds",
     "samples_per_second",
 )
-EVALUATE_POLL_S = 0.2  # how often a stop is looked for while experiments/evaluate.py runs
 # A refused run's message names train.py's flag (its advice, "pass another --workdir",
 # and "--workdir=<the run's>"); the sweep's is --workdir_root.
 WORKDIR_ADVICE = re.compile(r"another --workdir\b(?!_)")
@@ -127,20 +127,7 @@ def evaluate_in_subprocess(
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    forwarded = False
-    try:
-        while True:
-            try:
-                stdout, stderr = child.communicate(timeout=EVALUATE_POLL_S)
-                break
-            except subprocess.TimeoutExpired:  # retrying loses no output
-                if stop_signal is not None and stop_signal.requested and not forwarded:
-                    child.send_signal(stop_signal.signum or signal.SIGTERM)
-                    forwarded = True
-    except BaseException:  # e.g. a second Ctrl-C: the child is not left running
-        child.kill()
-        child.wait()
-        raise
+    stdout, stderr = communicate_passing_on_stop(child, stop_signal)
     if child.returncode != 0:
         if stop_signal is not None and stop_signal.requested:
             raise stop_signal.stopped()

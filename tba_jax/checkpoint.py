@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -851,6 +852,7 @@ class StopSignal:
 
 
 STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+STOP_POLL_S = 0.2  # how soon a stop asked of this process reaches a child it waits for
 
 
 def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
@@ -915,6 +917,28 @@ def stop_on_signals() -> Iterator[StopSignal]:
     finally:
         if restore is not None:
             restore()
+
+
+def communicate_passing_on_stop(
+    child: subprocess.Popen, stop_signal: StopSignal | None
+) -> tuple[Any, Any]:
+    """`child.communicate()`: its stdout and stderr (None where not piped). A stop requested
+    of `stop_signal` meanwhile (SIGTERM, Ctrl-C) is passed on to the child once, as the
+    signal that asked (SIGTERM when none did), and the child is waited for while it saves;
+    anything raised here (a second Ctrl-C) kills it rather than leave it running."""
+    passed_on = False
+    try:
+        while True:
+            try:
+                return child.communicate(timeout=STOP_POLL_S)
+            except subprocess.TimeoutExpired:  # trying again loses no output
+                if stop_signal is not None and stop_signal.requested and not passed_on:
+                    child.send_signal(stop_signal.signum or signal.SIGTERM)
+                    passed_on = True
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
 
 
 # --------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from tba_jax.checkpoint import (
     SIGNAL_EXIT_BASE,
     STOPPED_STATUSES,
     RunStopped,
-    StopSignal,
+    communicate_passing_on_stop,
     stop_on_signals,
 )
 from tba_jax.metrics import RL_SECONDS, TENSORBOARD_SUBDIR, evaluation_curve, read_scalars
@@ -42,7 +42,6 @@ SUMMARY_FILENAME = "summary.json"  # what experiments/train.py writes into its w
 EVAL_FILENAME = "eval.json"  # what experiments/evaluate.py writes into the run's workdir
 CONFIG_FILENAME = "config.json"  # the run's config, written when it starts
 LOG_TAIL_CHARS = 3000
-STOP_POLL_S = 0.2  # how soon a stop asked of the grid is passed on to its running cell
 # summary.json's evaluations of a metric (experiments/train.py): `<metric>_start` at
 # step 0, before any RL, and `<metric>_end` after its `learner_steps` steps
 START_SUFFIX, END_SUFFIX = "_start", "_end"
@@ -176,7 +175,8 @@ def run_logged(command: list[str], log_path: str) -> float:
         child = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        returncode = wait_passing_on_stop(child, stop_signal)
+        communicate_passing_on_stop(child, stop_signal)
+        returncode = child.returncode
         wall_seconds = time.perf_counter() - start
     if returncode in STOPPED_STATUSES:  # SIGTERM / Ctrl-C: it saved, a rerun goes on
         signum = returncode - SIGNAL_EXIT_BASE
@@ -193,25 +193,6 @@ def run_logged(command: list[str], log_path: str) -> float:
             f"ending:\n{tail}"
         )
     return wall_seconds
-
-
-def wait_passing_on_stop(child: subprocess.Popen, stop_signal: StopSignal) -> int:
-    """`child`'s exit status. A stop requested meanwhile (SIGTERM, Ctrl-C) is passed on to
-    it once, as the same signal, and it is waited for while it saves; a second Ctrl-C
-    (KeyboardInterrupt here) kills it."""
-    passed_on = False
-    try:
-        while True:
-            try:
-                return child.wait(timeout=STOP_POLL_S)
-            except subprocess.TimeoutExpired:
-                if stop_signal.requested and not passed_on:
-                    child.send_signal(stop_signal.signum or signal.SIGTERM)
-                    passed_on = True
-    except BaseException:
-        child.kill()
-        child.wait()
-        raise
 
 
 def is_finished(cell: Cell, workdir: str) -> bool:
