@@ -417,8 +417,6 @@ def machine_fields() -> dict[str, Any]:
     kind, the CPU count, and the JAX and Python versions."""
     import platform
 
-    import jax
-
     return {
         "device": jax.devices()[0].device_kind,
         "cpus": os.cpu_count(),
