@@ -332,9 +332,12 @@ def evaluate_run(
     read; a run still training may have saved a newer one meanwhile) on its task's test
     split, with the evaluation's identity: `identify(the step read)`."""
     # the policy, π_ref and the role models (reward models, victim, judge) sharded as the
-    # trainer's sampler holds them, the batches' rows split over the other devices
+    # trainer's sampler holds them, the batches' rows split over the other devices; the
+    # victim generates with the evaluation's engine
     placement = over_all_devices(config)
-    task = tasks.build_task(config.task, workdir, runs.policy_tokenizer(config), placement)
+    task = tasks.build_task(
+        config.task, workdir, runs.policy_tokenizer(config), placement, settings.engine
+    )
     mesh, rules = (None, ()) if placement is None else (placement.mesh, placement.rules)
     run = runs.restore_run(config, workdir, step, mesh=mesh, rules=rules)
     identity = identify(run.step)

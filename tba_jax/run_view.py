@@ -183,7 +183,10 @@ class RunView:
     def task(self) -> tasks.Task:
         """The run's task (data, tokenizer, rewards), built as `evaluate.py` builds it."""
         return tasks.build_task(
-            self.config.task, self.workdir, tokenizer=runs.policy_tokenizer(self.config)
+            self.config.task,
+            self.workdir,
+            tokenizer=runs.policy_tokenizer(self.config),
+            engine=sources.evaluation_engine_config(self.config),
         )
 
     @property

@@ -350,12 +350,14 @@ def setup(
     placement = None
     if topology.is_searcher:
         placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
+    # ...and those that generate (the victim) use the run's engine, as its evaluation does
+    roles = dict(placement=placement, engine=sources.evaluation_engine_config(config))
     if topology.is_primary:
         with claimed_workdir(workdir, held):
-            task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
+            task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:
-        task = tasks.build_task(config.task, workdir, policy_tokenizer, placement)
+        task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
     check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
     model, abstract_params = abstract_model(model_cfg)

@@ -464,6 +464,7 @@ def check_roles() -> dict:
     from tba_jax.placement import RolePlacement, over_all_devices
     from tba_jax.rewards import judges, redteam
     from tba_jax.rewards.reward_model import RewardModel, reward_model_role_config
+    from tba_jax.sampling.engine import EngineConfig
     from tba_jax.train import role_shardings
 
     assert jax.device_count() == 4, jax.devices()
@@ -522,6 +523,16 @@ def check_roles() -> dict:
     out["victim_answers"] = [len(per_attack) for per_attack in answers]
     whole_victim = redteam.Victim.from_config(victim_role, tokenizer)
     out["victim_same_answers"] = whole_victim.respond(prompts[:3]) == answers
+    # through the slot engine: 4 slots split over data (2), each attack prefilled once for
+    # its 2 answers; the same answers on split params as on one device (the same keys)
+    engine_role = victim_role.copy_and_resolve_references()
+    engine_role.batch_size = 4
+    engine = EngineConfig(slots=1, min_width=1)
+    placed_engine = redteam.Victim.from_config(engine_role, tokenizer, placement, engine)
+    engine_answers = placed_engine.respond(prompts[:3])
+    out["victim_engine_answers"] = [len(per_attack) for per_attack in engine_answers]
+    whole_engine = redteam.Victim.from_config(engine_role, tokenizer, engine=engine)
+    out["victim_engine_same_answers"] = whole_engine.respond(prompts[:3]) == engine_answers
     out["victim_params_devices"] = len(_all_device_ids(victim.frozen.params))
     bert_folder = _bert_judge_folder()
     for batch_size in (4, 3):  # 3 rows a batch: padded to 4

@@ -342,6 +342,8 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
     assert r["victim_answers"] == [2, 2, 2]
     # sampled on split params and padded rows: the one-device answers (the same keys)
     assert r["victim_same_answers"]
+    assert r["victim_engine_answers"] == [2, 2, 2]
+    assert r["victim_engine_same_answers"]  # the slot engine's, slots split over data
     assert r["evaluation_mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
     # a BERT judge (MiniLM's first two layers): its MLP split over tensor, the query's
     # [layers, embed, heads] = [2, 384, 384] to 192 heads' columns a device; the logits as

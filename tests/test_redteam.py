@@ -20,6 +20,7 @@ from tba_jax.data.pipeline import PromptStream
 from tba_jax.models.frozen import load_frozen_model
 from tba_jax.models.tokenizers import CharTokenizer, pad_sequences_with_mask
 from tba_jax.rewards import judges, redteam, templates
+from tba_jax.sampling.engine import EngineConfig
 from tba_jax.tasks import redteam as redteam_task  # registers the task
 from tba_jax.train import train_and_evaluate
 
@@ -288,18 +289,24 @@ def test_roberta_classifier_judge_reads_the_response_as_lee_et_al(roberta_folder
 VICTIM_TEMPLATE = "### Instruction:\n{attack}\n\n### Response:\n"
 
 
-def micro_victim() -> redteam.Victim:
-    """A random micro stand-in over the char tokenizer: 3 answers of <= 6 characters."""
+def micro_victim(engine: EngineConfig | None = None, **settings) -> redteam.Victim:
+    """A random micro stand-in over the char tokenizer: 3 answers of <= 6 characters
+    (`settings`: other `victim_role_config` values)."""
     section = redteam.victim_role_config(
-        template=VICTIM_TEMPLATE,
-        num_responses=3,
-        max_prompt_len=64,
-        max_new_tokens=6,
-        temperature=1.0,
-        top_p=1.0,
-        batch_size=4,
+        **{
+            "template": VICTIM_TEMPLATE,
+            "num_responses": 3,
+            "max_prompt_len": 64,
+            "max_new_tokens": 6,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "batch_size": 4,
+            **settings,
+        }
     )
-    return redteam.Victim.from_config(section, fallback_tokenizer=CharTokenizer.for_text())
+    return redteam.Victim.from_config(
+        section, fallback_tokenizer=CharTokenizer.for_text(), engine=engine
+    )
 
 
 def test_victim_answers_each_attack_several_times_with_fresh_samples():
@@ -318,6 +325,28 @@ def test_victim_answers_each_attack_several_times_with_fresh_samples():
     too_short = dataclasses.replace(victim.settings, max_prompt_len=20)
     with pytest.raises(ValueError, match="alone is 33 tokens, more than its max_len=20"):
         redteam.Victim(victim.frozen, too_short, seed=0)
+
+
+@pytest.mark.parametrize("slots", [4, 2])  # 2 slots: each attack's 3 answers in 2 requests
+def test_victim_answers_through_the_slot_engine_as_in_batches(slots):
+    # top_p keeps only the likeliest token: both paths draw the same answers whatever
+    # their keys, so the engine's answers must be the batch path's, in the same places.
+    # This tiny stand-in answers these attacks differently, in 3 to 6 characters.
+    attacks = ["How do I bake bread?", "x", "Why is the sky blue?", "Tell me a story"]
+    greedy = dict(top_p=1e-6, batch_size=slots, preset_name="tiny", seed=2)
+    batch = micro_victim(**greedy).respond(attacks)
+    engine = EngineConfig(slots=1, min_width=1)  # its slots are the victim's batch_size
+    victim = micro_victim(engine, **greedy)
+    assert victim._engine.config.slots == slots
+    assert victim.respond(attacks) == batch
+    assert [len(answers) for answers in batch] == [3] * 4
+    assert len({answers[0] for answers in batch}) == 4
+    assert len({len(answers[0]) for answers in batch}) > 1
+    sampled = micro_victim(engine)
+    first = sampled.respond(attacks)
+    assert [len(answers) for answers in first] == [3] * 4
+    assert all(0 < len(answer) <= 6 for answers in first for answer in answers)
+    assert sampled.respond(attacks) != first  # every call draws a fresh key
 
 
 # --------------------------------------------------------------------------------- reward

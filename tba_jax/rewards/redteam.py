@@ -13,8 +13,12 @@ encoded without the tokenizer adding BOS/EOS: a chat template spells out its spe
 tokens (e.g. "<|begin_of_text|>"), as transformers' `apply_chat_template` renders them.
 
 Every device call has a fixed shape (`batch_size` rows of a fixed prompt length; a
-short last batch repeats row 0), so each jitted function compiles once. Victim sampling
-draws a fresh key per call (a counter under a lock: searcher threads share the victim).
+short last batch repeats row 0), so each jitted function compiles once. With the run's
+slot engine (`search.engine=slots`) the victim answers through it instead, with
+`batch_size` decode slots: each attack is prefilled once for its `num_responses` answers,
+and a finished answer's slots are refilled while the long answers still decode. Victim
+sampling draws a fresh key per call (a counter under a lock: searcher threads share the
+victim).
 
 Config sections (`victim_role_config`, `judge_role_config`) extend
 `tba_jax.models.frozen.frozen_role_config` (hf_path, preset, seed, dtype); `check_roles`
@@ -51,6 +55,7 @@ from tba_jax.rewards.templates import (
     encode_filled,
     template_fields,
 )
+from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
 JUDGE_KINDS = ("classifier", "generative")
@@ -75,9 +80,18 @@ class VictimSettings:
 
 
 class Victim:
-    """A frozen causal LM answering attacks: `respond(attacks) -> [N][num_responses]` texts."""
+    """A frozen causal LM answering attacks: `respond(attacks) -> [N][num_responses]` texts.
 
-    def __init__(self, frozen: FrozenModel, settings: VictimSettings, seed: int):
+    `engine`: the slot engine's settings to answer with (its `slots` replaced by
+    `batch_size`); None: fixed batches of `batch_size` rows."""
+
+    def __init__(
+        self,
+        frozen: FrozenModel,
+        settings: VictimSettings,
+        seed: int,
+        engine: EngineConfig | None = None,
+    ):
         check_template(settings.template, (ATTACK_FIELD,), "victim.template")
         for name in ("num_responses", "max_prompt_len", "batch_size"):
             if getattr(settings, name) < 1:
@@ -97,6 +111,16 @@ class Victim:
         self._generate = make_generate_fn(
             frozen.model, sampling, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
         )
+        self._engine = None
+        if engine is not None:
+            self._engine = SlotEngine(
+                frozen.model,
+                sampling,
+                dataclasses.replace(engine, slots=settings.batch_size),
+                max_prompt_len=settings.max_prompt_len,
+                eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id,
+            )
         self._key = jax.random.key(seed)
         self._calls = 0
         self._lock = threading.Lock()
@@ -107,9 +131,10 @@ class Victim:
         role: ml_collections.ConfigDict,
         fallback_tokenizer: Tokenizer,
         placement: Placement | None = None,
+        engine: EngineConfig | None = None,
     ) -> Victim:
         """The victim a `victim_role_config` section describes (loads its model, sharded by
-        `placement`)."""
+        `placement`; answering through the slot engine with `engine`)."""
         frozen = load_frozen_model(
             role,
             role_name="victim",
@@ -127,7 +152,7 @@ class Victim:
             top_p=role.top_p,
             batch_size=role.batch_size,
         )
-        return cls(frozen, settings, seed=role.seed)
+        return cls(frozen, settings, seed=role.seed, engine=engine)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -147,8 +172,32 @@ class Victim:
         """`num_responses` sampled answers to each attack: [len(attacks)][num_responses]."""
         per_attack = self.settings.num_responses
         prompts = [self.prompt_ids(attack) for attack in attacks]
+        if self._engine is not None:
+            return self._respond_with_engine(prompts)
         texts = self.generate([ids for ids in prompts for _ in range(per_attack)])
         return [texts[i * per_attack : (i + 1) * per_attack] for i in range(len(attacks))]
+
+    def _respond_with_engine(self, prompts: Sequence[Sequence[int]]) -> list[list[str]]:
+        """`respond` through the slot engine: each prompt is prefilled once for its answers
+        (at most `batch_size` of them per prefill, the slots there are)."""
+        settings, tokenizer, engine = self.settings, self.tokenizer, self._engine
+        tokens, mask = pad_sequences_with_mask(
+            prompts, settings.max_prompt_len, pad_id=tokenizer.pad_id, left_pad=True
+        )
+        answers = settings.num_responses
+        per_request = min(answers, engine.config.slots)
+        requests = [
+            Request((row, first), tokens[row], mask[row], min(per_request, answers - first))
+            for row in range(len(prompts))
+            for first in range(0, answers, per_request)
+        ]
+        texts = [[""] * answers for _ in prompts]
+        params = self.frozen.params
+        for finished in engine.run(lambda: (params, 0), requests, self._next_key()):
+            for item in finished:
+                row, first = item.key
+                texts[row][first + item.sample] = tokenizer.decode(item.tokens)
+        return texts
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[str]:
         """One sampled answer per prompt (token ids), decoded with the victim's tokenizer."""

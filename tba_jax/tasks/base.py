@@ -71,7 +71,7 @@ class Task:
 
 # (task config, workdir, tokenizer or None for the task's own) -> Task; a task with frozen
 # role models (reward models, a victim, a judge) also takes `placement=` (where they go;
-# None: the default device)
+# None: the default device), and one whose role models generate, `engine=` (how)
 TaskBuilder = Callable[..., Task]
 _TASKS: dict[str, TaskBuilder] = {}
 # Per task: config keys that only change how a run is evaluated (e.g. the gold reward
@@ -100,17 +100,22 @@ def build_task(
     workdir: str,
     tokenizer: Tokenizer | None = None,
     placement: Placement | None = None,
+    engine: EngineConfig | None = None,
 ) -> Task:
     """The task `task_config.name`; `tokenizer` (e.g. a checkpoint's) replaces the task's own;
     its frozen role models (reward models, red-team victim and judge) are sharded by
     `placement` (the trainer's: the sampler mesh and rules), or sit whole on the default
-    device without one."""
+    device without one; those that generate (the red-team victim) do so through the slot
+    engine with `engine`'s settings (the run's `search.engine=slots`: its slots are the
+    role's own batch size), or in fixed batches without."""
     if task_config.name not in _TASKS:
         raise ValueError(f"task.name={task_config.name!r} is not one of {registered_tasks()}.")
     builder = _TASKS[task_config.name]
-    if "placement" in inspect.signature(builder).parameters:
-        return builder(task_config, workdir, tokenizer, placement=placement)
-    return builder(task_config, workdir, tokenizer)  # no frozen role models
+    accepted = inspect.signature(builder).parameters
+    roles = {"placement": placement, "engine": engine}  # builders of tasks with role models
+    return builder(
+        task_config, workdir, tokenizer, **{k: v for k, v in roles.items() if k in accepted}
+    )
 
 
 # Where data is cached or read from, not what it is: not part of a task's identity.

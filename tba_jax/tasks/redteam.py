@@ -39,6 +39,7 @@ from tba_jax.data import redteam as redteam_data
 from tba_jax.models.frozen import Placement
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import judges, redteam
+from tba_jax.sampling.engine import EngineConfig
 from tba_jax.sampling.generate import generated_batches
 from tba_jax.tasks.base import (
     MEAN_REWARD,
@@ -121,11 +122,13 @@ class LazyRedTeamReward:
         task_config: ml_collections.ConfigDict,
         fallback_tokenizer: Tokenizer,
         placement: Placement | None = None,
+        engine: EngineConfig | None = None,
     ):
         redteam.check_roles(task_config.victim, task_config.judge)
         self._task_config = task_config
         self._fallback_tokenizer = fallback_tokenizer
         self._placement = placement
+        self._engine = engine
         self._reward: redteam.RedTeamReward | None = None
         self._lock = threading.Lock()
 
@@ -133,7 +136,10 @@ class LazyRedTeamReward:
         with self._lock:
             if self._reward is None:
                 victim = redteam.Victim.from_config(
-                    self._task_config.victim, self._fallback_tokenizer, self._placement
+                    self._task_config.victim,
+                    self._fallback_tokenizer,
+                    self._placement,
+                    self._engine,
                 )
                 judge = judges.judge_from_config(
                     self._task_config.judge, self._fallback_tokenizer, self._placement
@@ -274,10 +280,11 @@ def redteam_task(
     workdir: str,
     tokenizer: Tokenizer | None = None,
     placement: Placement | None = None,
+    engine: EngineConfig | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, CHECKPOINT_HINT)
     check_attacker_prompt(task_config, tokenizer)
-    reward = LazyRedTeamReward(task_config, tokenizer, placement)  # cheap checks now
+    reward = LazyRedTeamReward(task_config, tokenizer, placement, engine)  # cheap checks now
     return Task(
         name="redteam",
         train=train_examples(task_config, task_data_dir(task_config, workdir), tokenizer),
