@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import struct
@@ -21,11 +22,27 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 import numpy as np
-import tensorboardX
 import tqdm
 from absl import logging
-from tensorboardX.proto import event_pb2
-from tensorboardX.record_writer import masked_crc32c
+
+
+def import_without_torch(name: str) -> Any:
+    """Imports module `name` with `import torch` failing meanwhile (unless torch is already
+    imported). tensorboardX's writer imports torch when it is installed, only to accept
+    torch tensors, which this code never passes: over a second, most of a launcher's start
+    (torch comes with the `hf` and `test` extras). A later `import torch` works as usual."""
+    if "torch" in sys.modules:
+        return importlib.import_module(name)
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which the module catches
+    try:
+        return importlib.import_module(name)
+    finally:
+        del sys.modules["torch"]
+
+
+tensorboardX = import_without_torch("tensorboardX")
+event_pb2 = importlib.import_module("tensorboardX.proto.event_pb2")
+masked_crc32c = importlib.import_module("tensorboardX.record_writer").masked_crc32c
 
 TENSORBOARD_SUBDIR = "tensorboard"
 # The train loop's clock scalars: RL seconds of the run so far (this segment's), and the

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import logging as std_logging
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -276,3 +278,40 @@ def test_evaluation_curve_leaves_evaluations_out_and_joins_resumed_segments():
     seconds = [seconds for _, _, seconds in evaluation_curve(scalars, "reward_mean")]
     assert seconds == [5.0, 6.0, 9.0, 10.0, 11.5]
     assert evaluation_curve(scalars, "absent") == []
+
+
+def test_the_launchers_start_without_importing_torch():
+    """tensorboardX's writer imports torch when it is installed (seconds of every launcher's
+    start); metrics imports it with torch hidden, and torch still imports afterwards."""
+    script = (
+        "import importlib.util, sys\n"
+        "import tba_jax.train, tba_jax.cli\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "if importlib.util.find_spec('torch') is not None:\n"
+        "    import torch\n"
+        "    assert torch.ones(2).sum().item() == 2.0\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+
+
+def test_tensorboardx_imported_beside_torch_accepts_its_tensors():
+    """With torch imported first, tensorboardX is imported as usual."""
+    script = (
+        "import importlib.util, sys\n"
+        "if importlib.util.find_spec('torch') is None:\n"
+        "    print('ok'); sys.exit()\n"
+        "import torch\n"
+        "from tba_jax import metrics\n"
+        "assert metrics.tensorboardX.writer.numpy_compatible is torch.Tensor\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
