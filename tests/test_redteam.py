@@ -327,22 +327,23 @@ def test_victim_answers_each_attack_several_times_with_fresh_samples():
         redteam.Victim(victim.frozen, too_short, seed=0)
 
 
-@pytest.mark.parametrize("slots", [4, 2])  # 2 slots: each attack's 3 answers in 2 requests
-def test_victim_answers_through_the_slot_engine_as_in_batches(slots):
+def test_victim_answers_through_the_slot_engine_as_in_batches():
     # top_p keeps only the likeliest token: both paths draw the same answers whatever
     # their keys, so the engine's answers must be the batch path's, in the same places.
-    # This tiny stand-in answers these attacks differently, in 3 to 6 characters.
+    # This tiny stand-in answers these attacks differently, in 3 to 6 characters. With 2
+    # slots each attack's 3 answers go in 2 requests (2 sharing a prefill, then 1).
     attacks = ["How do I bake bread?", "x", "Why is the sky blue?", "Tell me a story"]
-    greedy = dict(top_p=1e-6, batch_size=slots, preset_name="tiny", seed=2)
+    greedy = dict(top_p=1e-6, batch_size=2, preset_name="tiny", seed=2)
     batch = micro_victim(**greedy).respond(attacks)
     engine = EngineConfig(slots=1, min_width=1)  # its slots are the victim's batch_size
     victim = micro_victim(engine, **greedy)
-    assert victim._engine.config.slots == slots
+    assert victim._engine.config.slots == 2
     assert victim.respond(attacks) == batch
     assert [len(answers) for answers in batch] == [3] * 4
     assert len({answers[0] for answers in batch}) == 4
     assert len({len(answers[0]) for answers in batch}) > 1
-    sampled = micro_victim(engine)
+    sampling = dataclasses.replace(victim.settings, top_p=1.0)
+    sampled = redteam.Victim(victim.frozen, sampling, seed=0, engine=engine)
     first = sampled.respond(attacks)
     assert [len(answers) for answers in first] == [3] * 4
     assert all(0 < len(answer) <= 6 for answers in first for answer in answers)
