@@ -27,28 +27,22 @@ passed the signal and waited for; the rows so far are written and the sweep exit
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
 
 from absl import flags, logging
 from ml_collections import config_flags
 
 from tba_jax import cli
 from tba_jax.checkpoint import (
-    STOP_SIGNALS,
     CheckpointMismatchError,
     StopSignal,
     WorkdirInUseError,
     communicate_passing_on_stop,
-    install_stop_handlers,
+    stop_on_signals,
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
@@ -180,65 +174,6 @@ def held_rows(sweep_path: str, config) -> dict[int, dict]:
         return {}
 
 
-@contextlib.contextmanager
-def stopping_on_signals(stop_signal: StopSignal) -> Iterator[Callable[[], Any]]:
-    """SIGTERM and Ctrl-C request `stop_signal` while the block runs (main thread only),
-    then the handlers before it are back. Yields `paused()`, a context in which the
-    handlers before are back: around a run's training, which installs its own (and until
-    it does, a stop ends the process as it would end train.py)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield contextlib.nullcontext
-        return
-    restore = install_stop_handlers(stop_signal)
-
-    @contextlib.contextmanager
-    def paused() -> Iterator[None]:
-        nonlocal restore
-        restore()
-        try:
-            yield
-        finally:
-            restore = install_stop_handlers(stop_signal)
-
-    try:
-        yield paused
-    finally:
-        restore()
-
-
-@contextlib.contextmanager
-def stop_signals_noted() -> Iterator[Callable[[], int | None]]:
-    """Notes every SIGTERM and Ctrl-C the process gets while the block runs, whoever handles
-    it (Python's wakeup fd). Yields a function that returns the last such signal since it
-    was last called (None: none): a run whose training returns normally after one got it
-    too late to stop (after its last safe point), and the sweep stops instead."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    read_end, write_end = os.pipe()
-    os.set_blocking(read_end, False)
-    os.set_blocking(write_end, False)
-    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-
-    def last_stop_signal() -> int | None:
-        last = None
-        while True:
-            try:
-                received = os.read(read_end, 512)
-            except BlockingIOError:
-                return last
-            for signum in received:
-                if signum in STOP_SIGNALS:
-                    last = signum
-
-    try:
-        yield last_stop_signal
-    finally:
-        signal.set_wakeup_fd(previous)
-        os.close(read_end)
-        os.close(write_end)
-
-
 def train_in_sweep(config, workdir: str) -> dict:
     """`train_and_evaluate`, with the advice of a refused workdir naming the sweep's flag."""
     try:
@@ -265,24 +200,17 @@ def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str
             "runs": [rows[n] for n in sorted(rows)],
         }
 
-    stop_signal = StopSignal()
     try:
-        with (
-            stop_signals_noted() as last_stop_signal,
-            stopping_on_signals(stop_signal) as handlers_paused,
-        ):
+        # a run installs its own handlers inside these: a stop it gets (saving at its next
+        # safe point, or after its last) stops the sweep too (checkpoint.install_stop_handlers)
+        with stop_on_signals() as stop_signal:
             for num_searchers in counts:
                 stop_signal.raise_if_requested()  # a stop between runs
                 run_config = config.copy_and_resolve_references()
                 run_config.search.num_searchers = num_searchers
                 workdir = run_workdir(workdir_root, num_searchers)
                 logging.info("Sweep: training with %d searcher(s) in %s.", num_searchers, workdir)
-                last_stop_signal()  # the ones so far were the sweep's own to handle
-                with handlers_paused():  # the run's own stop handling
-                    summary = train_in_sweep(run_config, workdir)
-                missed = last_stop_signal()  # one the run got after its last safe point
-                if missed is not None:
-                    stop_signal.request(STOP_SIGNALS[missed], missed)
+                summary = train_in_sweep(run_config, workdir)
                 stop_signal.raise_if_requested()  # trained: evaluated on the rerun
                 metrics = evaluate_in_subprocess(workdir, eval_flags, stop_signal)
                 rows[num_searchers] = sweep_row(num_searchers, workdir, summary, metrics)

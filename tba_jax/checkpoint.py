@@ -860,6 +860,10 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
     saves at its next safe point (never in the middle of a step). A second Ctrl-C raises
     KeyboardInterrupt as usual. Returns a function that restores the previous handlers.
 
+    Installed inside another's (a run inside a sweep): a signal sets both stops, so the
+    outer loop stops too once the inner run has saved (even after the run's last safe
+    point), and a stop the outer one already holds is this one's from the start.
+
     Must be called from the main thread (Python delivers signals only there).
     """
     if threading.current_thread() is not threading.main_thread():
@@ -868,21 +872,39 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
             "starting worker threads."
         )
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    enclosing = {signum: _stop_of(handler) for signum, handler in previous.items()}
+    for outer in filter(None, enclosing.values()):
+        if outer.requested and not stop.requested:
+            stop.request(outer.reason, outer.signum)
+    ctrl_c_taken = stop.signum == signal.SIGINT  # by the enclosing handler, before this one
+    ctrl_c_quits = ctrl_c_taken and previous[signal.SIGINT] is signal.default_int_handler
 
     def handle(signum: int, frame: object) -> None:
-        del frame
+        nonlocal ctrl_c_taken
         stop.request(STOP_SIGNALS[signum], signum)
+        if enclosing[signum] is not None:
+            previous[signum](signum, frame)
         if signum == signal.SIGINT:  # the next Ctrl-C quits at once
+            ctrl_c_taken = True
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    handle.stop_signal = stop  # type: ignore[attr-defined]  # what `_stop_of` reads
     for signum in STOP_SIGNALS:
-        signal.signal(signum, handle)
+        if not (signum == signal.SIGINT and ctrl_c_quits):
+            signal.signal(signum, handle)
 
     def restore_previous_handlers() -> None:
         for signum, handler in previous.items():
+            if signum == signal.SIGINT and ctrl_c_taken and enclosing[signum] is not None:
+                continue  # the enclosing handler took that Ctrl-C too: the next one quits
             signal.signal(signum, handler)
 
     return restore_previous_handlers
+
+
+def _stop_of(handler: object) -> StopSignal | None:
+    """The StopSignal a handler `install_stop_handlers` installed sets (None: another)."""
+    return getattr(handler, "stop_signal", None)
 
 
 @contextlib.contextmanager

@@ -422,6 +422,52 @@ def test_a_second_ctrl_c_interrupts_at_once():
         restore()
 
 
+def test_a_stop_inside_another_sets_both_and_a_later_one_starts_stopped():
+    # a run's handlers inside a sweep's: the sweep stops too once the run has saved
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    outer = StopSignal()
+    restore_outer = install_stop_handlers(outer)
+    try:
+        inner = StopSignal()
+        restore_inner = install_stop_handlers(inner)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert wait_for(lambda: inner.requested, SIGNAL_WAIT_SECONDS)
+            assert outer.requested and (outer.reason, outer.signum) == ("SIGTERM", signal.SIGTERM)
+        finally:
+            restore_inner()
+        assert signal.getsignal(signal.SIGTERM).stop_signal is outer
+        later = StopSignal()  # e.g. the next run, had the sweep gone on: stopped at once
+        install_stop_handlers(later)()
+        assert later.requested and later.reason == "SIGTERM"
+    finally:
+        restore_outer()
+    assert {s: signal.getsignal(s) for s in previous} == previous
+
+
+def test_a_ctrl_c_inside_another_stop_leaves_the_next_one_quitting_at_once():
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    outer, inner = StopSignal(), StopSignal()
+    restore_outer = install_stop_handlers(outer)
+    try:
+        restore_inner = install_stop_handlers(inner)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert wait_for(lambda: inner.requested and outer.requested, SIGNAL_WAIT_SECONDS)
+        restore_inner()  # the run saved and returned: a second Ctrl-C ends the sweep at once
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        later = StopSignal()  # one installed now takes the Ctrl-C over, and keeps it so
+        restore_later = install_stop_handlers(later)
+        assert later.reason == "Ctrl-C"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        restore_later()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(SIGNAL_WAIT_SECONDS)
+    finally:
+        restore_outer()
+    assert {s: signal.getsignal(s) for s in previous} == previous
+
+
 def test_stop_handlers_refuse_worker_threads():
     errors = []
 

@@ -148,8 +148,10 @@ def test_sigterm_between_runs_stops_the_sweep_with_the_rows_so_far(
         sweep_searchers.run_sweep(config, str(tmp_path), [1, 2], eval_flags=[])
     assert stopped.value.exit_status == 128 + signal.SIGTERM
     assert runs.trained == [1] and written_runs(tmp_path) == [(1, 1.0)]
-    # a run's training, until it installs its own, and after the sweep: the handler before
-    assert runs.handlers_in_training == [sigterm_ignored]
+    # a run's training, until it installs its own: the sweep's (whose stop the SIGTERM set);
+    # after the sweep: the one before
+    (in_training,) = runs.handlers_in_training
+    assert in_training.stop_signal.reason == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is sigterm_ignored
 
 
