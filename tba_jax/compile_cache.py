@@ -27,7 +27,7 @@ import ml_collections
 from absl import logging
 from jax.experimental.compilation_cache import compilation_cache
 
-from tba_jax.config_lib import output_dir_problem
+from tba_jax.config_lib import is_url, output_dir_problem
 
 GIB = 2**30
 ENVIRONMENT_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
@@ -67,7 +67,7 @@ def use(config: ml_collections.ConfigDict) -> str:
     if not path:
         stop_caching()
         return ""
-    problem = output_dir_problem(path)
+    problem = None if is_url(path) else output_dir_problem(path)  # JAX writes gs:// itself
     if problem:  # a cache is worth no failed run: say so once and compile as usual
         logging.warning(
             "compile_cache.dir=%s %s: every program is compiled in this run. Set "

@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -593,8 +594,24 @@ def nearest_existing_path(path: str) -> str:
     return path
 
 
+URL_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # gs://, s3://, file://, ...
+
+
+def is_url(path: str) -> bool:
+    """Whether `path` is a URL (a scheme and ://), not a filesystem path."""
+    return URL_PATTERN.match(path) is not None
+
+
 def output_dir_problem(path: str) -> str | None:
-    """Why the folder `path` cannot be made or written (None if it can); creates nothing."""
+    """Why the folder `path` cannot be made or written (None if it can); creates nothing.
+    A URL is refused: runs write their folders (config, metrics, data, checkpoints)
+    through the filesystem, where gs://b/r would be a local folder named 'gs:'."""
+    if is_url(path):
+        scheme = path.split("://", 1)[0]
+        return (
+            f"is a URL, not a folder: runs write their files through the filesystem, so "
+            f"mount the {scheme}:// bucket (e.g. with gcsfuse) and pass the mounted path"
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         return "is a file, not a folder"
     existing = nearest_existing_path(path)

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import ml_collections
 
-from tba_jax import learner, sources, tasks
+from tba_jax import config_lib, learner, sources, tasks
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import (
     CHECKPOINTS_SUBDIR,
@@ -87,6 +87,11 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     """The config a run was started with (`workdir/config.json`, written at its start).
     FileNotFoundError when there is none, or the file there is not a run's config."""
     path = os.path.join(workdir, CONFIG_FILENAME)
+    if config_lib.is_url(workdir):
+        raise FileNotFoundError(
+            f"{workdir} is a URL: runs are read through the filesystem; mount the bucket "
+            "(e.g. with gcsfuse) and pass the run's folder there."
+        )
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} is missing: {workdir} is not the workdir of a tba_jax training run."

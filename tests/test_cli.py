@@ -230,6 +230,17 @@ def test_an_output_folder_under_a_file(script, args, flag, a_file):
     )
 
 
+def test_a_bucket_url_as_workdir_is_refused_before_any_work():
+    # it would be written as a local folder named 'gs:' (checkpoints through orbax's own
+    # filesystem layer, the rest through open()): never where the user looks for it
+    result = run_script("train.py", SMOKE, "--workdir=gs://a-bucket/runs/demo")
+    assert error_line(result).startswith(
+        "error: --workdir=gs://a-bucket/runs/demo is a URL, not a folder: runs write their "
+        "files through the filesystem, so mount the gs:// bucket (e.g. with gcsfuse)"
+    )
+    assert not os.path.exists(os.path.join(REPO_ROOT, "gs:"))
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_workdir_in_a_read_only_folder(tmp_path):
     read_only = tmp_path / "read_only"
@@ -393,6 +404,11 @@ def test_output_dir_problem(tmp_path, a_file, monkeypatch):
     assert output_dir_problem(str(tmp_path)) is None
     assert output_dir_problem(str(a_file)) == "is a file, not a folder"
     assert output_dir_problem(str(a_file / "run")) == f"cannot be created: {a_file} is a file"
+    assert output_dir_problem("gs://bucket/runs/demo").startswith(
+        "is a URL, not a folder: runs write their files through the filesystem, so mount the "
+        "gs:// bucket"
+    )
+    assert output_dir_problem("runs/gs:/demo") is None  # a folder named 'gs:' is a folder
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     assert output_dir_problem(str(tmp_path)) == "is not writable"
     assert output_dir_problem(str(tmp_path / "run")) == (

@@ -132,6 +132,11 @@ def test_an_export_is_not_taken_for_a_run(finished_run, tmp_path):
         RunView(out)
 
 
+def test_a_bucket_url_is_not_read_as_a_local_folder():
+    with pytest.raises(FileNotFoundError, match=r"^gs://b/run is a URL: .* mount the bucket"):
+        runs.load_config("gs://b/run")
+
+
 def test_the_launchers_name_a_config_json_that_is_not_a_runs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(EXPORTED_CONFIG))
     for script, args in [
