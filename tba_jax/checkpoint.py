@@ -876,16 +876,16 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
     for outer in filter(None, enclosing.values()):
         if outer.requested and not stop.requested:
             stop.request(outer.reason, outer.signum)
-    ctrl_c_taken = stop.signum == signal.SIGINT  # by the enclosing handler, before this one
-    ctrl_c_quits = ctrl_c_taken and previous[signal.SIGINT] is signal.default_int_handler
+    # a Ctrl-C the enclosing handler took before this one: the next one quits at once
+    ctrl_c_quits = (
+        stop.signum == signal.SIGINT and previous[signal.SIGINT] is signal.default_int_handler
+    )
 
     def handle(signum: int, frame: object) -> None:
-        nonlocal ctrl_c_taken
         stop.request(STOP_SIGNALS[signum], signum)
         if enclosing[signum] is not None:
             previous[signum](signum, frame)
         if signum == signal.SIGINT:  # the next Ctrl-C quits at once
-            ctrl_c_taken = True
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     handle.stop_signal = stop  # type: ignore[attr-defined]  # what `_stop_of` reads
@@ -894,6 +894,7 @@ def install_stop_handlers(stop: StopSignal) -> Callable[[], None]:
             signal.signal(signum, handle)
 
     def restore_previous_handlers() -> None:
+        ctrl_c_taken = signal.getsignal(signal.SIGINT) is signal.default_int_handler
         for signum, handler in previous.items():
             if signum == signal.SIGINT and ctrl_c_taken and enclosing[signum] is not None:
                 continue  # the enclosing handler took that Ctrl-C too: the next one quits
