@@ -275,6 +275,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # Async searchers read newly published params between decode chunks instead of
     # finishing their samples on the params they started with.
     config.search.in_flight_updates = False
+    # ...or, without in-flight updates, start the live prompts over on the new params at a
+    # publish (each at most once; their decoded tokens are given up) instead of finishing
+    # them on the old ones before any prompt of the new version starts.
+    config.search.restart_on_publish = True
 
     config.optim = optimizer()
 

@@ -267,6 +267,7 @@ RANGES: dict[str, Allowed] = {
     "search.score_rows": integer_at_least(0),
     "search.score_length_buckets": integer_at_least(1),
     "search.in_flight_updates": BOOLEAN,
+    "search.restart_on_publish": BOOLEAN,
     "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
     "optim.schedule": one_of(LR_SCHEDULES),
     "optim.warmup_steps": integer_at_least(0),
@@ -528,12 +529,14 @@ SLOT_ENGINE_KEYS = (
     "search.score_length_buckets",
     "search.bucket_min_tokens",
     "search.in_flight_updates",
+    "search.restart_on_publish",
     "eval.refill_free",
 )
 ASYNC_ONLY_KEYS = (
     "sync_period",
     "replay",
     "search.prompts_per_call",
+    "search.restart_on_publish",
     "batch.samples_generated_per_prompt",
 )
 
@@ -553,6 +556,8 @@ def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None
         return f"only search.engine=slots reads it (this run: search.engine={config.search.engine})"
     if config.mode != "async" and any(_under(key, k) for k in ASYNC_ONLY_KEYS):
         return f"only mode=async reads it (this run: mode={config.mode})"
+    if config.search.in_flight_updates and _under(key, "search.restart_on_publish"):
+        return "search.in_flight_updates=True never restarts: live samples take the new params"
     return None
 
 

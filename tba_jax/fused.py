@@ -17,15 +17,17 @@ samples it holds), async searchers' `search.prompts_per_call` whole prompts at a
   (prompt-major trajectories of one params version), for the sync loop and for async
   searchers that finish each call on the params it started with;
 - `stream(params_fn, examples, rng)`: each prompt's scored samples as soon as they are
-  all ready, for async searchers with in-flight weight updates (params re-read between
-  decode chunks; each sample records its first and last version).
+  all ready, for async searchers: with in-flight weight updates (params re-read between
+  decode chunks; each sample records its first and last version), or on one version
+  until `restart` says a newer one is published, when the prompts not finished are
+  returned to start over on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,7 +37,7 @@ from tba_jax.mesh import split_rows_like
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import response_rewards
-from tba_jax.runtime import DROPPED_NONFINITE, is_finite
+from tba_jax.runtime import DROPPED_NONFINITE, RESTARTED_PROMPTS, is_finite
 from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length, rows_at_most
 from tba_jax.trajectories import Trajectory
 
@@ -110,10 +112,13 @@ class FusedSearchWorker:
         in_flight_updates: bool = False,
         prompts_per_hand_on: int = 1,
         should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[list[Scored]]:
+        restart: Callable[[], bool] | None = None,
+        restarted_prompts: int = 0,
+    ) -> Generator[list[Scored], None, list[dict]]:
         """Scored samples of `examples` (read lazily; may be endless), whole prompts (a
         prompt's S samples once its last is scored), at least `prompts_per_hand_on` of them
-        at a time (fewer at the end). Keys are the examples' indices in `examples`.
+        at a time (fewer at the end). Keys are the examples' indices in `examples`. Returns
+        the examples read but not handed on (none when `examples` ran out).
 
         A prompt is handed on whole because the replay buffer draws a refreshed prompt's
         K rows from the samples it holds (with replacement when it holds fewer than K): a
@@ -125,40 +130,62 @@ class FusedSearchWorker:
 
         With `should_stop` (an async searcher's stop), the stream ends once that returns
         True, checked before and after each decode chunk; what is not handed on yet is
-        given up unscored."""
-        by_key: dict[int, _Prompt] = {}
-        samples_left: dict[int, int] = {}
+        given up unscored.
+
+        With `restart` (an async searcher's check for newer params), the stream ends once
+        that returns True before a decode chunk: the prompts whose samples have all finished
+        are scored and handed on, the live samples are given up, and the examples not
+        handed on are returned to start over on the new params. Not until the first
+        `restarted_prompts` examples (prompts started over before) are finished: a prompt
+        starts over at most once, so each finishes however often params are published."""
+        by_key: dict[int, _Prompt] = {}  # prompts read and not handed on
+        samples_left: dict[int, int] = {}  # samples not scored yet, per prompt
+        decoding: dict[int, int] = {}  # samples not finished yet, per prompt
+        read = 0  # examples read
 
         def requests() -> Iterator[Request]:
+            nonlocal read
             for key, example in enumerate(examples):
+                read = key + 1
                 tokens, mask = self._encode(example)
-                by_key[key], samples_left[key] = (
-                    _Prompt(example, tokens, mask),
-                    self.samples_per_prompt,
-                )
+                by_key[key] = _Prompt(example, tokens, mask)
+                samples_left[key] = decoding[key] = self.samples_per_prompt
                 yield Request(key, tokens, mask, self.samples_per_prompt)
+
+        def end_early() -> bool:  # not before the prompts started over before are finished
+            if read < restarted_prompts or any(key < restarted_prompts for key in by_key):
+                return False
+            return restart()
 
         finished: list[Finished] = []
         in_flight: list[_Group] = []
         scored_by_key: dict[int, list[Scored]] = {}  # prompts with samples still decoding
         complete: list[int] = []  # prompts whose samples are all scored, not handed on yet
         generation = self.engine.run(
-            params_fn, requests(), rng, in_flight_updates=in_flight_updates, should_stop=should_stop
+            params_fn,
+            requests(),
+            rng,
+            in_flight_updates=in_flight_updates,
+            should_stop=should_stop,
+            end_early=None if restart is None else end_early,
         )
         while True:
             with self.time_split.measure("generating"):
                 chunk = next(generation, None)
             if should_stop is not None and should_stop():
                 generation.close()
-                return  # the samples not handed on yet are given up: nothing is scored
+                return []  # the samples not handed on yet are given up: nothing is scored
 
             with self.time_split.measure("scoring"):
                 # groups dispatched last time ran before the chunk now decoding
                 ready = [self._complete(group, by_key) for group in in_flight]
                 in_flight = []
-                if chunk is not None:
-                    finished.extend(chunk)
+                for sample in chunk or []:
+                    finished.append(sample)
+                    decoding[sample.key] -= 1
                 last = chunk is None
+                if last:  # after a restart, only prompts whose samples all finished count
+                    finished = [sample for sample in finished if not decoding[sample.key]]
                 while len(finished) >= self.score_rows or (last and finished):
                     rows = self._group_rows(len(finished))
                     group, finished = finished[:rows], finished[rows:]
@@ -173,13 +200,15 @@ class FusedSearchWorker:
                     samples_left[item.key] -= 1
                     if not samples_left[item.key]:
                         complete.append(item.key)
-                        del samples_left[item.key], by_key[item.key]
+                        del samples_left[item.key], decoding[item.key], by_key[item.key]
             if len(complete) >= prompts_per_hand_on or (last and complete):
                 # an empty list when every sample was dropped as non-finite
                 yield [item for key in complete for item in scored_by_key.pop(key, [])]
                 complete = []
             if last:
-                return
+                if by_key:
+                    self.rates.add(RESTARTED_PROMPTS, len(by_key))
+                return [by_key[key].example for key in sorted(by_key)]
 
     def _group_rows(self, ready: int) -> int:
         """The rows of the next scoring call with `ready` samples finished: the largest

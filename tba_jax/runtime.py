@@ -28,6 +28,8 @@ from tba_jax.rewards import response_rewards
 from tba_jax.trajectories import Trajectory
 
 DROPPED_NONFINITE = "samples_dropped_nonfinite"
+# prompts a fused searcher gave up at a publish, to start over on the new params
+RESTARTED_PROMPTS = "prompts_restarted"
 
 
 def is_finite(trajectory: Trajectory) -> bool:
@@ -156,10 +158,14 @@ class Searcher(threading.Thread):
     It never waits for the learner. With a `SearchWorker` it reads whatever params the
     policy store holds at the start of each call of `prompts_per_call` prompts. With a
     `FusedSearchWorker` (the slot engine) it streams prompts through the engine's slots and
-    adds whole prompts, `prompts_per_call` at a time, each once its last sample is
-    scored: on the params it started with until a newer version is published (then it
-    stops taking prompts, finishes the live samples and starts over with the new params),
-    or with `in_flight_updates` on the newest params of every decode chunk. An exception
+    adds whole prompts, at least `prompts_per_call` at a time (a stream's last few wait
+    for the next stream's first), each once its last sample is scored: on the params it
+    started with until a newer version is published, or with `in_flight_updates` on the
+    newest params of every decode chunk. At a publish it stops taking prompts; with
+    `restart_on_publish` it hands on the prompts whose samples have all finished and
+    starts the live ones over on the new params, first in its next stream (a prompt starts
+    over at most once: one that did finishes on its params); otherwise it finishes the
+    live samples on the old params, then starts over with the new ones. An exception
     stops the run: it is put on `errors` and `stop` is set, and the learner re-raises it.
     So does a run of `max_empty_calls` calls (or hand-offs of scored prompts) in a row
     whose samples were all dropped as non-finite (the buffer would never fill).
@@ -178,9 +184,11 @@ class Searcher(threading.Thread):
         errors: queue.Queue,
         max_empty_calls: int,
         in_flight_updates: bool = False,
+        restart_on_publish: bool = False,
     ):
         super().__init__(name=f"searcher-{index}", daemon=True)
         self.max_empty_calls, self.in_flight_updates = max_empty_calls, in_flight_updates
+        self.restart_on_publish = restart_on_publish and not in_flight_updates
         self.index = index
         self.worker, self.store, self.stream, self.buffer = worker, store, stream, buffer
         self.prompts_per_call = prompts_per_call
@@ -215,6 +223,8 @@ class Searcher(threading.Thread):
 
     def _stream_through_slots(self) -> None:
         empty_groups = 0
+        restarted: list[dict] = []  # examples given up at the last publish
+        held: list[Trajectory] = []  # whole prompts, fewer than prompts_per_call
         while not self.stop.is_set():
             params_fn = self.store.get
             if not self.in_flight_updates:
@@ -222,12 +232,16 @@ class Searcher(threading.Thread):
                 params_fn = lambda pinned=pinned: pinned
             version = params_fn()[1]
 
-            def prompts(version=version):
+            def prompts(version=version, first=restarted):
+                yield from first
                 while not self.stop.is_set() and (
                     self.in_flight_updates or self.store.get()[1] == version
                 ):
                     yield from self.stream.next_batch(1)
 
+            restart = None
+            if self.restart_on_publish:
+                restart = lambda version=version: self.store.get()[1] != version
             rng = jax.random.fold_in(self.rng, self.calls)
             scored_groups = self.worker.stream(
                 params_fn,
@@ -236,14 +250,24 @@ class Searcher(threading.Thread):
                 in_flight_updates=self.in_flight_updates,
                 prompts_per_hand_on=self.prompts_per_call,
                 should_stop=self.stop.is_set,
+                restart=restart,
+                restarted_prompts=len(restarted),
             )
-            for scored in scored_groups:
-                trajectories = [item.trajectory for item in scored]
-                self.buffer.add(trajectories)
-                empty_groups = self._check_empty(trajectories, empty_groups)
-                if self.stop.is_set():
-                    scored_groups.close()
+            while not self.stop.is_set():
+                try:
+                    scored = next(scored_groups)
+                except StopIteration as end:
+                    restarted = end.value
                     break
+                trajectories = [item.trajectory for item in scored]
+                empty_groups = self._check_empty(trajectories, empty_groups)
+                held += trajectories
+                # a stream's last prompts join the next's first: the recency draws take the
+                # prompts added since the latest publish, and a few alone would repeat
+                if len({t.prompt_id for t in held}) >= self.prompts_per_call:
+                    self.buffer.add(held)
+                    held = []
+            scored_groups.close()
             self.calls += 1
 
     def _check_empty(self, trajectories: list[Trajectory], empty_calls: int) -> int:

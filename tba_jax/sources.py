@@ -269,6 +269,18 @@ class ProcessShare:
         return buffer
 
 
+def restarts_on_publish(config: ml_collections.ConfigDict) -> bool:
+    """Whether async searchers start their live prompts over at a publish: slot-engine
+    searchers without in-flight updates, unless `search.restart_on_publish` is False (a
+    config saved before the key: no, as then)."""
+    search = config.search
+    return (
+        search.get("engine", "batch") == "slots"
+        and not search.get("in_flight_updates", False)
+        and search.get("restart_on_publish", False)
+    )
+
+
 def make_searcher_pool(
     config: ml_collections.ConfigDict,
     worker: runtime.SearchWorker,
@@ -296,6 +308,7 @@ def make_searcher_pool(
             errors=errors,
             max_empty_calls=config.max_nonfinite_steps,
             in_flight_updates=config.search.in_flight_updates,
+            restart_on_publish=restarts_on_publish(config),
         )
         for index in range(config.search.num_searchers)
     ]
@@ -371,8 +384,10 @@ class AsyncSource:
 
     def metrics(self, step: int) -> dict[str, float]:
         metrics = {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
-        dropped = self.meters.rates.totals().get(runtime.DROPPED_NONFINITE, 0)
-        metrics[runtime.DROPPED_NONFINITE] = float(dropped)
+        totals = self.meters.rates.totals()
+        metrics[runtime.DROPPED_NONFINITE] = float(totals.get(runtime.DROPPED_NONFINITE, 0))
+        if restarts_on_publish(self.config):
+            metrics[runtime.RESTARTED_PROMPTS] = float(totals.get(runtime.RESTARTED_PROMPTS, 0))
         if self.config.replay.max_policy_lag:
             metrics[SAMPLES_DROPPED_STALE] = float(self.dropped_stale + self.buffer.refused_stale)
         return metrics

@@ -347,6 +347,13 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
         ("", "search.refill_free", "only search.engine=slots reads it"),
         ("", "eval.refill_free", "only search.engine=slots reads it"),
         ("search.engine=slots", "search.refill_free", None),
+        ("search.engine=slots", "search.restart_on_publish", None),
+        ("search.engine=slots,mode=sync", "search.restart_on_publish", "only mode=async"),
+        (
+            "search.engine=slots,search.in_flight_updates=True",
+            "search.restart_on_publish",
+            "search.in_flight_updates=True never restarts",
+        ),
         ("mode=sync", "replay.recency_prob", "only mode=async reads it (this run: mode=sync)"),
         ("mode=sync", "sync_period", "only mode=async reads it"),
         ("mode=sync", "batch.samples_per_prompt", None),

@@ -185,6 +185,30 @@ def test_a_stop_ends_the_run_before_its_next_chunk_not_after_the_tail(setup):
     assert engine.counters.decode_steps <= 2  # one chunk of chunk_steps, no tail
 
 
+def test_ending_early_yields_what_finished_and_reads_no_more_requests(setup, greedy_reference):
+    """An async searcher starting its live prompts over on newer params: the samples that
+    finished come back (as the batch generator makes them), the live ones do not."""
+    engine = engine_for(setup, GREEDY, slots=4, chunk_steps=2, compact_below=0.0)
+    read = []
+
+    def requests():
+        for row in range(len(setup["prompt_tokens"])):
+            read.append(row)
+            yield Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], 1)
+
+    def end_early() -> bool:
+        return engine.counters.chunks >= 6
+
+    params_fn = lambda: (setup["params"], 0)
+    chunks = list(engine.run(params_fn, requests(), jax.random.key(0), end_early=end_early))
+    finished = [item for chunk in chunks for item in chunk]
+    assert engine.counters.chunks == 6 and engine.counters.decode_steps <= 12
+    assert 0 < len(finished) < len(read) < len(setup["prompt_tokens"])
+    for item in finished:
+        np.testing.assert_array_equal(item.tokens, greedy_reference[item.key][0])
+    assert {item.key for item in finished} < set(read)
+
+
 def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):
     engine = engine_for(setup, GREEDY, slots=8, chunk_steps=4)
     finished = run_engine(setup, engine, samples=3)
@@ -567,6 +591,118 @@ def test_a_stopped_fused_stream_scores_nothing_more(setup, fused_parts):
     )
     assert list(stream) == [] and worker.engine.counters.chunks == 2
     assert worker.rates.totals().get("samples", 0) == 0
+
+
+def test_a_restarted_fused_stream_hands_on_whole_prompts_and_returns_the_rest(setup, fused_parts):
+    from tba_jax.metrics import RateMeter
+    from tba_jax.runtime import RESTARTED_PROMPTS
+
+    shared, examples = fused_parts
+    worker = fused_worker(setup, {**shared, "rates": RateMeter()}, GREEDY)
+    expected = {
+        (t.prompt_id, tuple(t.response_tokens))
+        for t in worker.search(setup["params"], 0, examples, jax.random.key(0))
+    }
+    chunks_before = worker.engine.counters.chunks
+    stream = worker.stream(
+        lambda: (setup["params"], 0),
+        examples,
+        jax.random.key(0),
+        restart=lambda: worker.engine.counters.chunks >= chunks_before + 5,
+    )
+    handed_on = []
+    while True:
+        try:
+            handed_on += next(stream)
+        except StopIteration as end:
+            returned = end.value
+            break
+    trajectories = [item.trajectory for item in handed_on]
+    ids = [t.prompt_id for t in trajectories]
+    assert ids and all(ids.count(i) == 2 for i in ids)  # S = 2: whole prompts only
+    assert {(t.prompt_id, tuple(t.response_tokens)) for t in trajectories} <= expected
+    # the rest, in the order they were read: every example read is handed on or returned
+    returned_ids = [example["id"] for example in returned]
+    assert returned_ids == sorted(returned_ids) and returned_ids
+    assert not set(returned_ids) & set(ids)
+    assert set(returned_ids) | set(ids) == set(range(max(returned_ids + ids) + 1))
+    assert worker.rates.totals()[RESTARTED_PROMPTS] == len(returned)
+
+
+def test_a_prompt_started_over_once_finishes_on_its_params(setup, fused_parts):
+    shared, examples = fused_parts
+    worker = fused_worker(setup, shared, SAMPLED)
+    stream = worker.stream(
+        lambda: (setup["params"], 0),
+        examples,
+        jax.random.key(0),
+        restart=lambda: True,
+        restarted_prompts=4,  # examples 0-3 were started over before
+    )
+    handed_on = []
+    while True:
+        try:
+            handed_on += [item.trajectory.prompt_id for item in next(stream)]
+        except StopIteration as end:
+            returned = [example["id"] for example in end.value]
+            break
+    assert {0, 1, 2, 3} <= set(handed_on) and not {0, 1, 2, 3} & set(returned)
+    assert returned, "the stream should end as soon as examples 0-3 are done"
+
+
+@pytest.mark.parametrize("restart_on_publish", [True, False])
+def test_a_fused_searcher_adds_every_prompt_once_whole_at_least_prompts_per_call_at_a_time(
+    setup, fused_parts, restart_on_publish
+):
+    """Params are published every few chunks: the live prompts start over on the new
+    params (or finish on the old ones), and none is lost or added twice."""
+    import queue
+    import threading
+
+    from tba_jax.data.pipeline import PromptStream, epoch_order
+    from tba_jax.metrics import RateMeter
+    from tba_jax.runtime import RESTARTED_PROMPTS, Searcher
+
+    shared, _ = fused_parts
+    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
+    worker = fused_worker(setup, {**shared, "rates": RateMeter()}, SAMPLED, slots=6)
+    stop, errors = threading.Event(), queue.Queue()
+
+    class Store:  # a newer version every 3 decode chunks
+        def get(self):
+            return setup["params"], worker.engine.counters.chunks // 3
+
+    class Buffer:
+        def __init__(self):
+            self.adds = []
+
+        def add(self, trajectories):
+            self.adds.append(list(trajectories))
+            if sum(map(len, self.adds)) >= 60:
+                stop.set()
+
+    prompts, buffer = PromptStream(examples, seed=0), Buffer()
+    searcher = Searcher(
+        0, worker, Store(), prompts, buffer, prompts_per_call=3, seed=0, stop=stop,
+        errors=errors, max_empty_calls=100, restart_on_publish=restart_on_publish,
+    )  # fmt: skip
+    searcher.run()  # in this thread
+    assert errors.empty() and searcher.calls > 3
+    restarted = worker.rates.totals().get(RESTARTED_PROMPTS, 0)
+    assert restarted > 0 if restart_on_publish else restarted == 0
+    added = []
+    for add in buffer.adds:
+        ids = [t.prompt_id for t in add]
+        assert len(set(ids)) >= 3 and all(ids.count(i) == 2 for i in ids)  # S = 2
+        versions = {(t.prompt_id, t.policy_version) for t in add}
+        assert len(versions) == len(set(ids))  # each prompt's samples: one version
+        added += sorted(set(ids))
+    assert len(added) == len(set(added)) >= 30
+    # the prompts not added were in flight or held at the stop: at most 3 live (6 slots),
+    # 1 read but not placed, 2 held (fewer than prompts_per_call) and 3 started over
+    taken = epoch_order(len(examples), 0, epoch=0)[: prompts.position["index"]]
+    assert set(added) <= set(taken.tolist())
+    assert len(taken) - len(added) <= 9
 
 
 def test_search_config_sets_the_engines_bucket_min_tokens():

@@ -296,6 +296,14 @@ def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path, 
     assert "samples_dropped_stale" in scalars
 
 
+def test_async_slot_engine_run_starting_live_prompts_over_at_publishes(tmp_path):
+    summary = train_and_evaluate(get_config("smoke,search.engine=slots"), str(tmp_path))
+    assert summary["learner_steps"] == 4 and summary["samples_generated"] >= 4 * 4
+    scalars = read_scalars(os.path.join(str(tmp_path), "tensorboard"))
+    restarted = dict(scalars["prompts_restarted"])
+    assert sorted(restarted) == [1, 2, 3, 4] and restarted[4] >= restarted[1] >= 0
+
+
 def assert_train_step_compiled_once_ahead(records):
     """The learner step compiled exactly once, ahead of its first call (the log lines of
     `jax.log_compiles` and of `train.precompile_train_step`, in order)."""

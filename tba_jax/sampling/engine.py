@@ -419,6 +419,7 @@ class SlotEngine:
         *,
         in_flight_updates: bool = False,
         should_stop: Callable[[], bool] | None = None,
+        end_early: Callable[[], bool] | None = None,
     ) -> Iterator[list[Finished]]:
         """Samples every request's responses; yields the samples finished by each chunk.
 
@@ -428,7 +429,10 @@ class SlotEngine:
         `should_stop`, the run also ends, its live samples given up, as soon as that
         returns True before a chunk: a stop arriving as the requests run out (an async
         run's end, a SIGTERM) does not wait for a tail chunk that may run to
-        `max_new_tokens` steps."""
+        `max_new_tokens` steps. With `end_early`, the run ends as soon as that returns True
+        before a chunk: the samples already finished are yielded, the live ones given up,
+        and no more requests are read (an async searcher starting its live prompts over
+        on newer params)."""
         config = self.config
         width = config.slots
         widths = config.widths()
@@ -443,6 +447,8 @@ class SlotEngine:
         while True:
             if should_stop is not None and should_stop():
                 return
+            if end_early is not None and end_early():
+                break
             # Refill free slots, up to `most_prefill_prompts` prompts per prefill call.
             while not exhausted and width == config.slots:
                 batch: list[Request] = []
