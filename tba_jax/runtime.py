@@ -348,6 +348,18 @@ def draw_metrics(rows: BatchRows, samples_per_prompt: int) -> dict[str, float]:
     }
 
 
+def lag_by_draw_metrics(lags: np.ndarray, from_recency: np.ndarray) -> dict[str, float]:
+    """The mean lag of a batch's recency-draw rows and of its priority-draw rows:
+    `policy_lag_recency_mean` and `policy_lag_priority_mean` (a kind the batch did not draw
+    is left out). `policy_lag_mean` mixes them, and old priority draws hide how fresh the
+    recency draws are (README "The generation engine": 2.7 versions against 2.1)."""
+    metrics = {}
+    for kind, rows in (("recency", from_recency == 1), ("priority", from_recency == 0)):
+        if rows.any():
+            metrics[f"policy_lag_{kind}_mean"] = float(lags[rows].mean())
+    return metrics
+
+
 def lag_metrics(lags: np.ndarray, prefix: str = "policy_lag") -> dict[str, float]:
     """`{prefix}_mean` and `{prefix}_max` of a batch's lags."""
     return {f"{prefix}_mean": float(lags.mean()), f"{prefix}_max": float(lags.max())}

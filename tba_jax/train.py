@@ -1146,6 +1146,8 @@ def train_from_start(run: Setup, segment: run_totals.Segment, stop_signal: StopS
                 source.publish(state.params, version=step)
             metrics.update(runtime.lag_metrics(batch_lags))
             metrics.update(runtime.draw_metrics(rows, batch.k))
+            if config.mode == "async":  # a sync batch is all fresh: one kind, lag 0
+                metrics.update(runtime.lag_by_draw_metrics(batch_lags, rows.from_recency))
             if config.search.in_flight_updates:
                 metrics.update(runtime.lag_metrics(last_lags, prefix="policy_lag_last"))
             metrics.update(segment.rates_since_rl_start())

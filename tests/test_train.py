@@ -125,8 +125,19 @@ def test_the_learner_logs_what_each_batch_drew_from_the_buffer(async_run):
             "batch_recency_share": np.mean(recency),
             "batch_response_length_mean": np.mean(recorded.batch["response_mask"].sum(axis=1)),
         }
+        # the lags of each kind of draw: the batch's K rows per prompt slot, step s - 1
+        lags = step - 1 - recorded.rows["policy_version"].reshape(len(recency), -1)
+        for kind, slots in (("recency", recency == 1), ("priority", recency == 0)):
+            if slots.any():
+                expected[f"policy_lag_{kind}_mean"] = lags[slots].mean()
+            else:
+                assert (
+                    f"policy_lag_{kind}_mean" not in scalars
+                    or step not in scalars[f"policy_lag_{kind}_mean"]
+                )
         for name, value in expected.items():
             assert scalars[name][step] == pytest.approx(value), (name, step)
+    assert "policy_lag_recency_mean" in scalars and "policy_lag_priority_mean" in scalars
 
 
 def test_draw_metrics_count_prompt_slots_not_rows():
