@@ -159,7 +159,7 @@ class FusedSearchWorker:
 
         finished: list[Finished] = []
         in_flight: list[_Group] = []
-        scored_by_key: dict[int, list[Scored]] = {}  # prompts with samples still decoding
+        scored_by_key: dict[int, list[Scored]] = {}  # scored samples of prompts not handed on
         complete: list[int] = []  # prompts whose samples are all scored, not handed on yet
         generation = self.engine.run(
             params_fn,
@@ -192,18 +192,16 @@ class FusedSearchWorker:
                     in_flight.append(self._dispatch(group, rows, by_key))
                 if last:
                     ready += [self._complete(group, by_key) for group in in_flight]
-                scored = [item for items in ready for item in items]
-                kept = self._count(scored)
-                for item in kept:
+                for item in (item for items in ready for item in items):
                     scored_by_key.setdefault(item.key, []).append(item)
-                for item in scored:
                     samples_left[item.key] -= 1
                     if not samples_left[item.key]:
                         complete.append(item.key)
                         del samples_left[item.key], decoding[item.key], by_key[item.key]
             if len(complete) >= prompts_per_hand_on or (last and complete):
+                # counted as they are handed on (not the samples of prompts started over);
                 # an empty list when every sample was dropped as non-finite
-                yield [item for key in complete for item in scored_by_key.pop(key, [])]
+                yield self._count([item for key in complete for item in scored_by_key.pop(key)])
                 complete = []
             if last:
                 if by_key:
@@ -279,7 +277,8 @@ class FusedSearchWorker:
         return scored
 
     def _count(self, scored: list[Scored]) -> list[Scored]:
-        """Counts samples and tokens; leaves out non-finite samples with `drop_nonfinite`."""
+        """Counts samples and tokens handed on; leaves out non-finite samples with
+        `drop_nonfinite`."""
         self.rates.add("samples", len(scored))
         self.rates.add("tokens", sum(item.trajectory.response_length for item in scored))
         if not self.drop_nonfinite:

@@ -627,6 +627,8 @@ def test_a_restarted_fused_stream_hands_on_whole_prompts_and_returns_the_rest(se
     assert not set(returned_ids) & set(ids)
     assert set(returned_ids) | set(ids) == set(range(max(returned_ids + ids) + 1))
     assert worker.rates.totals()[RESTARTED_PROMPTS] == len(returned)
+    # counted: the search's 20 samples and those handed on, not those of returned prompts
+    assert worker.rates.totals()["samples"] == 20 + len(handed_on)
 
 
 def test_a_prompt_started_over_once_finishes_on_its_params(setup, fused_parts):
