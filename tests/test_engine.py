@@ -631,6 +631,28 @@ def test_a_restarted_fused_stream_hands_on_whole_prompts_and_returns_the_rest(se
     assert worker.rates.totals()["samples"] == 20 + len(handed_on)
 
 
+def test_samples_of_prompts_started_over_are_not_counted(setup, fused_parts):
+    from tba_jax.metrics import RateMeter
+
+    shared, examples = fused_parts
+    shared = {**shared, "rates": RateMeter(), "samples_per_prompt": 3}
+    worker = fused_worker(setup, shared, SAMPLED, slots=9, score_rows=1)
+    stream = worker.stream(
+        lambda: (setup["params"], 0),
+        examples,
+        jax.random.key(1),
+        restart=lambda: worker.engine.counters.chunks >= 3,
+    )
+    handed_on = []
+    while True:
+        try:
+            handed_on += next(stream)
+        except StopIteration as end:
+            returned = end.value
+            break
+    assert returned and worker.rates.totals().get("samples", 0) == len(handed_on)
+
+
 def test_a_prompt_started_over_once_finishes_on_its_params(setup, fused_parts):
     shared, examples = fused_parts
     worker = fused_worker(setup, shared, SAMPLED)
