@@ -593,6 +593,16 @@ def test_a_stopped_fused_stream_scores_nothing_more(setup, fused_parts):
     assert worker.rates.totals().get("samples", 0) == 0
 
 
+def run_to_the_end(stream) -> tuple[list, list[dict]]:
+    """A fused stream's scored samples, all hand-ons together, and the examples it returns."""
+    handed_on = []
+    while True:
+        try:
+            handed_on += next(stream)
+        except StopIteration as end:
+            return handed_on, end.value
+
+
 def test_a_restarted_fused_stream_hands_on_whole_prompts_and_returns_the_rest(setup, fused_parts):
     from tba_jax.metrics import RateMeter
     from tba_jax.runtime import RESTARTED_PROMPTS
@@ -610,13 +620,7 @@ def test_a_restarted_fused_stream_hands_on_whole_prompts_and_returns_the_rest(se
         jax.random.key(0),
         restart=lambda: worker.engine.counters.chunks >= chunks_before + 5,
     )
-    handed_on = []
-    while True:
-        try:
-            handed_on += next(stream)
-        except StopIteration as end:
-            returned = end.value
-            break
+    handed_on, returned = run_to_the_end(stream)
     trajectories = [item.trajectory for item in handed_on]
     ids = [t.prompt_id for t in trajectories]
     assert ids and all(ids.count(i) == 2 for i in ids)  # S = 2: whole prompts only
@@ -643,13 +647,7 @@ def test_samples_of_prompts_started_over_are_not_counted(setup, fused_parts):
         jax.random.key(1),
         restart=lambda: worker.engine.counters.chunks >= 3,
     )
-    handed_on = []
-    while True:
-        try:
-            handed_on += next(stream)
-        except StopIteration as end:
-            returned = end.value
-            break
+    handed_on, returned = run_to_the_end(stream)
     assert returned and worker.rates.totals().get("samples", 0) == len(handed_on)
 
 
@@ -663,13 +661,9 @@ def test_a_prompt_started_over_once_finishes_on_its_params(setup, fused_parts):
         restart=lambda: True,
         restarted_prompts=4,  # examples 0-3 were started over before
     )
-    handed_on = []
-    while True:
-        try:
-            handed_on += [item.trajectory.prompt_id for item in next(stream)]
-        except StopIteration as end:
-            returned = [example["id"] for example in end.value]
-            break
+    items, examples_returned = run_to_the_end(stream)
+    handed_on = [item.trajectory.prompt_id for item in items]
+    returned = [example["id"] for example in examples_returned]
     assert {0, 1, 2, 3} <= set(handed_on) and not {0, 1, 2, 3} & set(returned)
     assert returned, "the stream should end as soon as examples 0-3 are done"
 
