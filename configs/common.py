@@ -277,7 +277,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.search.in_flight_updates = False
     # ...or, without in-flight updates, start the live prompts over on the new params at a
     # publish (each at most once; their decoded tokens are given up) instead of finishing
-    # them on the old ones before any prompt of the new version starts.
+    # them on the old ones before any prompt of the new version starts. Only while prompts
+    # take less time to finish than the gap between publishes (both measured as the run
+    # goes): otherwise a prompt started over would end a version behind anyway.
     config.search.restart_on_publish = True
 
     config.optim = optimizer()

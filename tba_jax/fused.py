@@ -50,6 +50,32 @@ class Scored(NamedTuple):
     trajectory: Trajectory
 
 
+# How much a prompt's seconds weigh against the previous one's in `PromptSeconds`: about
+# the last 1 / (1 - decay) = 20 prompts count.
+PROMPT_SECONDS_DECAY = 0.95
+
+
+class PromptSeconds:
+    """The mean seconds from taking a prompt to the end of its last sample, recent prompts
+    weighted most. Prompts given up unfinished (started over at a publish) count the
+    seconds they ran but no ending, so that the long prompts a restart cuts short do not
+    leave only the short ones in the mean: seconds over endings, the estimate of a mean
+    duration from observations cut short (exact for exponentially distributed ones)."""
+
+    def __init__(self, decay: float = PROMPT_SECONDS_DECAY):
+        self.decay = decay
+        self._seconds = 0.0  # decayed sum of the seconds prompts ran
+        self._endings = 0.0  # decayed count of the prompts that ended
+
+    def add(self, seconds: float, *, ended: bool) -> None:
+        self._seconds = self.decay * self._seconds + seconds
+        self._endings = self.decay * self._endings + float(ended)
+
+    def mean(self) -> float | None:
+        """None until a prompt has ended."""
+        return self._seconds / self._endings if self._endings else None
+
+
 class _Prompt(NamedTuple):
     """A prompt being searched: its example and its encoding (left-padded [P])."""
 
@@ -89,6 +115,8 @@ class FusedSearchWorker:
     bucket_min_tokens: int = 1
     non_eos_penalty: float | None = None
     drop_nonfinite: bool = False
+    # how long the prompts of `stream` take to finish (an async searcher's restart rule)
+    prompt_seconds: PromptSeconds = dataclasses.field(default_factory=PromptSeconds)
 
     def search(
         self, params, version: int, examples: Sequence[dict], rng: jax.Array
@@ -141,6 +169,7 @@ class FusedSearchWorker:
         by_key: dict[int, _Prompt] = {}  # prompts read and not handed on
         samples_left: dict[int, int] = {}  # samples not scored yet, per prompt
         decoding: dict[int, int] = {}  # samples not finished yet, per prompt
+        read_at: dict[int, float] = {}  # when each prompt was taken (time.monotonic)
         read = 0  # examples read
 
         def requests() -> Iterator[Request]:
@@ -148,6 +177,7 @@ class FusedSearchWorker:
             for key, example in enumerate(examples):
                 read = key + 1
                 tokens, mask = self._encode(example)
+                read_at[key] = time.monotonic()
                 by_key[key] = _Prompt(example, tokens, mask)
                 samples_left[key] = decoding[key] = self.samples_per_prompt
                 yield Request(key, tokens, mask, self.samples_per_prompt)
@@ -180,12 +210,17 @@ class FusedSearchWorker:
                 # groups dispatched last time ran before the chunk now decoding
                 ready = [self._complete(group, by_key) for group in in_flight]
                 in_flight = []
+                now = time.monotonic()
                 for sample in chunk or []:
                     finished.append(sample)
                     decoding[sample.key] -= 1
+                    if not decoding[sample.key]:
+                        self.prompt_seconds.add(now - read_at.pop(sample.key), ended=True)
                 last = chunk is None
                 if last:  # after a restart, only prompts whose samples all finished count
                     finished = [sample for sample in finished if not decoding[sample.key]]
+                    for key in read_at:  # given up unfinished
+                        self.prompt_seconds.add(now - read_at[key], ended=False)
                 while len(finished) >= self.score_rows or (last and finished):
                     rows = self._group_rows(len(finished))
                     group, finished = finished[:rows], finished[rows:]

@@ -9,6 +9,7 @@ minus its first version (0 on-policy); `policy_lag_last_*` count from the last.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 from tba_jax import mesh as mesh_lib
 from tba_jax.config_lib import ConfigError
@@ -30,6 +32,8 @@ from tba_jax.trajectories import Trajectory
 DROPPED_NONFINITE = "samples_dropped_nonfinite"
 # prompts a fused searcher gave up at a publish, to start over on the new params
 RESTARTED_PROMPTS = "prompts_restarted"
+# the gaps between the latest publishes that `PolicyStore.publish_interval` averages
+PUBLISH_GAPS_KEPT = 8
 
 
 def is_finite(trajectory: Trajectory) -> bool:
@@ -39,7 +43,10 @@ def is_finite(trajectory: Trajectory) -> bool:
 
 
 class PolicyStore:
-    """The params the searchers sample with, and their version. Thread-safe."""
+    """The params the searchers sample with, and their version. Thread-safe.
+
+    It also times the publishes: `publish_interval()` is the mean of the gaps between the
+    latest `PUBLISH_GAPS_KEPT` + 1 of them (the store's creation counts as the first)."""
 
     def __init__(
         self, sampler_shardings, params, version: int, copy_fn: Callable = mesh_lib.publish
@@ -50,16 +57,26 @@ class PolicyStore:
         self._lock = threading.Lock()
         self._params = copy_fn(params, sampler_shardings)
         self._version = version
+        self._published_at = collections.deque([time.monotonic()], maxlen=PUBLISH_GAPS_KEPT + 1)
 
     def publish(self, learner_params, version: int) -> None:
         """Copies `learner_params` onto the sampler mesh (asynchronously) as `version`."""
         published = self._copy(learner_params, self._shardings)
         with self._lock:
             self._params, self._version = published, version
+            self._published_at.append(time.monotonic())
 
     def get(self):
         with self._lock:
             return self._params, self._version
+
+    def publish_interval(self) -> float | None:
+        """The mean seconds between the latest publishes; None before the first."""
+        with self._lock:
+            times = list(self._published_at)
+        if len(times) < 2:
+            return None
+        return (times[-1] - times[0]) / (len(times) - 1)
 
 
 @dataclasses.dataclass
@@ -164,7 +181,8 @@ class Searcher(threading.Thread):
     newest params of every decode chunk. At a publish it stops taking prompts; with
     `restart_on_publish` it hands on the prompts whose samples have all finished and
     starts the live ones over on the new params, first in its next stream (a prompt starts
-    over at most once: one that did finishes on its params); otherwise it finishes the
+    over at most once: one that did finishes on its params), while prompts take less time
+    to finish than the gap between publishes (`_restart_pays`); otherwise it finishes the
     live samples on the old params, then starts over with the new ones. An exception
     stops the run: it is put on `errors` and `stop` is set, and the learner re-raises it.
     So does a run of `max_empty_calls` calls (or hand-offs of scored prompts) in a row
@@ -195,6 +213,7 @@ class Searcher(threading.Thread):
         self.rng = jax.random.fold_in(jax.random.key(seed), index)
         self.stop, self.errors = stop, errors
         self.calls = 0
+        self.said_restarts_wait = False  # logged once that restarts do not pay
 
     def run(self) -> None:
         try:
@@ -241,7 +260,9 @@ class Searcher(threading.Thread):
 
             restart = None
             if self.restart_on_publish:
-                restart = lambda version=version: self.store.get()[1] != version
+                restart = lambda version=version: (
+                    self.store.get()[1] != version and self._restart_pays()
+                )
             rng = jax.random.fold_in(self.rng, self.calls)
             scored_groups = self.worker.stream(
                 params_fn,
@@ -269,6 +290,25 @@ class Searcher(threading.Thread):
                     held = []
             scored_groups.close()
             self.calls += 1
+
+    def _restart_pays(self) -> bool:
+        """Whether a prompt started over on the newly published params may end before the
+        next publish: while prompts take longer than the gap between publishes, it would
+        end a version behind anyway, having given up the tokens it had decoded for one
+        version of freshness, so the live samples finish on the params they started with."""
+        seconds, interval = self.worker.prompt_seconds.mean(), self.store.publish_interval()
+        pays = seconds is None or interval is None or seconds < interval
+        if not pays and not self.said_restarts_wait:
+            self.said_restarts_wait = True
+            logging.info(
+                "Searcher %d: prompts take %.2f s to finish, params are published every "
+                "%.2f s, so live prompts finish on their params instead of starting over "
+                "(while this lasts).",
+                self.index,
+                seconds,
+                interval,
+            )
+        return pays
 
     def _check_empty(self, trajectories: list[Trajectory], empty_calls: int) -> int:
         empty_calls = 0 if trajectories else empty_calls + 1

@@ -668,12 +668,57 @@ def test_a_prompt_started_over_once_finishes_on_its_params(setup, fused_parts):
     assert returned, "the stream should end as soon as examples 0-3 are done"
 
 
-@pytest.mark.parametrize("restart_on_publish", [True, False])
+def test_prompt_seconds_count_prompts_given_up_as_seconds_without_an_ending():
+    from tba_jax.fused import PromptSeconds
+
+    observations = [(0.2, True), (0.5, False), (0.1, True), (0.9, False), (0.3, True)]
+    estimate = PromptSeconds(decay=0.8)
+    assert estimate.mean() is None
+    for seconds, ended in observations:
+        estimate.add(seconds, ended=ended)
+    weights = 0.8 ** np.arange(len(observations))[::-1]  # the latest weighs 1
+    seconds, ended = np.array(observations).T
+    assert estimate.mean() == pytest.approx((weights * seconds).sum() / (weights * ended).sum())
+    # Exponential durations cut short at 0.8 s (a restart): the estimate finds their mean
+    # of 1 s, where the mean of those that ended is 0.36 s.
+    durations = np.random.default_rng(0).exponential(1.0, 20_000)
+    estimate = PromptSeconds(decay=1.0)
+    for duration in durations:
+        estimate.add(min(duration, 0.8), ended=duration <= 0.8)
+    assert estimate.mean() == pytest.approx(1.0, rel=0.05)
+    assert durations[durations <= 0.8].mean() < 0.4
+
+
+def test_the_policy_store_times_its_publishes(monkeypatch):
+    import types
+
+    from tba_jax import runtime
+
+    clock = iter([10.0, 11.0, 11.5, 13.5, *range(20, 40)])
+    monkeypatch.setattr(runtime, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    store = runtime.PolicyStore(None, {"w": np.zeros(2)}, version=0, copy_fn=lambda p, _: p)
+    assert store.publish_interval() is None  # the creation (at 10 s) alone
+    store.publish({"w": np.ones(2)}, version=1)
+    assert store.publish_interval() == 1.0 and store.get()[1] == 1
+    store.publish({"w": np.ones(2)}, version=2)
+    store.publish({"w": np.ones(2)}, version=3)
+    assert store.publish_interval() == pytest.approx((13.5 - 10.0) / 3)
+    for version in range(4, 24):  # at 20, 21, ..., 39 s: the latest gaps of 1 s
+        store.publish({"w": np.ones(2)}, version=version)
+    assert store.publish_interval() == 1.0
+
+
+@pytest.mark.parametrize(
+    "restart_on_publish, publish_interval, restarts",
+    [(True, None, True), (False, None, False), (True, 1e-6, False)],
+    ids=["restarts", "no_restarts", "restarts_do_not_pay"],
+)
 def test_a_fused_searcher_adds_every_prompt_once_whole_at_least_prompts_per_call_at_a_time(
-    setup, fused_parts, restart_on_publish
+    setup, fused_parts, restart_on_publish, publish_interval, restarts
 ):
     """Params are published every few chunks: the live prompts start over on the new
-    params (or finish on the old ones), and none is lost or added twice."""
+    params (or finish on the old ones), and none is lost or added twice. They finish on
+    the old ones, too, when publishes come faster than prompts have taken to finish."""
     import queue
     import threading
 
@@ -684,11 +729,15 @@ def test_a_fused_searcher_adds_every_prompt_once_whole_at_least_prompts_per_call
     shared, _ = fused_parts
     examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
     worker = fused_worker(setup, {**shared, "rates": RateMeter()}, SAMPLED, slots=6)
+    worker.prompt_seconds.add(1e-3, ended=True)  # known from the start: no first restart
     stop, errors = threading.Event(), queue.Queue()
 
     class Store:  # a newer version every 3 decode chunks
         def get(self):
             return setup["params"], worker.engine.counters.chunks // 3
+
+        def publish_interval(self):
+            return publish_interval
 
     class Buffer:
         def __init__(self):
@@ -707,7 +756,7 @@ def test_a_fused_searcher_adds_every_prompt_once_whole_at_least_prompts_per_call
     searcher.run()  # in this thread
     assert errors.empty() and searcher.calls > 3
     restarted = worker.rates.totals().get(RESTARTED_PROMPTS, 0)
-    assert restarted > 0 if restart_on_publish else restarted == 0
+    assert restarted > 0 if restarts else restarted == 0
     added = []
     for add in buffer.adds:
         ids = [t.prompt_id for t in add]
