@@ -216,7 +216,7 @@ def compile_slot_decode(device: jax.Device):
     slots = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), slots)
     count = on_device(device, (), jnp.int32)
     lowered = decode.trace(
-        params, slots, on_device(device, (), jax.random.key(0).dtype), count, count, count
+        params, slots, on_device(device, (), jax.random.key(0).dtype), count, count, count, count
     ).lower(lowering_platforms=lowering_platforms())
     return lowered.compile(), decoder
 

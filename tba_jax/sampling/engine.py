@@ -315,6 +315,7 @@ def decode_chunk(
     params: Params,
     state: SlotState,
     rng: jax.Array,
+    chunk: jax.Array,
     max_steps: jax.Array,
     stop_when_free: jax.Array,
     min_steps_left: jax.Array,
@@ -323,11 +324,15 @@ def decode_chunk(
     eos_id: int,
     pad_id: int,
 ) -> tuple[SlotState, jax.Array, jax.Array]:
-    """Decodes every live slot for up to `max_steps` steps; stops early when no slot is
-    live or `stop_when_free` slots are free (a refill can start, or a compaction) while the
-    live samples may still run `min_steps_left` steps (0 for a refill). Returns the new
-    state and the number of steps run and the slot-steps spent on live samples."""
+    """Decodes every live slot for up to `max_steps` steps, drawing with
+    `fold_in(rng, chunk)`; stops early when no slot is live or `stop_when_free` slots are
+    free (a refill can start, or a compaction) while the live samples may still run
+    `min_steps_left` steps (0 for a refill). Returns the new state and the number of steps
+    run and the slot-steps spent on live samples. (The counts are int32 scalars: the
+    engine passes NumPy ones, which travel with the call instead of each being a device
+    program of its own, as `jnp.int32(n)` or an eager `fold_in` would be.)"""
     model, params = model.for_decoding(params)  # scan_layers: unstacked once, not per step
+    rng = jax.random.fold_in(rng, chunk)
     width, max_new = state.tokens.shape
     prompt_len = state.key_valid.shape[1] - max_new
     rows = jnp.arange(width)
@@ -485,7 +490,7 @@ class SlotEngine:
             ):
                 new_width = min(w for w in widths if live_count <= w < width)
                 keep = slots.compact_to(new_width)
-                state = self._compact(state, jnp.asarray(keep, jnp.int32))
+                state = self._compact(state, np.asarray(keep, np.int32))
                 self.counters.compactions += 1
                 width = new_width
             if exhausted:
@@ -499,10 +504,11 @@ class SlotEngine:
             state, steps, live_steps = self._decode(
                 params,
                 state,
-                jax.random.fold_in(rng, chunk),
-                jnp.int32(max_steps),
-                jnp.int32(stop_when_free),
-                jnp.int32(min_steps_left),
+                rng,
+                np.int32(chunk),
+                np.int32(max_steps),
+                np.int32(stop_when_free),
+                np.int32(min_steps_left),
             )
             chunk += 1
             if harvest is not None:  # the caller works while the chunk runs
@@ -517,7 +523,7 @@ class SlotEngine:
             if len(ended):
                 ids = np.zeros(width, np.int32)
                 ids[: len(ended)] = ended
-                harvest = (slots.release(ended), self._take(state, jnp.asarray(ids)))
+                harvest = (slots.release(ended), self._take(state, ids))
         if harvest is not None:
             yield _collect(harvest)
 
