@@ -131,7 +131,9 @@ _SCORE_ROWS = flags.DEFINE_integer(
     None,
     "The fused path's π_ref scoring calls take score_rows × 4^i ready samples (default S).",
 )
-_CHUNK_STEPS = flags.DEFINE_integer("chunk_steps", 16, "Engine decode steps per chunk (at most).")
+_CHUNK_STEPS = flags.DEFINE_integer(
+    "chunk_steps", EngineConfig.chunk_steps, "Engine decode steps per chunk (at most)."
+)
 _TAIL_CHUNK_STEPS = flags.DEFINE_integer(
     "tail_chunk_steps",
     0,

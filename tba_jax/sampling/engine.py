@@ -102,7 +102,7 @@ class EngineConfig:
     """The slot engine's shape and schedule (config.search.*; see the module docstring)."""
 
     slots: int  # decode width
-    chunk_steps: int = 16  # decode steps per host round trip (at most)
+    chunk_steps: int = 64  # decode steps per host round trip (at most)
     # ...once no prompt is waiting; 0: until the slots are empty or a compaction can start.
     tail_chunk_steps: int = 0
     # Prompts per prefill call (a fixed shape); 0: every waiting prompt the free slots
