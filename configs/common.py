@@ -285,6 +285,11 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # take less time to finish than the gap between publishes (both measured as the run
     # goes): otherwise a prompt started over would end a version behind anyway.
     config.search.restart_on_publish = True
+    # Async searchers start a prompt only while the samples they have started stay under
+    # this many per sample the learner has drawn (and will draw in its next step), beyond
+    # the buffer's first fill; the learner never waits on it. 0: they decode without
+    # pause, as TBA's do, taking compute the learner could use when they share devices.
+    config.search.max_samples_per_draw = 0.0
 
     config.optim = optimizer()
 

@@ -268,6 +268,7 @@ RANGES: dict[str, Allowed] = {
     "search.score_length_buckets": integer_at_least(1),
     "search.in_flight_updates": BOOLEAN,
     "search.restart_on_publish": BOOLEAN,
+    "search.max_samples_per_draw": number_at_least(0),
     "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
     "optim.schedule": one_of(LR_SCHEDULES),
     "optim.warmup_steps": integer_at_least(0),
@@ -325,6 +326,19 @@ def _check_critic_init(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"loss.ppo.critic_init=reward_model, but task {config.task.name!r} has no "
             "task.reward_model (its rewards come from elsewhere); use critic_init=policy."
+        )
+
+
+def check_sample_limit(config: ml_collections.ConfigDict) -> None:
+    """search.max_samples_per_draw bounds async searchers that share a process with the
+    learner (whose draws they follow)."""
+    if config.mode != "async" or not config.search.get("max_samples_per_draw", 0.0):
+        return
+    if config.get("distributed", {}).get("topology") == "roles_by_process":
+        raise ConfigError(
+            "search.max_samples_per_draw is built for searchers beside their learner "
+            "(distributed.topology=roles_within_host); with roles_by_process the searchers "
+            "have their own devices and their outbox bounds what they hand on. Leave it 0."
         )
 
 
@@ -398,6 +412,7 @@ def validate(
                 "pass a local folder saved with save_pretrained."
             )
     check_score_chunks(config)
+    check_sample_limit(config)
     check_engine(config)
     check_length_buckets(config)
     check_attention(config)
@@ -537,6 +552,7 @@ ASYNC_ONLY_KEYS = (
     "replay",
     "search.prompts_per_call",
     "search.restart_on_publish",
+    "search.max_samples_per_draw",
     "batch.samples_generated_per_prompt",
 )
 

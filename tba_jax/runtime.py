@@ -10,11 +10,12 @@ minus its first version (0 on-policy); `policy_lag_last_*` count from the last.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -77,6 +78,72 @@ class PolicyStore:
         if len(times) < 2:
             return None
         return (times[-1] - times[0]) / (len(times) - 1)
+
+
+class SampleLimit:
+    """Bounds what async searchers make to what the learner draws (the insert side of
+    Reverb's `SampleToInsertRatio`): they start a prompt only while the samples they have
+    started stay under `warm_samples` + `max_samples_per_draw` × the samples the learner
+    has drawn and will draw in its next step. The learner never waits on it. Off (None)
+    the searchers decode without pause, as TBA's do; on shared devices that takes compute
+    from the learner (README "The generation engine"). Thread-safe."""
+
+    def __init__(self, max_samples_per_draw: float, warm_samples: int, draws_per_step: int):
+        """`warm_samples`: the samples allowed before the learner's first draw (its first
+        fill of the buffer, and a searcher's first hand-on); `draws_per_step`: the samples
+        one learner step draws."""
+        self.max_samples_per_draw = max_samples_per_draw
+        self.warm_samples, self.draws_per_step = warm_samples, draws_per_step
+        self._changed = threading.Condition()
+        self._started = 0  # samples the searchers have started
+        self._learner_steps = 0  # steps the learner has drawn for
+        self._lifted = False  # while the learner waits for the buffer
+        self.paused_seconds = 0.0  # summed over the searchers
+
+    def allowed(self) -> float:
+        """The samples the searchers may have started by now."""
+        if self._lifted:
+            return float("inf")
+        drawn_and_next = (self._learner_steps + 1) * self.draws_per_step
+        return self.warm_samples + self.max_samples_per_draw * drawn_and_next
+
+    def learner_drew(self, steps: int) -> None:
+        """The learner has drawn `steps` batches (this segment)."""
+        with self._changed:
+            self._learner_steps = steps
+            self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def lifted(self, dropped_samples: int = 0) -> Iterator[None]:
+        """No bound while the learner waits for the buffer (it was emptied of stale
+        samples: `replay.max_policy_lag`), so that neither waits on the other; the
+        `dropped_samples` no longer count as started, so the searchers may replace them."""
+        with self._changed:
+            self._started = max(self._started - dropped_samples, 0)
+            self._lifted = True
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._lifted = False
+
+    def try_start(self, samples: int) -> bool:
+        """Counts `samples` as started if there is room (the last start may go over)."""
+        with self._changed:
+            if self._started >= self.allowed():
+                return False
+            self._started += samples
+            return True
+
+    def wait_for_room(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
+        """Blocks until a sample may start; False if `stop` is set meanwhile."""
+        began = time.monotonic()
+        with self._changed:
+            while self._started >= self.allowed() and not stop.is_set():
+                self._changed.wait(poll_s)
+            self.paused_seconds += time.monotonic() - began
+        return not stop.is_set()
 
 
 @dataclasses.dataclass
@@ -172,21 +239,24 @@ class NonFiniteSamplesError(ConfigError):
 class Searcher(threading.Thread):
     """A host thread that generates and scores continuously into the replay buffer.
 
-    It never waits for the learner. With a `SearchWorker` it reads whatever params the
-    policy store holds at the start of each call of `prompts_per_call` prompts. With a
-    `FusedSearchWorker` (the slot engine) it streams prompts through the engine's slots and
-    adds whole prompts, at least `prompts_per_call` at a time (a stream's last few wait
-    for the next stream's first), each once its last sample is scored: on the params it
-    started with until a newer version is published, or with `in_flight_updates` on the
-    newest params of every decode chunk. At a publish it stops taking prompts; with
-    `restart_on_publish` it hands on the prompts whose samples have all finished and
-    starts the live ones over on the new params, first in its next stream (a prompt starts
-    over at most once: one that did finishes on its params), while prompts take less time
-    to finish than the gap between publishes (`_restart_pays`); otherwise it finishes the
-    live samples on the old params, then starts over with the new ones. An exception
-    stops the run: it is put on `errors` and `stop` is set, and the learner re-raises it.
-    So does a run of `max_empty_calls` calls (or hand-offs of scored prompts) in a row
-    whose samples were all dropped as non-finite (the buffer would never fill).
+    It never waits for the learner, unless given a `SampleLimit`. With a `SearchWorker` it
+    reads whatever params the policy store holds at the start of each call of
+    `prompts_per_call` prompts. With a `FusedSearchWorker` (the slot engine) it streams
+    prompts through the engine's slots and adds whole prompts, at least `prompts_per_call`
+    at a time (a stream's last few wait for the next stream's first), each once its last
+    sample is scored: on the params it started with until a newer version is published, or
+    with `in_flight_updates` on the newest params of every decode chunk. At a publish it
+    stops taking prompts; with `restart_on_publish` it hands on the prompts whose samples
+    have all finished and starts the live ones over on the new params, first in its next
+    stream (a prompt starts over at most once: one that did finishes on its params), while
+    prompts take less time to finish than the gap between publishes (`_restart_pays`);
+    otherwise it finishes the live samples on the old params, then starts over with the
+    new ones. With a `limit` it starts prompts only while that has room; a stream that
+    finds none stops taking prompts (its live samples finish) until the learner draws.
+    An exception stops the run: it is put on `errors` and `stop` is set, and the learner
+    re-raises it. So does a run of `max_empty_calls` calls (or hand-offs of scored
+    prompts) in a row whose samples were all dropped as non-finite (the buffer would
+    never fill).
     """
 
     def __init__(
@@ -203,8 +273,10 @@ class Searcher(threading.Thread):
         max_empty_calls: int,
         in_flight_updates: bool = False,
         restart_on_publish: bool = False,
+        limit: SampleLimit | None = None,
     ):
         super().__init__(name=f"searcher-{index}", daemon=True)
+        self.limit = limit
         self.max_empty_calls, self.in_flight_updates = max_empty_calls, in_flight_updates
         self.restart_on_publish = restart_on_publish and not in_flight_updates
         self.index = index
@@ -227,7 +299,7 @@ class Searcher(threading.Thread):
 
     def _search_in_calls(self) -> None:
         empty_calls = 0
-        while not self.stop.is_set():
+        while self._may_start(self.prompts_per_call):
             params, version = self.store.get()
             examples = self.stream.next_batch(self.prompts_per_call)
             rng = jax.random.fold_in(self.rng, self.calls)
@@ -245,6 +317,8 @@ class Searcher(threading.Thread):
         restarted: list[dict] = []  # examples given up at the last publish
         held: list[Trajectory] = []  # whole prompts, fewer than prompts_per_call
         while not self.stop.is_set():
+            if self.limit is not None and not self.limit.wait_for_room(self.stop):
+                break
             params_fn = self.store.get
             if not self.in_flight_updates:
                 pinned = self.store.get()
@@ -253,8 +327,10 @@ class Searcher(threading.Thread):
 
             def prompts(version=version, first=restarted):
                 yield from first
-                while not self.stop.is_set() and (
-                    self.in_flight_updates or self.store.get()[1] == version
+                while (
+                    not self.stop.is_set()
+                    and (self.in_flight_updates or self.store.get()[1] == version)
+                    and (self.limit is None or self.limit.try_start(self.samples_per_prompt))
                 ):
                     yield from self.stream.next_batch(1)
 
@@ -290,6 +366,22 @@ class Searcher(threading.Thread):
                     held = []
             scored_groups.close()
             self.calls += 1
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.worker.samples_per_prompt
+
+    def _may_start(self, prompts: int) -> bool:
+        """Whether a call of `prompts` prompts may start: not at a stop, and (with a
+        `limit`) once there is room, waiting for the learner if need be."""
+        if self.limit is None:
+            return not self.stop.is_set()
+        samples = prompts * self.samples_per_prompt
+        while not self.stop.is_set():
+            if self.limit.try_start(samples):
+                return True
+            self.limit.wait_for_room(self.stop)
+        return False
 
     def _restart_pays(self) -> bool:
         """Whether a prompt started over on the newly published params may end before the

@@ -24,6 +24,7 @@ engine: the loop does not know which.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -50,6 +51,8 @@ from tba_jax.trajectories import SampledBatch, collate
 
 SEARCHER_JOIN_TIMEOUT_S = 60.0
 BUFFER_POLL_S = 0.05
+# seconds the searchers waited for room under search.max_samples_per_draw, this segment
+SEARCHERS_PAUSED_SECONDS = "searchers_paused_seconds"
 SAMPLES_DROPPED_STALE = "samples_dropped_stale"  # by replay.max_policy_lag, this segment
 
 
@@ -289,10 +292,12 @@ def make_searcher_pool(
     sink: Any,
     process_index: int,
     start_step: int,
+    limit: runtime.SampleLimit | None = None,
 ) -> runtime.SearcherPool:
     """`search.num_searchers` searcher threads adding to `sink` (a replay buffer or an
-    outbox; anything with `add(trajectories)`). Searcher indices count across processes,
-    so every thread of every process has its own RNG stream."""
+    outbox; anything with `add(trajectories)`), sharing `limit` when given. Searcher
+    indices count across processes, so every thread of every process has its own RNG
+    stream."""
     first_index = process_index * config.search.num_searchers
     stop, errors = threading.Event(), queue.Queue()
     searchers = [
@@ -309,10 +314,27 @@ def make_searcher_pool(
             max_empty_calls=config.max_nonfinite_steps,
             in_flight_updates=config.search.in_flight_updates,
             restart_on_publish=restarts_on_publish(config),
+            limit=limit,
         )
         for index in range(config.search.num_searchers)
     ]
     return runtime.SearcherPool(searchers, stop, errors)
+
+
+def sample_limit(
+    config: ml_collections.ConfigDict, share: ProcessShare
+) -> runtime.SampleLimit | None:
+    """This process's bound on its searchers' samples (`search.max_samples_per_draw`;
+    None when 0): its learner's draws per step, and before the first draw room for the
+    buffer's first fill and one hand-on of `prompts_per_call` prompts (which the buffer
+    takes whole), so the fill cannot wait on a draw that waits on the fill."""
+    ratio = config.search.get("max_samples_per_draw", 0.0)
+    if not ratio:
+        return None
+    samples_per_prompt = config.batch.samples_generated_per_prompt
+    first_prompts = config.replay.min_prompts + config.search.prompts_per_call
+    draws = share.prompts(config.batch.prompts_per_batch) * config.batch.samples_per_prompt
+    return runtime.SampleLimit(ratio, first_prompts * samples_per_prompt, draws)
 
 
 class AsyncSource:
@@ -332,8 +354,17 @@ class AsyncSource:
         self.config, self.store, self.stream, self.buffer = config, store, stream, buffer
         self.meters, self.share = meters, share
         self.publish_every = config.sync_period
+        self.start_step = start_step
+        self.limit = sample_limit(config, share)
         self.pool = make_searcher_pool(
-            config, worker, store, stream, buffer, share.topology.process_index, start_step
+            config,
+            worker,
+            store,
+            stream,
+            buffer,
+            share.topology.process_index,
+            start_step,
+            self.limit,
         )
         self.dropped_stale = 0  # samples past replay.max_policy_lag, this segment
         self.stop_signal: StopSignal | None = None
@@ -358,6 +389,8 @@ class AsyncSource:
 
     def next_batch(self, step: int) -> SampledBatch:
         self.pool.raise_if_failed()
+        if self.limit is not None:  # room for the samples of the step after this one
+            self.limit.learner_drew(step - self.start_step + 1)
         if self.config.replay.max_policy_lag:
             self._drop_stale(step)
         batch_cfg = self.config.batch
@@ -370,8 +403,10 @@ class AsyncSource:
     def _drop_stale(self, step: int) -> None:
         """Drops samples more than `replay.max_policy_lag` versions behind `step`, then
         waits for the searchers to refill the buffer to `replay.min_prompts` prompts."""
-        self.dropped_stale += self.buffer.drop_older_than(step - self.config.replay.max_policy_lag)
-        with self.meters.time_split.measure("waiting"):
+        dropped = self.buffer.drop_older_than(step - self.config.replay.max_policy_lag)
+        self.dropped_stale += dropped
+        lifted = contextlib.nullcontext() if self.limit is None else self.limit.lifted(dropped)
+        with self.meters.time_split.measure("waiting"), lifted:
             self.pool.wait_for_buffer(
                 self.buffer, self.config.replay.min_prompts, BUFFER_POLL_S, self.stop_signal
             )
@@ -386,6 +421,8 @@ class AsyncSource:
         metrics = {f"buffer_{k}": v for k, v in self.buffer.stats(step).items()}
         totals = self.meters.rates.totals()
         metrics[runtime.DROPPED_NONFINITE] = float(totals.get(runtime.DROPPED_NONFINITE, 0))
+        if self.limit is not None:
+            metrics[SEARCHERS_PAUSED_SECONDS] = self.limit.paused_seconds
         if restarts_on_publish(self.config):
             metrics[runtime.RESTARTED_PROMPTS] = float(totals.get(runtime.RESTARTED_PROMPTS, 0))
         if self.config.replay.max_policy_lag:

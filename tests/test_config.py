@@ -113,6 +113,12 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("method=ppo,loss.ppo.minibatches=128", 4, r"does not divide over the learner"),
         ("replay.capacity=10", 1, r"replay\.capacity=10 is smaller than replay\.capacity_per"),
         ("model.attention=cudnn,model.dtype=bfloat16", 1, r"cudnn needs a GPU with cuDNN"),
+        ("search.max_samples_per_draw=-1.0", 1, r"max_samples_per_draw=-1\.0 must be"),
+        (
+            "search.max_samples_per_draw=1.0,distributed.topology=roles_by_process",
+            1,
+            r"max_samples_per_draw is built for searchers beside their learner",
+        ),
     ],
 )
 def test_invalid_configs_are_rejected_before_any_work(variant, num_devices, message):
@@ -356,6 +362,8 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
         ),
         ("mode=sync", "replay.recency_prob", "only mode=async reads it (this run: mode=sync)"),
         ("mode=sync", "sync_period", "only mode=async reads it"),
+        ("mode=sync", "search.max_samples_per_draw", "only mode=async reads it"),
+        ("", "search.max_samples_per_draw", None),
         ("mode=sync", "batch.samples_per_prompt", None),
         ("", "replay.recency_prob", None),
         ("", "optim.learning_rate", None),

@@ -772,6 +772,104 @@ def test_a_fused_searcher_adds_every_prompt_once_whole_at_least_prompts_per_call
     assert len(taken) - len(added) <= 9
 
 
+def test_a_sample_limit_counts_its_room_from_the_learners_draws():
+    import threading
+
+    from tba_jax.runtime import SampleLimit
+
+    limit = SampleLimit(1.5, warm_samples=6, draws_per_step=4)
+    assert limit.allowed() == 6 + 1.5 * 4  # before the first draw: the fill and a step
+    assert limit.try_start(8) and limit.try_start(4)  # 0, then 8 < 12: the last goes over
+    assert not limit.try_start(1)
+    stop = threading.Event()
+    waiter = threading.Thread(target=limit.wait_for_room, args=(stop,))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "12 samples started, 12 allowed: no room"
+    limit.learner_drew(1)  # allowed: 6 + 1.5 × 4 × 2 = 18
+    waiter.join(5)
+    assert not waiter.is_alive() and limit.allowed() == 18 and limit.paused_seconds >= 0.2
+    assert limit.try_start(6) and not limit.try_start(1)
+    with limit.lifted(dropped_samples=10):  # the learner waits for stale samples' places
+        assert limit.try_start(100)
+    assert not limit.try_start(1)  # 18 + 100 - 10 started
+    with limit.lifted(dropped_samples=100):
+        pass
+    assert limit.try_start(1)  # 8 started
+    stop.set()
+    assert not limit.wait_for_room(stop)  # a stop ends the wait
+
+
+@pytest.mark.parametrize("engine", ["batch", "slots"])
+def test_searchers_under_a_sample_limit_start_only_the_samples_the_learners_draws_allow(
+    setup, fused_parts, engine
+):
+    """A searcher takes prompts while the limit has room, pauses (the slot engine's live
+    samples finish and are added) and goes on when the learner draws."""
+    import collections
+    import queue
+    import threading
+    import time
+
+    from tba_jax.data.pipeline import PromptStream
+    from tba_jax.metrics import RateMeter
+    from tba_jax.runtime import SampleLimit, Searcher, SearchWorker
+
+    shared, _ = fused_parts
+    shared = {**shared, "rates": RateMeter()}  # S = 2
+    if engine == "slots":
+        worker = fused_worker(setup, shared, SAMPLED, slots=6)
+    else:
+        generate_fn = make_generate_fn(
+            setup["model"], SAMPLED, eos_id=EOS, pad_id=shared["tokenizer"].pad_id
+        )
+        worker = SearchWorker(generate_fn=generate_fn, **shared)
+    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
+    prompts = PromptStream(examples, seed=0)
+    stop, errors = threading.Event(), queue.Queue()
+    added = []
+
+    class Store:
+        def get(self):
+            return setup["params"], 0
+
+        def publish_interval(self):
+            return None
+
+    class Buffer:
+        def add(self, trajectories):
+            added.extend(trajectories)
+
+    # 6 + 2 × 4 = 14 samples before the learner's first draw: 7 prompts of 2 samples
+    limit = SampleLimit(2.0, warm_samples=6, draws_per_step=4)
+    searcher = Searcher(
+        0, worker, Store(), prompts, Buffer(), prompts_per_call=1, seed=0, stop=stop,
+        errors=errors, max_empty_calls=100, limit=limit,
+    )  # fmt: skip
+
+    def settles_at(samples: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(added) < samples and time.monotonic() < deadline and errors.empty():
+            time.sleep(0.01)
+        time.sleep(0.3)  # time to go over, if it would
+        assert errors.empty() and len(added) == samples
+        assert prompts.position["index"] == samples // 2  # no prompt taken beyond the room
+
+    searcher.start()
+    try:
+        settles_at(14)
+        limit.learner_drew(1)  # 6 + 2 × 4 × 2 = 22
+        settles_at(22)
+        limit.learner_drew(3)  # 6 + 2 × 4 × 4 = 38
+        settles_at(38)
+    finally:
+        stop.set()
+        searcher.join(10)
+    assert not searcher.is_alive() and limit.paused_seconds > 0.6
+    samples_per_prompt = collections.Counter(t.prompt_id for t in added)
+    assert len(samples_per_prompt) == 19 and set(samples_per_prompt.values()) == {2}
+
+
 def test_search_config_sets_the_engines_bucket_min_tokens():
     from configs.arithmetic import get_config
     from tba_jax.sources import engine_config

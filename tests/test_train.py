@@ -290,8 +290,12 @@ def test_workdir_of_another_experiment_is_refused_and_left_intact(async_run, var
 
 
 def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path, caplog):
+    """...and a sample limit so tight (a prompt per 20 steps beyond the first fill) that
+    the learner would wait forever for the stale samples it drops to be replaced, did the
+    limit not lift while it waits."""
     config = get_config(
-        "smoke,search.engine=slots,search.in_flight_updates=True,replay.max_policy_lag=1"
+        "smoke,search.engine=slots,search.in_flight_updates=True,replay.max_policy_lag=1,"
+        "search.max_samples_per_draw=0.05"
     )
     with caplog.at_level(logging.INFO), jax.log_compiles():
         summary = train_and_evaluate(config, str(tmp_path))
@@ -307,12 +311,21 @@ def test_async_slot_engine_run_with_in_flight_updates_and_a_lag_bound(tmp_path, 
     assert "samples_dropped_stale" in scalars
 
 
-def test_async_slot_engine_run_starting_live_prompts_over_at_publishes(tmp_path):
-    summary = train_and_evaluate(get_config("smoke,search.engine=slots"), str(tmp_path))
+def test_async_slot_engine_run_starting_live_prompts_over_at_publishes_under_a_sample_limit(
+    tmp_path,
+):
+    config = get_config("smoke,search.engine=slots,search.max_samples_per_draw=0.5")
+    summary = train_and_evaluate(config, str(tmp_path))
     assert summary["learner_steps"] == 4 and summary["samples_generated"] >= 4 * 4
     scalars = read_scalars(os.path.join(str(tmp_path), "tensorboard"))
     restarted = dict(scalars["prompts_restarted"])
     assert sorted(restarted) == [1, 2, 3, 4] and restarted[4] >= restarted[1] >= 0
+    # the first fill (4 + 4 prompts of S = 4) and half of 5 steps' draws of 4 × 4, and the
+    # last prompt's samples over; the searcher made 144 unbounded (2026-11-27)
+    samples_per_prompt = config.batch.samples_generated_per_prompt
+    bound = (8 + 0.5 * 5 * 4) * samples_per_prompt + samples_per_prompt
+    assert summary["samples_generated"] <= bound
+    assert dict(scalars["searchers_paused_seconds"])[4] > 0
 
 
 def assert_train_step_compiled_once_ahead(records):
