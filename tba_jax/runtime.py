@@ -136,6 +136,15 @@ class SampleLimit:
             self._started += samples
             return True
 
+    def start(self, samples: int, stop: threading.Event) -> bool:
+        """Counts `samples` as started once there is room, waiting for the learner if need
+        be; False if `stop` is set first."""
+        while not stop.is_set():
+            if self.try_start(samples):
+                return True
+            self.wait_for_room(stop)
+        return False
+
     def wait_for_room(self, stop: threading.Event, poll_s: float = 0.05) -> bool:
         """Blocks until a sample may start; False if `stop` is set meanwhile."""
         began = time.monotonic()
@@ -376,12 +385,7 @@ class Searcher(threading.Thread):
         `limit`) once there is room, waiting for the learner if need be."""
         if self.limit is None:
             return not self.stop.is_set()
-        samples = prompts * self.samples_per_prompt
-        while not self.stop.is_set():
-            if self.limit.try_start(samples):
-                return True
-            self.limit.wait_for_room(self.stop)
-        return False
+        return self.limit.start(prompts * self.samples_per_prompt, self.stop)
 
     def _restart_pays(self) -> bool:
         """Whether a prompt started over on the newly published params may end before the

@@ -331,10 +331,10 @@ def sample_limit(
     ratio = config.search.get("max_samples_per_draw", 0.0)
     if not ratio:
         return None
-    samples_per_prompt = config.batch.samples_generated_per_prompt
     first_prompts = config.replay.min_prompts + config.search.prompts_per_call
     draws = share.prompts(config.batch.prompts_per_batch) * config.batch.samples_per_prompt
-    return runtime.SampleLimit(ratio, first_prompts * samples_per_prompt, draws)
+    warm_samples = first_prompts * config_lib.samples_per_search_prompt(config)
+    return runtime.SampleLimit(ratio, warm_samples, draws)
 
 
 class AsyncSource:
