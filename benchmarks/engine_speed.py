@@ -19,10 +19,13 @@ the response text), at the same decode width W (`--width`):
   finished samples in groups of `--score_rows` × 4^i while decoding goes on.
 
 Response lengths come from the model's EOS logit. Residual dimension 0 is made a constant
-(embedding column 0 = 3; no attention or MLP output writes to it), so after the final
-RMSNorm it is about sqrt(d_model) at every position, and lm_head[0, EOS] =
-bias / sqrt(d_model) adds about `bias` nats to the EOS logit everywhere (the other logits
-of a random init_std=0.02 model are all near 0). Two length mixes:
+(embedding column 0 = `CARRIER_PER_ROOT_D` × sqrt(d_model); no attention or MLP output
+writes to it), so it dominates every RMSNorm's scale: after the final norm it is about
+sqrt(d_model) at every position, and lm_head[0, EOS] = bias / sqrt(d_model) adds about
+`bias` nats to the EOS logit everywhere, while the other logits of the random
+init_std=0.02 model stay near 0. (With a carrier of 3, as this script had until
+2026-11-27, a 22-layer rho-1b's residual outgrew it: the EOS logit ended near 0 at a bias
+of -50, so the `uniform` mix was not uniform.) Two length mixes:
 
 - `long_tailed`: bias `--eos_bias`; every step ends a response with about the same
   probability, so lengths are geometric: most responses are short and a few run to
@@ -106,6 +109,11 @@ DIGITS = frozenset("0123456789")
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Untimed fused runs at most, each with its own draws, until one compiles nothing new.
 WARMUP_FUSED_RUNS = 3
+# Residual dimension 0's constant over sqrt(d_model) (`length_params`): large enough that
+# what the layers add to the other dimensions stays negligible beside it. Measured on
+# rho-1b in bfloat16 at a bias of -50: the EOS logit came out at +0.5 with a carrier of
+# 3, -24.9 with 3 × sqrt(d_model), -49.0 with 30 × and -49.75 with 300 ×.
+CARRIER_PER_ROOT_D = 300.0
 # EngineConfig's fields that a flag of another name sets (the others are their flags' names).
 ENGINE_FLAGS = {"slots": "width"}
 
@@ -297,7 +305,7 @@ def length_params(params: dict, eos_id: int, bias: float) -> dict:
     the module docstring: residual dimension 0 is a constant after the final norm)."""
     p = jax.tree.map(np.array, params)
     d_model = p["embedding"].shape[1]
-    p["embedding"][:, 0] = 3.0
+    p["embedding"][:, 0] = CARRIER_PER_ROOT_D * math.sqrt(d_model)
     for block in p["blocks"].values():
         block["attn"]["wo"][..., 0] = 0.0
         block["mlp"]["w_down"][:, 0] = 0.0
