@@ -262,6 +262,8 @@ class Searcher(threading.Thread):
     otherwise it finishes the live samples on the old params, then starts over with the
     new ones. With a `limit` it starts prompts only while that has room; a stream that
     finds none stops taking prompts (its live samples finish) until the learner draws.
+    Prompts started over at a publish were counted when they first started: they do not
+    wait for room.
     An exception stops the run: it is put on `errors` and `stop` is set, and the learner
     re-raises it. So does a run of `max_empty_calls` calls (or hand-offs of scored
     prompts) in a row whose samples were all dropped as non-finite (the buffer would
@@ -326,7 +328,10 @@ class Searcher(threading.Thread):
         restarted: list[dict] = []  # examples given up at the last publish
         held: list[Trajectory] = []  # whole prompts, fewer than prompts_per_call
         while not self.stop.is_set():
-            if self.limit is not None and not self.limit.wait_for_room(self.stop):
+            # prompts started over were counted when they first started: they go on
+            # without waiting for room
+            waits = self.limit is not None and not restarted
+            if waits and not self.limit.wait_for_room(self.stop):
                 break
             params_fn = self.store.get
             if not self.in_flight_updates:

@@ -870,6 +870,66 @@ def test_searchers_under_a_sample_limit_start_only_the_samples_the_learners_draw
     assert len(samples_per_prompt) == 19 and set(samples_per_prompt.values()) == {2}
 
 
+def test_a_slot_searcher_starts_its_restarted_prompts_over_without_waiting_for_room(
+    setup, fused_parts
+):
+    """Params are published once the limit's room is used up, while prompts are live: the
+    searcher starts them over on the new params at once (they were counted when they
+    first started), so every prompt it took is added before the learner draws again.
+    Before, it waited for the learner's next draw with those prompts in hand."""
+    import collections
+    import queue
+    import threading
+    import time
+
+    from tba_jax.data.pipeline import PromptStream
+    from tba_jax.metrics import RateMeter
+    from tba_jax.runtime import RESTARTED_PROMPTS, SampleLimit, Searcher
+
+    shared, _ = fused_parts
+    rates = RateMeter()
+    # S = 2 samples in 2 slots: the next prompt is read (and counted) while one decodes,
+    # so a publish finds it waiting and starts both over
+    worker = fused_worker(setup, {**shared, "rates": rates}, SAMPLED, slots=2)
+    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
+    prompts = PromptStream(examples, seed=0)
+    stop, errors = threading.Event(), queue.Queue()
+    added = []
+    # 6 + 2 × 4 = 14 samples before the learner's first draw: 7 prompts of 2 samples
+    limit = SampleLimit(2.0, warm_samples=6, draws_per_step=4)
+
+    class Store:  # publishes version 1 once the 7th prompt has started
+        def get(self):
+            return setup["params"], int(limit._started >= 14)
+
+        def publish_interval(self):
+            return None
+
+    class Buffer:
+        def add(self, trajectories):
+            added.extend(trajectories)
+
+    searcher = Searcher(
+        0, worker, Store(), prompts, Buffer(), prompts_per_call=1, seed=0, stop=stop,
+        errors=errors, max_empty_calls=100, restart_on_publish=True, limit=limit,
+    )  # fmt: skip
+    searcher.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(added) < 14 and time.monotonic() < deadline and errors.empty():
+            time.sleep(0.01)
+        time.sleep(0.3)  # time to go over, if it would
+    finally:
+        stop.set()
+        searcher.join(10)
+    assert not searcher.is_alive() and errors.empty()
+    assert rates.totals().get(RESTARTED_PROMPTS, 0) > 0  # a publish found live prompts
+    assert len(added) == 14 and prompts.position["index"] == 7
+    samples_per_prompt = collections.Counter(t.prompt_id for t in added)
+    assert len(samples_per_prompt) == 7 and set(samples_per_prompt.values()) == {2}
+    assert {t.policy_version for t in added} == {0, 1}  # the restarted ones on version 1
+
+
 def test_search_config_sets_the_engines_bucket_min_tokens():
     from configs.arithmetic import get_config
     from tba_jax.sources import engine_config
