@@ -65,7 +65,7 @@ case "$part" in
     # issue 11's GPU half: batch-then-score against the slot engine at the GSM8K searcher's
     # shape (rho-1b in bfloat16, 3 prompts × S = 24 rows a call, 256 + 512 tokens); the
     # long-tailed mix's EOS bias gives geometric lengths of mean ~155-160 with ~4% at the
-    # cap; 4 minutes on an H100 (2026-11-27), 2 of them compiling
+    # cap; 4 minutes on an H100 (2026-11-27), 2.5 of them warming up (compiles, untimed runs)
     limit=${REPORT_TIMEOUT:-560}
     run python3 benchmarks/engine_speed.py --preset=rho-1b --dtype=bfloat16 \
       --max_prompt_len=256 --max_new_tokens=512 --width=72 --samples_per_prompt=24 \
