@@ -432,6 +432,53 @@ def fused_worker(setup, shared, sampling, slots=6, score_rows=4, **worker):
     return FusedSearchWorker(engine=engine, score_rows=score_rows, **{**shared, **worker})
 
 
+def short_prompt_examples(count: int = 100) -> list[dict]:
+    """`count` examples of 1 to 4 letters: a searcher's prompt stream in these tests."""
+    return [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(count)]
+
+
+def searcher_adding_to_a_list(setup, worker, version_fn, **searcher):
+    """A `Searcher` of `worker` over `short_prompt_examples()` taken one per call, whose
+    store holds `setup`'s params at version `version_fn()` (no publish interval known) and
+    whose buffer appends to a list. Returns (searcher, prompt stream, added list, errors);
+    `searcher` holds further `Searcher` keywords (a limit, restarts)."""
+    import queue
+    import threading
+
+    from tba_jax.data.pipeline import PromptStream
+    from tba_jax.runtime import Searcher
+
+    prompts, added, errors = PromptStream(short_prompt_examples(), seed=0), [], queue.Queue()
+
+    class Store:
+        def get(self):
+            return setup["params"], version_fn()
+
+        def publish_interval(self):
+            return None
+
+    class Buffer:
+        def add(self, trajectories):
+            added.extend(trajectories)
+
+    searcher_thread = Searcher(
+        0, worker, Store(), prompts, Buffer(), prompts_per_call=1, seed=0,
+        stop=threading.Event(), errors=errors, max_empty_calls=100, **searcher,
+    )  # fmt: skip
+    return searcher_thread, prompts, added, errors
+
+
+def wait_until_added(added: list, samples: int, errors, timeout_s: float) -> None:
+    """Waits until `samples` are in `added` (or an error, or `timeout_s`), then 0.3 s more:
+    time for a searcher to go over, if it would."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(added) < samples and time.monotonic() < deadline and errors.empty():
+        time.sleep(0.01)
+    time.sleep(0.3)
+
+
 def test_scoring_groups_are_the_most_ready_samples_in_growing_units(setup, fused_parts):
     worker = fused_worker(setup, fused_parts[0], GREEDY, slots=48, score_rows=2)
     rows = {ready: worker._group_rows(ready) for ready in (1, 2, 7, 8, 31, 32, 47, 48, 100)}
@@ -727,7 +774,7 @@ def test_a_fused_searcher_adds_every_prompt_once_whole_at_least_prompts_per_call
     from tba_jax.runtime import RESTARTED_PROMPTS, Searcher
 
     shared, _ = fused_parts
-    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
+    examples = short_prompt_examples()
     worker = fused_worker(setup, {**shared, "rates": RateMeter()}, SAMPLED, slots=6)
     worker.prompt_seconds.add(1e-3, ended=True)  # known from the start: no first restart
     stop, errors = threading.Event(), queue.Queue()
@@ -807,13 +854,9 @@ def test_searchers_under_a_sample_limit_start_only_the_samples_the_learners_draw
     """A searcher takes prompts while the limit has room, pauses (the slot engine's live
     samples finish and are added) and goes on when the learner draws."""
     import collections
-    import queue
-    import threading
-    import time
 
-    from tba_jax.data.pipeline import PromptStream
     from tba_jax.metrics import RateMeter
-    from tba_jax.runtime import SampleLimit, Searcher, SearchWorker
+    from tba_jax.runtime import SampleLimit, SearchWorker
 
     shared, _ = fused_parts
     shared = {**shared, "rates": RateMeter()}  # S = 2
@@ -824,34 +867,14 @@ def test_searchers_under_a_sample_limit_start_only_the_samples_the_learners_draw
             setup["model"], SAMPLED, eos_id=EOS, pad_id=shared["tokenizer"].pad_id
         )
         worker = SearchWorker(generate_fn=generate_fn, **shared)
-    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
-    prompts = PromptStream(examples, seed=0)
-    stop, errors = threading.Event(), queue.Queue()
-    added = []
-
-    class Store:
-        def get(self):
-            return setup["params"], 0
-
-        def publish_interval(self):
-            return None
-
-    class Buffer:
-        def add(self, trajectories):
-            added.extend(trajectories)
-
     # 6 + 2 × 4 = 14 samples before the learner's first draw: 7 prompts of 2 samples
     limit = SampleLimit(2.0, warm_samples=6, draws_per_step=4)
-    searcher = Searcher(
-        0, worker, Store(), prompts, Buffer(), prompts_per_call=1, seed=0, stop=stop,
-        errors=errors, max_empty_calls=100, limit=limit,
-    )  # fmt: skip
+    searcher, prompts, added, errors = searcher_adding_to_a_list(
+        setup, worker, lambda: 0, limit=limit
+    )
 
     def settles_at(samples: int) -> None:
-        deadline = time.monotonic() + 60
-        while len(added) < samples and time.monotonic() < deadline and errors.empty():
-            time.sleep(0.01)
-        time.sleep(0.3)  # time to go over, if it would
+        wait_until_added(added, samples, errors, timeout_s=60)
         assert errors.empty() and len(added) == samples
         assert prompts.position["index"] == samples // 2  # no prompt taken beyond the room
 
@@ -863,7 +886,7 @@ def test_searchers_under_a_sample_limit_start_only_the_samples_the_learners_draw
         limit.learner_drew(3)  # 6 + 2 × 4 × 4 = 38
         settles_at(38)
     finally:
-        stop.set()
+        searcher.stop.set()
         searcher.join(10)
     assert not searcher.is_alive() and limit.paused_seconds > 0.6
     samples_per_prompt = collections.Counter(t.prompt_id for t in added)
@@ -878,49 +901,29 @@ def test_a_slot_searcher_starts_its_restarted_prompts_over_without_waiting_for_r
     first started), so every prompt it took is added before the learner draws again.
     Before, it waited for the learner's next draw with those prompts in hand."""
     import collections
-    import queue
-    import threading
-    import time
 
-    from tba_jax.data.pipeline import PromptStream
     from tba_jax.metrics import RateMeter
-    from tba_jax.runtime import RESTARTED_PROMPTS, SampleLimit, Searcher
+    from tba_jax.runtime import RESTARTED_PROMPTS, SampleLimit
 
     shared, _ = fused_parts
     rates = RateMeter()
     # S = 2 samples in 2 slots: the next prompt is read (and counted) while one decodes,
     # so a publish finds it waiting and starts both over
     worker = fused_worker(setup, {**shared, "rates": rates}, SAMPLED, slots=2)
-    examples = [{"id": i, "prompt": "abcdefghij"[i % 7 : i % 7 + 1 + i % 4]} for i in range(100)]
-    prompts = PromptStream(examples, seed=0)
-    stop, errors = threading.Event(), queue.Queue()
-    added = []
     # 6 + 2 × 4 = 14 samples before the learner's first draw: 7 prompts of 2 samples
     limit = SampleLimit(2.0, warm_samples=6, draws_per_step=4)
-
-    class Store:  # publishes version 1 once the 7th prompt has started
-        def get(self):
-            return setup["params"], int(limit._started >= 14)
-
-        def publish_interval(self):
-            return None
-
-    class Buffer:
-        def add(self, trajectories):
-            added.extend(trajectories)
-
-    searcher = Searcher(
-        0, worker, Store(), prompts, Buffer(), prompts_per_call=1, seed=0, stop=stop,
-        errors=errors, max_empty_calls=100, restart_on_publish=True, limit=limit,
-    )  # fmt: skip
+    searcher, prompts, added, errors = searcher_adding_to_a_list(
+        setup,
+        worker,
+        lambda: int(limit._started >= 14),  # version 1 once the 7th prompt has started
+        restart_on_publish=True,
+        limit=limit,
+    )
     searcher.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(added) < 14 and time.monotonic() < deadline and errors.empty():
-            time.sleep(0.01)
-        time.sleep(0.3)  # time to go over, if it would
+        wait_until_added(added, 14, errors, timeout_s=30)
     finally:
-        stop.set()
+        searcher.stop.set()
         searcher.join(10)
     assert not searcher.is_alive() and errors.empty()
     assert rates.totals().get(RESTARTED_PROMPTS, 0) > 0  # a publish found live prompts
