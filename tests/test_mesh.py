@@ -30,6 +30,7 @@ CHECKS_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "mesh_subprocess_checks.py"
 )
 RESULT_PREFIX = "MESH_CHECK_RESULT "
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 RULES = [("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor")]
 
 
@@ -220,6 +221,31 @@ def test_colocated_publish_copies_so_the_learner_may_donate():
         for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(host), strict=True):
             assert not got.is_deleted()
             np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_publish_after_the_first_compiles_nothing():
+    """The colocated copy is compiled once per sampler sharding tree, then reused."""
+    model, params = init_model(preset("micro", vocab_size=16), 0)
+    meshes = mesh_lib.make_role_meshes(0.5, False, {"data": -1}, {"fsdp": -1})
+    rules = get_config().mesh.learner_rules
+    shardings = {
+        role: mesh_lib.param_shardings(model.logical_axes, _abstract(params), mesh, rules)
+        for role, mesh in (("learner", meshes.learner), ("sampler", meshes.sampler))
+    }
+    learner_params = jax.device_put(params, shardings["learner"], may_alias=False)
+    jax.block_until_ready(mesh_lib.publish(learner_params, shardings["sampler"]))
+    newer = jax.block_until_ready(jax.tree.map(lambda x: x + 1.0, learner_params))
+    compiles = []
+    listener = lambda event, duration, **kwargs: compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        published = mesh_lib.publish(newer, shardings["sampler"])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [event for event in compiles if event == BACKEND_COMPILE_EVENT] == []
+    assert jax.tree.map(lambda x: x.sharding, published) == shardings["sampler"]
+    for got, want in zip(jax.tree.leaves(published), jax.tree.leaves(newer), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # --- several fake devices, in subprocesses ---------------------------------------------------
