@@ -46,7 +46,9 @@ medians; `fused_over_batch_paired`, the median of each repeat's ratio), response
 lengths (mean, max, share at the limit), decode work as slot-steps (width × decode steps,
 summed over calls or chunks) and occupancy (the share of slot-steps that produced a token;
 the engine's `counters.occupancy`), the engine's decode chunks, prefill calls and tail
-compactions, and each worker's `TimeSplit` "generating" / "scoring" seconds.
+compactions, each worker's `TimeSplit` "generating" / "scoring" seconds, and
+`cpu_ms_per_sample`: the process's CPU time (every thread's, XLA's included) per scored
+sample, what a path takes from a learner that shares the CPU.
 `decode_work_ratio` = batch slot-steps / engine slot-steps: the speed-up that decode work
 alone would give.
 
@@ -403,17 +405,18 @@ def run_batch(paths: Paths, settings: Settings, params, examples, rng) -> dict:
     worker, per_call = paths.batch, settings.prompts_per_call
     worker.reference_params, worker.time_split = params, TimeSplit()
     trajectories, decode_steps = [], 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for call in range(len(examples) // per_call):
         batch = examples[call * per_call : (call + 1) * per_call]
         out = worker.search(params, 0, batch, jax.random.fold_in(rng, call))
         decode_steps += max(t.response_length for t in out)
         trajectories += out
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = sum(t.response_length for t in trajectories)
     seconds_by_phase = worker.time_split.totals()
     return {
         "seconds": seconds,
+        "cpu_ms_per_sample": 1e3 * cpu_seconds / len(trajectories),
         "samples": len(trajectories),
         "samples_per_s": len(trajectories) / seconds,
         "decode_steps": decode_steps,
@@ -431,13 +434,14 @@ def run_fused(paths: Paths, settings: Settings, params, examples, rng) -> dict:
     worker = paths.fused
     worker.reference_params, worker.time_split = params, TimeSplit()
     worker.engine.counters = EngineCounters()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     trajectories = worker.search(params, 0, examples, rng)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     counters = worker.engine.counters
     seconds_by_phase = worker.time_split.totals()
     return {
         "seconds": seconds,
+        "cpu_ms_per_sample": 1e3 * cpu_seconds / len(trajectories),
         "samples": len(trajectories),
         "samples_per_s": len(trajectories) / seconds,
         "decode_steps": counters.decode_steps,
