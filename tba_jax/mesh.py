@@ -196,8 +196,8 @@ def publish(params: Any, sampler_shardings: Any) -> Any:
     `jax.device_put(..., may_alias=False)` moves each leaf. What a publish costs is mostly
     host work per leaf: on an H100, qwen2.5-0.5b's 290 float32 leaves (1.8 GiB) took
     26 ms through `device_put`, where the bytes alone need about 1 ms; on this CPU, the
-    same tree at micro widths took about 5 ms through a compiled copy relabelled leaf by
-    leaf (`device_put` onto the sampler's sharding objects) and 1 ms through
+    same tree at micro widths took 5.5 ms through a compiled copy relabelled leaf by
+    leaf (`device_put` onto the sampler's sharding objects) and 1.5 ms through
     `_copy_program` (`benchmarks/publish_cost.py`).
     """
     leaves, treedef = jax.tree.flatten(params)
