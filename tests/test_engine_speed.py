@@ -18,6 +18,7 @@ SMOKE_SECONDS = 120  # ~13 s on 2 CPU cores, most of it imports and compiling
 
 PATH_FIELDS = {
     "seconds",
+    "cpu_ms_per_sample",
     "samples",
     "samples_per_s",
     "decode_steps",
@@ -52,6 +53,7 @@ def test_smoke_run_reports_both_paths_on_both_mixes():
         for path in ("batch", "fused"):
             assert figures[path]["samples"] == samples, (mix, path)
             assert figures[path]["samples_per_s"] > 0, (mix, path)
+            assert figures[path]["cpu_ms_per_sample"] > 0, (mix, path)
             assert 0 < figures[path]["occupancy"] <= 1, (mix, path)
         ratio = figures["fused"]["samples_per_s"] / figures["batch"]["samples_per_s"]
         assert abs(figures["fused_over_batch"] - ratio) < 1e-3 * ratio + 1e-4, mix
