@@ -1,5 +1,6 @@
 """Helpers shared by several test files (not collected: the name has no test_ prefix)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -7,11 +8,34 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from tba_jax.models import ModelConfig
 from tba_jax.trajectories import Trajectory
+
+# jax.monitoring's duration events: tracing a function into a jaxpr, compiling a program.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def recorded_durations(event: str):
+    """Yields a list that collects the seconds of every `event` JAX reports inside the
+    block (a trace, a compile: `TRACE_EVENT`, `BACKEND_COMPILE_EVENT`)."""
+    durations = []
+
+    def listener(name: str, duration: float, **kwargs) -> None:
+        if name == event:
+            durations.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield durations
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
 
 # The GSM8K files of the shared folder beside the repository (as in CI's checkout).
 REPO_ROOT = Path(__file__).resolve().parents[1]

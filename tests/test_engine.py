@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import SMALL_DECODER as CFG
+from support import TRACE_EVENT, recorded_durations
 
 from tba_jax.models import abstract_model, stack_layers
 from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine, bucket_length
@@ -275,18 +276,9 @@ def test_engines_on_one_model_share_their_programs(setup, greedy_reference):
     runs without tracing or compiling it again."""
     setup = with_own_programs(setup)
     run_engine(setup, engine_for(setup, GREEDY, slots=4, chunk_steps=3), rows=range(6))
-    traced = []
-
-    def count_traces(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/jaxpr_trace_duration":
-            traced.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(count_traces)
-    try:
+    with recorded_durations(TRACE_EVENT) as traced:
         second = engine_for(setup, GREEDY, slots=4, chunk_steps=3)
         finished = run_engine(setup, second, rows=range(6))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count_traces)
     assert not traced
     for row in range(6):
         np.testing.assert_array_equal(finished[row, 0].tokens, greedy_reference[row][0])

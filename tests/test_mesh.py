@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from support import BACKEND_COMPILE_EVENT, recorded_durations
 
 from configs.arithmetic import get_config
 from tba_jax import mesh as mesh_lib
@@ -30,7 +31,6 @@ CHECKS_SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "mesh_subprocess_checks.py"
 )
 RESULT_PREFIX = "MESH_CHECK_RESULT "
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 RULES = [("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor")]
 
 
@@ -190,18 +190,23 @@ def test_param_shardings_reject_a_dim_that_does_not_divide():
 # --- publish, colocated (one device) ----------------------------------------------------------
 
 
-def test_colocated_publish_copies_so_the_learner_may_donate():
-    """Same device, same shardings: publish must still copy, or donation would free it."""
+def _micro_params_and_colocated_shardings():
+    """A micro model's params and their (learner, sampler) shardings on one device's two
+    role meshes (colocated)."""
     model, params = init_model(preset("micro", vocab_size=16), 0)
     meshes = mesh_lib.make_role_meshes(0.5, False, {"data": -1}, {"fsdp": -1})
     assert meshes.colocated
     rules = get_config().mesh.learner_rules
-    learner_shardings = mesh_lib.param_shardings(
-        model.logical_axes, _abstract(params), meshes.learner, rules
+    learner_shardings, sampler_shardings = (
+        mesh_lib.param_shardings(model.logical_axes, _abstract(params), mesh, rules)
+        for mesh in (meshes.learner, meshes.sampler)
     )
-    sampler_shardings = mesh_lib.param_shardings(
-        model.logical_axes, _abstract(params), meshes.sampler, rules
-    )
+    return params, learner_shardings, sampler_shardings
+
+
+def test_colocated_publish_copies_so_the_learner_may_donate():
+    """Same device, same shardings: publish must still copy, or donation would free it."""
+    params, learner_shardings, sampler_shardings = _micro_params_and_colocated_shardings()
     host = jax.device_get(params)
     learner_params = jax.device_put(params, learner_shardings, may_alias=False)
     published = mesh_lib.publish(learner_params, sampler_shardings)
@@ -225,25 +230,14 @@ def test_colocated_publish_copies_so_the_learner_may_donate():
 
 def test_a_publish_after_the_first_compiles_nothing():
     """The colocated copy is compiled once per sampler sharding tree, then reused."""
-    model, params = init_model(preset("micro", vocab_size=16), 0)
-    meshes = mesh_lib.make_role_meshes(0.5, False, {"data": -1}, {"fsdp": -1})
-    rules = get_config().mesh.learner_rules
-    shardings = {
-        role: mesh_lib.param_shardings(model.logical_axes, _abstract(params), mesh, rules)
-        for role, mesh in (("learner", meshes.learner), ("sampler", meshes.sampler))
-    }
-    learner_params = jax.device_put(params, shardings["learner"], may_alias=False)
-    jax.block_until_ready(mesh_lib.publish(learner_params, shardings["sampler"]))
+    params, learner_shardings, sampler_shardings = _micro_params_and_colocated_shardings()
+    learner_params = jax.device_put(params, learner_shardings, may_alias=False)
+    jax.block_until_ready(mesh_lib.publish(learner_params, sampler_shardings))
     newer = jax.block_until_ready(jax.tree.map(lambda x: x + 1.0, learner_params))
-    compiles = []
-    listener = lambda event, duration, **kwargs: compiles.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        published = mesh_lib.publish(newer, shardings["sampler"])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert [event for event in compiles if event == BACKEND_COMPILE_EVENT] == []
-    assert jax.tree.map(lambda x: x.sharding, published) == shardings["sampler"]
+    with recorded_durations(BACKEND_COMPILE_EVENT) as compiles:
+        published = mesh_lib.publish(newer, sampler_shardings)
+    assert compiles == []
+    assert jax.tree.map(lambda x: x.sharding, published) == sampler_shardings
     for got, want in zip(jax.tree.leaves(published), jax.tree.leaves(newer), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
