@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 # The repo root (for `configs`), when run as a script from tests/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -417,19 +418,19 @@ def check_data_split_search() -> dict:
     }
 
 
-def _bert_judge_folder(layers: int = 2) -> str:
-    """A BertForSequenceClassification folder made with NumPy from the packaged
-    all-MiniLM-L6-v2 (its first `layers` layers, its tokenizer, a random 2-label head)."""
+def _write_bert_judge(folder: str, layers: int = 2) -> None:
+    """Writes into `folder` a BertForSequenceClassification made with NumPy from the
+    packaged all-MiniLM-L6-v2 (its first `layers` layers, its tokenizer, a random 2-label
+    head)."""
     import pathlib
     import shutil
-    import tempfile
 
     from safetensors.numpy import load_file, save_file
 
     from tba_jax.rewards.diversity import minilm_path
 
     source = pathlib.Path(minilm_path())
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="bert_judge_"))
+    folder = pathlib.Path(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         shutil.copy(source / name, folder / name)
     config = json.loads((source / "config.json").read_text())
@@ -451,7 +452,6 @@ def _bert_judge_folder(layers: int = 2) -> str:
     tensors["classifier.weight"] = rng.normal(0, 0.5, (2, config["hidden_size"])).astype(np.float32)
     tensors["classifier.bias"] = np.zeros(2, np.float32)
     save_file(tensors, str(folder / "model.safetensors"))
-    return str(folder)
 
 
 def check_roles() -> dict:
@@ -534,26 +534,27 @@ def check_roles() -> dict:
     whole_engine = redteam.Victim.from_config(engine_role, tokenizer, engine=engine)
     out["victim_engine_same_answers"] = whole_engine.respond(prompts[:3]) == engine_answers
     out["victim_params_devices"] = len(_all_device_ids(victim.frozen.params))
-    bert_folder = _bert_judge_folder()
-    for batch_size in (4, 3):  # 3 rows a batch: padded to 4
-        bert_role = redteam.judge_role_config(
-            kind="classifier",
-            template="{attack} {response}",
-            toxic_label="toxic",
-            max_prompt_len=64,
-            batch_size=batch_size,
-        )
-        bert_role.hf_path = bert_folder
-        whole_bert = judges.judge_from_config(bert_role, tokenizer)
-        placed_bert = judges.judge_from_config(bert_role, tokenizer, placement)
-        out[f"bert_judge_max_diff_batch_{batch_size}"] = float(
-            np.max(
-                np.abs(
-                    placed_bert.toxic_logprob(prompts, responses)
-                    - whole_bert.toxic_logprob(prompts, responses)
+    with tempfile.TemporaryDirectory(prefix="bert_judge_") as bert_folder:  # 61 MB
+        _write_bert_judge(bert_folder)
+        for batch_size in (4, 3):  # 3 rows a batch: padded to 4
+            bert_role = redteam.judge_role_config(
+                kind="classifier",
+                template="{attack} {response}",
+                toxic_label="toxic",
+                max_prompt_len=64,
+                batch_size=batch_size,
+            )
+            bert_role.hf_path = bert_folder
+            whole_bert = judges.judge_from_config(bert_role, tokenizer)
+            placed_bert = judges.judge_from_config(bert_role, tokenizer, placement)
+            out[f"bert_judge_max_diff_batch_{batch_size}"] = float(
+                np.max(
+                    np.abs(
+                        placed_bert.toxic_logprob(prompts, responses)
+                        - whole_bert.toxic_logprob(prompts, responses)
+                    )
                 )
             )
-        )
     bert_params = placed_bert.classifier.encoder.params
     out["bert_mlp_in_spec"] = list(bert_params["layers"]["mlp_in"]["kernel"].sharding.spec)
     out["bert_query_shard_shape"] = list(
