@@ -41,9 +41,24 @@ SHORTCUTS = {
     "searchers": "search.num_searchers",
 }
 
+
+def halfway_checkpoint(config: ml_collections.ConfigDict) -> ml_collections.FieldReference:
+    """`checkpoint_every` of a CPU variant: max(2, learner_steps // 2), so one save
+    halfway through the run (step 2 of 4; none before the end of a 2-step run, which
+    keeps its step 0), still one when `steps=` raises `learner_steps` (step 75 of 150,
+    not 74 saves every 2 steps); a `checkpoint_every=` item sets it outright."""
+    half = config.get_ref("learner_steps") // 2
+    return half + 2 // (half + 1)  # max(2, half): the second term is 0 once half >= 2
+
+
 # What every seconds-long CPU variant (`smoke`, `tiny`) sets: a few learner steps, logged
-# and checkpointed often, no progress bar.
-CPU_RUN = {"learner_steps": 4, "log_every": 2, "checkpoint_every": 2, "progress_bar": False}
+# often and checkpointed halfway, no progress bar.
+CPU_RUN = {
+    "learner_steps": 4,
+    "log_every": 2,
+    "checkpoint_every": halfway_checkpoint,
+    "progress_bar": False,
+}
 
 # A paper config's `tiny` variant on top of CPU_RUN: a random micro policy over
 # printable-ASCII characters (the task's char tokenizer) with CPU-sized learning rates.

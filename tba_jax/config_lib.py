@@ -102,16 +102,34 @@ def _set_path(
         node[leaf] = _convert(value, current, path)
 
 
+def _set_reference(
+    config: ml_collections.ConfigDict, path: str, reference: ml_collections.FieldReference
+) -> None:
+    """Points the dotted `path` of `config` (an existing key) at `reference`."""
+    present, current = config_keys.lookup(config, path)
+    if not present or isinstance(current, ml_collections.ConfigDict):
+        raise ConfigError(config_keys.unknown_key_message(config, path))
+    *sections, leaf = path.split(".")
+    node = config
+    for part in sections:
+        node = node[part]
+    with node.ignore_type():
+        node[leaf] = reference
+
+
 def apply_variant(
     config: ml_collections.ConfigDict,
     arg: str | None,
     shortcuts: Mapping[str, str],
-    named: Mapping[str, Mapping[str, str]] | None = None,
+    named: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> ml_collections.ConfigDict:
     """Applies a variant string to `config` in place and records it in `config.variant`.
 
     Bare names (`smoke`) select a set of overrides from `named` first; then the
-    `key=value` items apply, so `smoke,mode=sync` is the smoke test in sync mode.
+    `key=value` items apply, so `smoke,mode=sync` is the smoke test in sync mode. A named
+    variant's value may be a function of the config returning a `FieldReference` (for
+    example `config.get_ref("learner_steps") // 2`): the key then follows the keys it
+    refers to when later items change them, unless an item sets the key itself.
     """
     named = named or {}
     names, pairs = parse_variant(arg)
@@ -122,7 +140,10 @@ def apply_variant(
                 "other items must be key=value."
             )
         for key, value in named[name].items():
-            _set_path(config, shortcuts.get(key, key), str(value))
+            if callable(value):
+                _set_reference(config, shortcuts.get(key, key), value(config))
+            else:
+                _set_path(config, shortcuts.get(key, key), str(value))
     for key, value in pairs.items():
         _set_path(config, shortcuts.get(key, key), value, shortcuts)
     config.variant = arg or ""

@@ -44,6 +44,31 @@ def test_named_variant_then_overrides():
     assert config.model.preset == "micro" and config.learner_steps == 7
 
 
+@pytest.mark.parametrize(
+    "variant, steps, checkpoint_every",
+    [
+        ("smoke", 4, 2),
+        ("smoke,steps=150", 150, 75),  # once halfway, not every 2 steps
+        ("smoke,steps=2", 2, 2),  # no save before the end: the run keeps its step 0
+        ("smoke,steps=7", 7, 3),
+        ("smoke,steps=150,checkpoint_every=10", 150, 10),  # an item sets it outright
+        ("smoke,checkpoint_every=3,steps=9", 9, 3),
+    ],
+)
+def test_cpu_variants_checkpoint_halfway_through_the_steps_they_run(
+    variant, steps, checkpoint_every
+):
+    config = get_config(variant)
+    assert (config.learner_steps, config.checkpoint_every) == (steps, checkpoint_every)
+
+
+def test_cpu_variants_checkpoint_follows_steps_set_after_the_config_is_built():
+    config = get_config("smoke")  # as --config.learner_steps=40 sets it after get_config
+    config.learner_steps = 40
+    assert config.copy_and_resolve_references().checkpoint_every == 20
+    assert gsm8k_rho1b.get_config("tiny,steps=150").checkpoint_every == 75
+
+
 def test_parse_variant():
     assert parse_variant("smoke, a=1 ,b.c=x") == (["smoke"], {"a": "1", "b.c": "x"})
     assert parse_variant("") == ([], {})
