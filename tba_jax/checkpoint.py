@@ -349,6 +349,35 @@ def claimed_workdir(workdir: str, held: contextlib.ExitStack | None) -> Iterator
         yield
 
 
+def held_experiment(workdir: str) -> Any:
+    """The experiment identity `workdir`'s checkpoints were written for (as identities are
+    now); None when it holds none."""
+    experiment_path = epath.Path(workdir) / CHECKPOINTS_SUBDIR / EXPERIMENT_FILENAME
+    if not experiment_path.exists():
+        return None
+    return _without_params_layout(_held_experiment(workdir, experiment_path))
+
+
+def latest_saved_step(workdir: str) -> int | None:
+    """The newest finished save in `workdir`'s checkpoints, read without the experiment
+    they were written for (a save in flight or cut short does not count); None if none."""
+    directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
+    if not _holds_step_directories(directory):
+        return None
+    with _read_only_notice_left_out():
+        reader = ocp.CheckpointManager(
+            directory,
+            # what read_only implies (orbax warns each time it has to change them)
+            options=ocp.CheckpointManagerOptions(
+                read_only=True, save_interval_steps=0, create=False
+            ),
+        )
+    try:
+        return reader.latest_step()
+    finally:
+        reader.close()
+
+
 def remove_saved_steps(workdir: str) -> None:
     """Removes every saved step of the workdir's checkpoints and keeps `experiment.json`,
     which later runs in the workdir are still checked against (a run whose result is

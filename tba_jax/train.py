@@ -2,9 +2,10 @@
 
 It reads top to bottom in three parts:
 
-1. `setup(config, workdir)` checks everything that can be checked (every config value,
-   the Hugging Face folders, the workdir's experiment) before it writes a byte, then
-   builds the task, model, meshes, shardings, optimiser and train step.
+1. `setup(config, workdir)` checks everything that can be checked (`check_run`: every
+   config value, the Hugging Face folders, the workdir's experiment) before it writes a
+   byte, then builds the task, model, meshes, shardings, optimiser and train step. A run
+   that already finished gives its summary back after the checks, before any building.
 2. The start: `resume` from the newest checkpoint that restores (a corrupt one is set
    aside; one of another train-state structure is refused), naming the settings that
    differ from the last segment's, or a `fresh_start` (going on from a saved, unfinished
@@ -62,8 +63,11 @@ from tba_jax.checkpoint import (
     Checkpointer,
     RunStopped,
     StopSignal,
+    WorkdirLock,
     check_experiment,
     claimed_workdir,
+    held_experiment,
+    latest_saved_step,
     newest_restorable,
     restore_failure,
     set_aside,
@@ -316,17 +320,17 @@ def make_learner(
     return LearnerParts(optimizer, state_sharding, critic, train_step)
 
 
-def setup(
-    config: ml_collections.ConfigDict, workdir: str, held: contextlib.ExitStack | None = None
-) -> Setup:
-    """Checks `config` against everything it can be checked against, then builds the run.
+class CheckedRun(NamedTuple):
+    """What `check_run` found out on the way: the process's place in the run and the
+    policy's Hugging Face tokenizer (None: the task's own)."""
 
-    Nothing is written to `workdir` until the config, the Hugging Face folders and the
-    workdir's experiment are known to be right: a refused run leaves it as it was. Over
-    several processes, process 0 writes the shared files and the others wait for it.
-    With `held`, process 0 locks the workdir (`WorkdirLock`) until `held` closes: a second
-    run of it is refused.
-    """
+    topology: topology_lib.Topology
+    policy_tokenizer: Any
+
+
+def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
+    """Checks `config` against everything it can be checked against without building
+    anything: every config value, the Hugging Face folders, the workdir's experiment."""
     topology = topology_lib.make_topology(config)
     config_lib.validate(
         config,
@@ -341,6 +345,26 @@ def setup(
     check_experiment(
         workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
     )
+    return CheckedRun(topology, policy_tokenizer)
+
+
+def setup(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    held: contextlib.ExitStack | None = None,
+    checked: CheckedRun | None = None,
+) -> Setup:
+    """Checks `config` against everything it can be checked against (`check_run`, unless
+    `checked` is what it found), then builds the run.
+
+    Nothing is written to `workdir` until the config, the Hugging Face folders and the
+    workdir's experiment are known to be right: a refused run leaves it as it was. Over
+    several processes, process 0 writes the shared files and the others wait for it.
+    With `held`, process 0 locks the workdir (`WorkdirLock`) until `held` closes: a second
+    run of it is refused.
+    """
+    topology, policy_tokenizer = checked or check_run(config, workdir)
+    layout = topology.describe() if topology.multi_process else None
     compile_cache.use(config)
     meshes = topology_lib.role_meshes(topology, config)
     warn_if_slots_repeat_rows(config, meshes.sampler)
@@ -960,14 +984,32 @@ def write_run_config(run: Setup) -> None:
         runs.write_config(run.workdir, run.config)
 
 
-def finished_summary(run: Setup) -> dict | None:
-    """The summary of a run that already reached `learner_steps` and wrote it, else None."""
-    path = os.path.join(run.workdir, SUMMARY_FILENAME)
-    latest = run.checkpointer.latest_step()
-    if latest is None or latest < run.config.learner_steps or not os.path.exists(path):
+def finished_summary(
+    config: ml_collections.ConfigDict, workdir: str, topology: topology_lib.Topology
+) -> dict | None:
+    """The summary of the run in `workdir` when it is `config`'s experiment and already
+    reached `learner_steps` and wrote it, else None. Read from the files alone, before the
+    run builds anything, while no other run is in the workdir (`WorkdirInUseError`);
+    `CheckpointMismatchError` when they are another experiment's (its model compared with
+    the held vocabulary: the task's is known once the task is built)."""
+    path = os.path.join(workdir, SUMMARY_FILENAME)
+    if not os.path.exists(path):
         return None
-    with open(path) as f:
-        summary = json.load(f)
+    with WorkdirLock(workdir):
+        held = held_experiment(workdir)
+        if not isinstance(held, dict) or "vocab_size" not in held.get("model", {}):
+            return None
+        try:
+            model_cfg = runs.model_config(config, held["model"]["vocab_size"])
+        except ValueError:
+            return None  # not this model: the run's own checks say why
+        layout = topology.describe() if topology.multi_process else None
+        check_experiment(workdir, runs.experiment_identity(config, model_cfg, layout))
+        latest = latest_saved_step(workdir)
+        if latest is None or latest < config.learner_steps:
+            return None
+        with open(path) as f:
+            summary = json.load(f)
     return summary if summary.get("learner_steps") == latest else None
 
 
@@ -988,14 +1030,16 @@ def _train_and_evaluate(
 ) -> dict:
     segment = run_totals.Segment(run_totals.Meters(), started_at=time.time())
     with sigterm_stops_at_once():  # nothing to save yet: a SIGTERM ends the run at once
-        run = setup(config, workdir, held)
-    summary = finished_summary(run) if run.topology.is_primary else None
-    if distributed.any_process(summary is not None):
-        if summary is not None:
-            logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
-        if run.checkpointer is not None:
-            run.checkpointer.close()
-        return summary or {}  # its config.json stays the config it trained with
+        checked = check_run(config, workdir)
+        # a finished run is given back before its task and models are built (minutes for
+        # a paper task's reward model or victim)
+        primary = checked.topology.is_primary
+        summary = finished_summary(config, workdir, checked.topology) if primary else None
+        if distributed.any_process(summary is not None):
+            if summary is not None:
+                logging.info("%s already finished at step %d.", workdir, summary["learner_steps"])
+            return summary or {}  # its config.json stays the config it trained with
+        run = setup(config, workdir, held, checked)
     with stop_on_signals() as stop_signal:
         if not run.topology.is_learner:
             search_only(run, segment, stop_signal)

@@ -194,13 +194,18 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def test_rerunning_a_finished_run_keeps_its_summary_and_config(async_run, tmp_path):
+def test_rerunning_a_finished_run_keeps_its_summary_and_config(async_run, tmp_path, monkeypatch):
     workdir = str(tmp_path / "copy")
     shutil.copytree(async_run[0], workdir)
     summary_path, config_path = (os.path.join(workdir, f"{name}.json") for name in RUN_FILES)
     before = {path: read_bytes(path) for path in (summary_path, config_path)}
     config = get_config(ASYNC)
     config.replay.recency_prob = 0.5  # a knob the finished run did not train with
+
+    def build_task(*args, **kwargs):
+        raise AssertionError("a finished run builds its task (a paper task's reward model)")
+
+    monkeypatch.setattr(tasks, "build_task", build_task)
     summary = train_and_evaluate(config, workdir)
     # not replaced by the figures of an empty segment, nor by a config it did not train with
     assert {path: read_bytes(path) for path in before} == before
