@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import tensorflow_datasets as tfds
 from support import HIDE_TENSORFLOW, run_repo_script
 
 from tba_jax.config_lib import ConfigError
-from tba_jax.data import arithmetic
+from tba_jax.data import arithmetic, gsm8k
 from tba_jax.data.arithmetic import (
     ArithmeticTaskConfig,
     builder_config_for,
@@ -184,6 +185,21 @@ def test_too_many_questions_are_refused_before_tfds_prepares_anything(tmp_path, 
     monkeypatch.setattr(arithmetic.ArithmeticReasoning, "download_and_prepare", fail_if_preparing)
     with pytest.raises(ConfigError, match=f"only {TINY_TASK_QUESTION_COUNT} exist"):
         load_split(task, "train", str(tmp_path))
+
+
+def test_new_builders_leave_no_temporary_folders(tmp_path, monkeypatch):
+    """TFDS's own DatasetInfo makes (and leaves) an empty tmp*tfds folder per builder made
+    before its data is prepared, while it looks for the info on its GCS bucket."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    arithmetic.ArithmeticReasoning(
+        config=builder_config_for(TINY_TASK),
+        data_dir=str(tmp_path / "a"),
+        file_format="array_record",
+    )
+    gsm8k.Gsm8k(data_dir=str(tmp_path / "g"), file_format="array_record")
+    assert not list(temp.iterdir())
 
 
 def test_train_py_reports_too_many_questions_in_one_line(tmp_path):

@@ -391,7 +391,7 @@ class ArithmeticReasoning(builder_utils.OwnPreparationNotice, tfds.core.Generato
         return epath.Path(inspect.getfile(cls))
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return builder_utils.LocalDatasetInfo(
             builder=self,
             description=__doc__.split("\n\n")[0],
             features=tfds.features.FeaturesDict(

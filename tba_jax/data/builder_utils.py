@@ -215,6 +215,16 @@ def as_python_value(value: Any) -> Any:
     return value
 
 
+class LocalDatasetInfo(tfds.core.DatasetInfo):
+    """The ``tfds.core.DatasetInfo`` of a dataset TFDS does not host. Before a builder's
+    first preparation TFDS looks for its info on TFDS's GCS bucket
+    (``initialize_from_bucket``), making an empty temporary folder each time that it never
+    removes: one a new workdir, a hundred a test session. Here that look is skipped."""
+
+    def initialize_from_bucket(self) -> None:
+        """Nothing to load: these datasets are not on TFDS's bucket."""
+
+
 class OwnPreparationNotice:
     """Mixed into a TFDS builder: one line of ours at INFO when a dataset is prepared,
     instead of the two bold lines TFDS prints to stdout whatever the log level
@@ -257,7 +267,7 @@ class JsonlSourceBuilder(
         """The example (a dict matching ``FEATURES``) for the `index`-th source record."""
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return LocalDatasetInfo(
             builder=self,
             description=inspect.getdoc(type(self)).split("\n\n")[0],
             features=tfds.features.FeaturesDict(self.FEATURES),
