@@ -17,6 +17,8 @@ Both evaluate greedy accuracy on `--eval_examples` held-out problems every
 warm start) at the first evaluation that reaches it, minus the seconds spent evaluating
 until then. The target is the sync runs' mean final accuracy minus `--target_margin`.
 `speedup` = sync seconds / TBA seconds (means over seeds). The last stdout line is JSON.
+The runs go to `--workdir_root` (kept: a rerun skips its finished runs), else to a
+temporary folder removed at the end (`--keep` keeps it and says where).
 
 Run it on a quiet machine: the runs time the two cores they have.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,7 +62,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--target_margin", type=float, default=0.02)
     parser.add_argument("--sync_variant", default=SYNC_VARIANT)
     parser.add_argument("--tba_variant", default=TBA_VARIANT)
-    parser.add_argument("--workdir_root", default=None, help="default: a temporary folder")
+    parser.add_argument(
+        "--workdir_root",
+        default=None,
+        help="where the runs go, kept (a rerun skips the finished ones); default: a "
+        "temporary folder, removed at the end unless --keep",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     return parser.parse_args()
 
 
@@ -113,6 +122,18 @@ def main() -> None:
     args = parse_args()
     root = args.workdir_root or tempfile.mkdtemp(prefix="async_speedup_")
     os.makedirs(root, exist_ok=True)
+    if args.keep and not args.workdir_root:
+        print(f"runs in {root}", file=sys.stderr, flush=True)
+    try:
+        runs = run_seeds(args, root)
+    finally:
+        if not args.keep and not args.workdir_root:
+            shutil.rmtree(root, ignore_errors=True)
+    report(runs, args)
+
+
+def run_seeds(args: argparse.Namespace, root: str) -> dict[str, list[dict]]:
+    """Both runs at each seed, alternating, in `root`; prints a JSON line per run."""
     runs = {"sync": [], "tba": []}
     for seed in range(args.seeds):
         for name, variant, topology in (
@@ -141,6 +162,11 @@ def main() -> None:
                 ),
                 flush=True,
             )
+    return runs
+
+
+def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    """The last line: each side's seconds to the sync runs' mean accuracy (less the margin)."""
     finals = [r["summary"]["eval_accuracy_end"] for r in runs["sync"]]
     target = statistics.mean(finals) - args.target_margin
     seconds = {
