@@ -12,6 +12,7 @@ from support import SMALL_DECODER as CFG
 from tba_jax.models import abstract_model, positions_from_mask
 from tba_jax.sampling.generate import (
     SamplingConfig,
+    draw_by_inverse_cdf,
     draw_with_logp,
     draw_with_logp_one_pass,
     draw_with_logp_passes,
@@ -387,6 +388,26 @@ def test_draw_with_logp_takes_the_first_argmax_and_the_log_softmax_there(draw):
     np.testing.assert_array_equal(np.asarray(token), expected)
     reference = np_log_softmax(logits.astype(np.float64))[np.arange(16), expected]
     np.testing.assert_allclose(np.asarray(logp), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000])  # 1000: 32 blocks of 32, the last of 8
+def test_inverse_cdf_draws_follow_the_softmax_and_never_a_zero_mass_id(vocab):
+    rng = np.random.default_rng(5)
+    scores = rng.normal(0.0, 2.0, size=vocab).astype(np.float32)
+    scores[rng.random(vocab) < 0.3] = np.finfo(np.float32).min  # truncated or padded ids
+    scores[0] = 9.0  # a peaked row: one id holds most of the mass
+    draws = 40_000
+    token, top, total = jax.jit(draw_by_inverse_cdf)(
+        jnp.broadcast_to(jnp.asarray(scores), (draws, vocab)), jax.random.key(0)
+    )
+    expected = np.exp(np_log_softmax(scores.astype(np.float64)))
+    counts = np.bincount(np.asarray(token), minlength=vocab)
+    assert counts.size == vocab and np.all(counts[expected == 0] == 0)
+    big = draws * expected >= 5
+    chi2 = ((counts[big] - draws * expected[big]) ** 2 / (draws * expected[big])).sum()
+    assert chi2 < 2 * big.sum() + 20
+    np.testing.assert_allclose(np.asarray(top), scores.max())
+    np.testing.assert_allclose(np.asarray(total), np.exp(scores - scores.max()).sum(), rtol=1e-5)
 
 
 def test_truncate_logits_off_is_identity():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -194,19 +195,63 @@ def draw_with_logp(logits: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax
     )
 
 
+def draw_by_inverse_cdf(
+    scores: jax.Array, rng: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One id per row of `scores` [B, V] (float32) drawn from softmax(scores) by inverse
+    transform sampling: one uniform per row where a Gumbel-max draw needs a random variate
+    per id, most of such a draw's time (`benchmarks/sampling_step.py`). The ids fall in
+    blocks of ⌈√V⌉; one pass over the row gives each block's mass (exp(score − the row's
+    max), summed), the uniform picks a block by their running sum, then an id inside it
+    by the running sum of that block's masses. Exact but for float rounding, which can
+    move a draw at most to a neighbouring id of positive mass: an id of zero mass (a
+    truncated or padded one) is never drawn. Returns the ids [B] int32, each row's max [B]
+    and its total mass [B] (so log_softmax(scores) at the id is score − max − log(total))."""
+    rows, vocab = scores.shape
+    block = math.isqrt(vocab - 1) + 1  # ⌈√V⌉: both running sums are about √V long
+    blocks = -(-vocab // block)
+    lowest = jnp.finfo(jnp.float32).min
+    padded = jnp.pad(scores, ((0, 0), (0, blocks * block - vocab)), constant_values=lowest)
+    padded = padded.reshape(rows, blocks, block)
+    top = jnp.max(scores, axis=-1)
+    block_mass = jnp.sum(jnp.exp(padded - top[:, None, None]), axis=-1)  # [B, blocks]
+    mass_through = jnp.cumsum(block_mass, axis=-1)
+    total = mass_through[:, -1]
+    target = jax.random.uniform(rng, (rows,), jnp.float32) * total  # in [0, total)
+    chosen = jnp.minimum(jnp.sum(mass_through <= target[:, None], axis=-1), blocks - 1)
+    mass_before = jnp.where(
+        chosen > 0,
+        jnp.take_along_axis(mass_through, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0],
+        0.0,
+    )
+    masses = jnp.exp(
+        jnp.take_along_axis(padded, chosen[:, None, None], axis=1)[:, 0] - top[:, None]
+    )
+    reached = mass_before[:, None] + jnp.cumsum(masses, axis=-1) > target[:, None]
+    ids = jnp.arange(block)
+    first_reached = jnp.min(jnp.where(reached & (masses > 0), ids, block), axis=-1)
+    last_positive = jnp.max(jnp.where(masses > 0, ids, -1), axis=-1)  # rounding's fallback
+    within = jnp.where(first_reached < block, first_reached, last_positive)
+    return (chosen * block + within).astype(jnp.int32), top, total
+
+
 def sample_token(
     logits: jax.Array, rng: jax.Array, sampling: SamplingConfig
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]: the
-    Gumbel-max draw of `jax.random.categorical` over the (truncated) tempered logits, and
-    the full tempered log-softmax at it."""
+    """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]: a draw
+    from the softmax of the (truncated) tempered logits (`draw_by_inverse_cdf`), and the
+    full tempered log-softmax at it."""
     logits = mask_padded_vocab(logits, sampling.vocab_limit).astype(jnp.float32)
     if sampling.greedy:
         return draw_with_logp(logits, logits)
     tempered = logits / sampling.temperature
+    truncated = sampling.top_k > 0 or sampling.top_p < 1.0
     drawable = truncate_logits(tempered, sampling.top_k, sampling.top_p)
-    noise = jax.random.gumbel(rng, drawable.shape, drawable.dtype)
-    return draw_with_logp(tempered, drawable + noise)
+    token, top, total = draw_by_inverse_cdf(drawable, rng)
+    chosen = jnp.take_along_axis(tempered, token[:, None], axis=-1)[:, 0]
+    if truncated:  # the draw's normaliser is the nucleus's, not the full softmax's
+        return token, chosen - jax.nn.logsumexp(tempered, axis=-1)
+    return token, chosen - top - jnp.log(total)
 
 
 def response_mask(tokens: jax.Array, eos_id: int) -> jax.Array:
