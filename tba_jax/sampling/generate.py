@@ -140,16 +140,24 @@ def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
+def _combine_masses(left: tuple, right: tuple) -> tuple:
+    """Merges two partial masses (max score, sum of exp(score - max)): the online
+    log-sum-exp, associative so XLA can reduce in any order."""
+    left_max, left_sum = left
+    right_max, right_sum = right
+    top = jnp.maximum(left_max, right_max)
+    smaller = jnp.exp(jnp.minimum(left_max, right_max) - top)  # one exp: the other is 1
+    left_tops = left_max >= right_max
+    return top, jnp.where(left_tops, left_sum + right_sum * smaller, left_sum * smaller + right_sum)
+
+
 def _combine_draws(left: tuple, right: tuple) -> tuple:
     """Merges two partial draws (max logit, sum of exp(logit - max), best score, its id):
     the online log-sum-exp and the first argmax, associative so XLA can reduce in any
     order."""
-    left_max, left_sum, left_best, left_id = left
-    right_max, right_sum, right_best, right_id = right
-    top = jnp.maximum(left_max, right_max)
-    smaller = jnp.exp(jnp.minimum(left_max, right_max) - top)  # one exp: the other is 1
-    left_tops = left_max >= right_max
-    total = jnp.where(left_tops, left_sum + right_sum * smaller, left_sum * smaller + right_sum)
+    top, total = _combine_masses(left[:2], right[:2])
+    left_best, left_id = left[2:]
+    right_best, right_id = right[2:]
     right_wins = (right_best > left_best) | ((right_best == left_best) & (right_id < left_id))
     return (
         top,
@@ -195,27 +203,47 @@ def draw_with_logp(logits: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax
     )
 
 
+def block_masses_one_pass(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each block's max score and sum of exp(score − that max), blocks: [B, N, size] →
+    [B, N] twice, in one pass over the scores (a variadic reduce)."""
+    lowest = jnp.finfo(jnp.float32).min
+    return jax.lax.reduce(
+        (blocks, jnp.ones_like(blocks)),
+        (jnp.float32(lowest), jnp.float32(0)),
+        _combine_masses,
+        (2,),
+    )
+
+
+def block_masses_passes(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`block_masses_one_pass` as a max and a sum written apart (vectorised reduces)."""
+    block_max = jnp.max(blocks, axis=-1)
+    return block_max, jnp.sum(jnp.exp(blocks - block_max[..., None]), axis=-1)
+
+
 def draw_by_inverse_cdf(
     scores: jax.Array, rng: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One id per row of `scores` [B, V] (float32) drawn from softmax(scores) by inverse
     transform sampling: one uniform per row where a Gumbel-max draw needs a random variate
     per id, most of such a draw's time (`benchmarks/sampling_step.py`). The ids fall in
-    blocks of ⌈√V⌉; one pass over the row gives each block's mass (exp(score − the row's
-    max), summed), the uniform picks a block by their running sum, then an id inside it
-    by the running sum of that block's masses. Exact but for float rounding, which can
-    move a draw at most to a neighbouring id of positive mass: an id of zero mass (a
-    truncated or padded one) is never drawn. Returns the ids [B] int32, each row's max [B]
-    and its total mass [B] (so log_softmax(scores) at the id is score − max − log(total))."""
+    blocks of ⌈√V⌉; one pass over the row gives each block's mass (as a max and a sum of
+    exponentials: one variadic reduce on accelerators, two vectorised ones on a CPU), the
+    uniform picks a block by their running sum, then an id inside it by the running sum of
+    that block's masses. Exact but for float rounding, which can move a draw at most to a
+    neighbouring id of positive mass: an id of zero mass (a truncated or padded one) is
+    never drawn. Returns the ids [B] int32, each row's max [B] and its total mass [B] (so
+    log_softmax(scores) at the id is score − max − log(total))."""
     rows, vocab = scores.shape
-    block = math.isqrt(vocab - 1) + 1  # ⌈√V⌉: both running sums are about √V long
-    blocks = -(-vocab // block)
+    size = math.isqrt(vocab - 1) + 1  # ⌈√V⌉: both running sums are about √V long
+    blocks = -(-vocab // size)
     lowest = jnp.finfo(jnp.float32).min
-    padded = jnp.pad(scores, ((0, 0), (0, blocks * block - vocab)), constant_values=lowest)
-    padded = padded.reshape(rows, blocks, block)
-    top = jnp.max(scores, axis=-1)
-    block_mass = jnp.sum(jnp.exp(padded - top[:, None, None]), axis=-1)  # [B, blocks]
-    mass_through = jnp.cumsum(block_mass, axis=-1)
+    padded = jnp.pad(scores, ((0, 0), (0, blocks * size - vocab)), constant_values=lowest)
+    block_max, block_sum = jax.lax.platform_dependent(
+        padded.reshape(rows, blocks, size), cpu=block_masses_passes, default=block_masses_one_pass
+    )
+    top = jnp.max(block_max, axis=-1)
+    mass_through = jnp.cumsum(block_sum * jnp.exp(block_max - top[:, None]), axis=-1)
     total = mass_through[:, -1]
     target = jax.random.uniform(rng, (rows,), jnp.float32) * total  # in [0, total)
     chosen = jnp.minimum(jnp.sum(mass_through <= target[:, None], axis=-1), blocks - 1)
@@ -224,15 +252,14 @@ def draw_by_inverse_cdf(
         jnp.take_along_axis(mass_through, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0],
         0.0,
     )
-    masses = jnp.exp(
-        jnp.take_along_axis(padded, chosen[:, None, None], axis=1)[:, 0] - top[:, None]
-    )
-    reached = mass_before[:, None] + jnp.cumsum(masses, axis=-1) > target[:, None]
-    ids = jnp.arange(block)
-    first_reached = jnp.min(jnp.where(reached & (masses > 0), ids, block), axis=-1)
+    ids = chosen[:, None] * size + jnp.arange(size)  # the chosen block's ids: [B, size]
+    inside = jnp.take_along_axis(scores, jnp.minimum(ids, vocab - 1), axis=-1)
+    masses = jnp.where(ids < vocab, jnp.exp(inside - top[:, None]), 0.0)
+    reached = (mass_before[:, None] + jnp.cumsum(masses, axis=-1) > target[:, None]) & (masses > 0)
+    first_reached = jnp.min(jnp.where(reached, ids, vocab), axis=-1)
     last_positive = jnp.max(jnp.where(masses > 0, ids, -1), axis=-1)  # rounding's fallback
-    within = jnp.where(first_reached < block, first_reached, last_positive)
-    return (chosen * block + within).astype(jnp.int32), top, total
+    token = jnp.where(first_reached < vocab, first_reached, last_positive)
+    return token.astype(jnp.int32), top, total
 
 
 def sample_token(
