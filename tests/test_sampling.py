@@ -12,6 +12,8 @@ from support import SMALL_DECODER as CFG
 from tba_jax.models import abstract_model, positions_from_mask
 from tba_jax.sampling.generate import (
     SamplingConfig,
+    block_masses_one_pass,
+    block_masses_passes,
     draw_by_inverse_cdf,
     draw_with_logp,
     draw_with_logp_one_pass,
@@ -408,6 +410,18 @@ def test_inverse_cdf_draws_follow_the_softmax_and_never_a_zero_mass_id(vocab):
     assert chi2 < 2 * big.sum() + 20
     np.testing.assert_allclose(np.asarray(top), scores.max())
     np.testing.assert_allclose(np.asarray(total), np.exp(scores - scores.max()).sum(), rtol=1e-5)
+
+
+def test_block_masses_in_one_pass_equal_the_two_passes():
+    """The one-pass reduce accelerators compile against the max and sum a CPU compiles,
+    a block of ids at the float's min (all masked) included."""
+    rng = np.random.default_rng(4)
+    blocks = rng.normal(0.0, 4.0, size=(3, 5, 37)).astype(np.float32)
+    blocks[1, 2] = blocks[2, 4, 30:] = np.finfo(np.float32).min
+    one_pass = jax.jit(block_masses_one_pass)(jnp.asarray(blocks))
+    passes = jax.jit(block_masses_passes)(jnp.asarray(blocks))
+    np.testing.assert_array_equal(np.asarray(one_pass[0]), blocks.max(-1))
+    np.testing.assert_allclose(np.asarray(one_pass[1]), np.asarray(passes[1]), rtol=1e-5)
 
 
 def test_truncate_logits_off_is_identity():
