@@ -397,6 +397,8 @@ def test_inverse_cdf_draws_follow_the_softmax_and_never_a_zero_mass_id(vocab):
     rng = np.random.default_rng(5)
     scores = rng.normal(0.0, 2.0, size=vocab).astype(np.float32)
     scores[rng.random(vocab) < 0.3] = np.finfo(np.float32).min  # truncated or padded ids
+    scores[rng.random(vocab) < 0.1] = -np.inf  # a padded id's min over a temperature < 1
+    scores[-min(vocab - 1, 40) :] = -np.inf  # whole blocks of them
     scores[0] = 9.0  # a peaked row: one id holds most of the mass
     draws = 40_000
     token, top, total = jax.jit(draw_by_inverse_cdf)(
@@ -410,6 +412,14 @@ def test_inverse_cdf_draws_follow_the_softmax_and_never_a_zero_mass_id(vocab):
     assert chi2 < 2 * big.sum() + 20
     np.testing.assert_allclose(np.asarray(top), scores.max())
     np.testing.assert_allclose(np.asarray(total), np.exp(scores - scores.max()).sum(), rtol=1e-5)
+
+
+def test_a_tempered_padded_vocabulary_samples_finite_log_probs(setup):
+    """Ids past the vocab limit are masked at the float's min, which a temperature below
+    1 takes to -inf: whole blocks of such ids must not turn the draw into NaN."""
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.5, vocab_limit=CFG.vocab_size // 3)
+    gen = generate(setup, sampling, next(iter(EOS_BIAS)))
+    assert np.all(np.isfinite(gen.token_logp)) and gen.tokens.max() < CFG.vocab_size // 3
 
 
 def test_block_masses_in_one_pass_equal_the_two_passes():

@@ -238,6 +238,9 @@ def draw_by_inverse_cdf(
     size = math.isqrt(vocab - 1) + 1  # ⌈√V⌉: both running sums are about √V long
     blocks = -(-vocab // size)
     lowest = jnp.finfo(jnp.float32).min
+    # -inf (a masked id divided by a temperature below 1) as the float's min: a block of
+    # them then has a max to subtract (exp(-inf - -inf) is NaN) and still no mass
+    scores = jnp.maximum(scores, lowest)
     padded = jnp.pad(scores, ((0, 0), (0, blocks * size - vocab)), constant_values=lowest)
     block_max, block_sum = jax.lax.platform_dependent(
         padded.reshape(rows, blocks, size), cpu=block_masses_passes, default=block_masses_one_pass
