@@ -364,18 +364,23 @@ def latest_saved_step(workdir: str) -> int | None:
     directory = epath.Path(workdir) / CHECKPOINTS_SUBDIR
     if not _holds_step_directories(directory):
         return None
+    with _read_only_manager(directory) as reader:
+        return reader.latest_step()
+
+
+def _read_only_manager(
+    directory: epath.Path, item_handlers: dict[str, Any] | None = None
+) -> ocp.CheckpointManager:
+    """An orbax manager that only reads `directory` (without orbax's read-only notice)."""
     with _read_only_notice_left_out():
-        reader = ocp.CheckpointManager(
+        return ocp.CheckpointManager(
             directory,
             # what read_only implies (orbax warns each time it has to change them)
             options=ocp.CheckpointManagerOptions(
                 read_only=True, save_interval_steps=0, create=False
             ),
+            item_handlers=item_handlers,
         )
-    try:
-        return reader.latest_step()
-    finally:
-        reader.close()
 
 
 def remove_saved_steps(workdir: str) -> None:
@@ -586,18 +591,13 @@ class Checkpointer:
         )
         # orbax's standard handler restores whole trees only; its PyTree handler reads the
         # same files and restores part of one.
-        with _read_only_notice_left_out():
-            reader = ocp.CheckpointManager(
-                self.directory,
-                # what read_only implies (orbax warns each time it has to change them)
-                options=ocp.CheckpointManagerOptions(
-                    read_only=True, save_interval_steps=0, create=False
-                ),
-                item_handlers={
-                    TRAIN_STATE_ITEM: ocp.PyTreeCheckpointHandler(),
-                    METADATA_ITEM: ocp.JsonCheckpointHandler(),
-                },
-            )
+        reader = _read_only_manager(
+            self.directory,
+            {
+                TRAIN_STATE_ITEM: ocp.PyTreeCheckpointHandler(),
+                METADATA_ITEM: ocp.JsonCheckpointHandler(),
+            },
+        )
         with reader, quiet_if_the_restore_fails():
             restored = reader.restore(
                 step,
