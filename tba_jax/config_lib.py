@@ -82,15 +82,12 @@ def _convert(value: str, current, key: str):
         raise ConfigError(f"{key}={value!r} is not a Python literal.") from e
 
 
-def _set_path(
-    config: ml_collections.ConfigDict,
-    path: str,
-    value: str,
-    shortcuts: Mapping[str, str] | None = None,
-) -> None:
-    """Sets the dotted `path` of `config` from text; ConfigError naming the nearest key
-    (or the nearest of a variant's `shortcuts`) when `path` is not one of the config's
-    keys."""
+def _leaf_of(
+    config: ml_collections.ConfigDict, path: str, shortcuts: Mapping[str, str] | None = None
+) -> tuple[ml_collections.ConfigDict, str, Any]:
+    """The section holding the dotted `path` of `config`, its leaf's name and its value;
+    ConfigError naming the nearest key (or the nearest of a variant's `shortcuts`) when
+    `path` is not one of the config's keys."""
     present, current = config_keys.lookup(config, path)
     if not present or isinstance(current, ml_collections.ConfigDict):
         raise ConfigError(config_keys.unknown_key_message(config, path, shortcuts))
@@ -98,6 +95,17 @@ def _set_path(
     node = config
     for part in sections:
         node = node[part]
+    return node, leaf, current
+
+
+def _set_path(
+    config: ml_collections.ConfigDict,
+    path: str,
+    value: str,
+    shortcuts: Mapping[str, str] | None = None,
+) -> None:
+    """Sets the dotted `path` of `config` from text (`_leaf_of` says when it is no key)."""
+    node, leaf, current = _leaf_of(config, path, shortcuts)
     with node.ignore_type():
         node[leaf] = _convert(value, current, path)
 
@@ -106,13 +114,7 @@ def _set_reference(
     config: ml_collections.ConfigDict, path: str, reference: ml_collections.FieldReference
 ) -> None:
     """Points the dotted `path` of `config` (an existing key) at `reference`."""
-    present, current = config_keys.lookup(config, path)
-    if not present or isinstance(current, ml_collections.ConfigDict):
-        raise ConfigError(config_keys.unknown_key_message(config, path))
-    *sections, leaf = path.split(".")
-    node = config
-    for part in sections:
-        node = node[part]
+    node, leaf, _ = _leaf_of(config, path)
     with node.ignore_type():
         node[leaf] = reference
 
