@@ -18,6 +18,10 @@ them. The program is read with `tba_jax.hlo_traffic`: per kernel, the bytes it r
 writes in device memory and its matmul FLOPs; a kernel's roofline time is the longer of
 its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
 
+Decode and scoring take params in `--param_dtype` (default: the compute dtype, `--dtype`);
+a run's searchers and π_ref hold the learner's float32 params, which `--param_dtype=float32`
+profiles (a decode loop casts the weights once, before it: `Model.for_decoding`).
+
 - `--program=decode`: `generate` on `--batch` rows of `--prompt` + `--new` tokens. One
   decode step's bytes (the mean over the response's steps, segment by segment with
   `--decode_segments`) against `roofline.decode_step_bytes`: `static_step_bytes`,
@@ -27,7 +31,7 @@ its bytes at `--hbm_tb_s` and its FLOPs at `--peak_tflops`.
   (`sampling.engine.decode_program`) over `--batch` slots of `--prompt` + `--new` cache
   positions, against the same roofline: the same figures, its one loop's step.
 - `--program=score`: π_ref scoring (one forward pass and the log-probs) of `--batch`
-  rows, params in the compute dtype: its bytes, matmul FLOPs, roofline time, the tokens/s
+  rows: its bytes, matmul FLOPs, roofline time, the tokens/s
   that allows (`roofline_tokens_per_s`) and its MFU ceiling against the forward FLOPs
   (`roofline.forward_flops_per_token`).
 - `--program=train`: one TB learner step on `--train_prompts` × `--train_k` sequences of
@@ -75,6 +79,7 @@ from tba_jax.sampling.scoring import make_score_fn
 TEMPERATURE = 0.7
 BETA = 0.05  # the TB loss's β, held constant
 LEARNING_RATE = 1e-6
+LEARNER_PROGRAMS = ("train", "reward_model")  # float32 params and Adam state
 TARGETS = {"h100": Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"}
 PLUGIN_HINT = (
     "compiling for {target} without its GPU needs JAX's CUDA plugin at JAX's version: "
@@ -93,6 +98,13 @@ _BATCH = flags.DEFINE_integer("batch", 256, "Decode: rows decoded at once.", low
 _PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt tokens per row.", lower_bound=1)
 _NEW = flags.DEFINE_integer("new", 256, "New (response) tokens per row.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
+_PARAM_DTYPE = flags.DEFINE_enum(
+    "param_dtype",
+    None,
+    ["bfloat16", "float32"],
+    "Decode and score: the params' dtype (unset: --dtype; a run's searchers and π_ref hold "
+    "float32 params, which a decode loop casts once to --dtype).",
+)
 _LAYERS = flags.DEFINE_integer("layers", None, "The preset's depth if unset.", lower_bound=1)
 _VOCAB = flags.DEFINE_integer(
     "vocab", None, "For presets without a vocabulary size.", lower_bound=2
@@ -174,13 +186,18 @@ def model_config(param_dtype: str):
     )
 
 
+def inference_param_dtype() -> str:
+    """The params' dtype of decode and scoring: --param_dtype, else the compute dtype."""
+    return _PARAM_DTYPE.value or _DTYPE.value
+
+
 def on_device(device: jax.Device, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
 
 
 def compile_decode(device: jax.Device):
     """generate() compiled for `device` on abstract params and prompts."""
-    decoder = model_config(_DTYPE.value)
+    decoder = model_config(inference_param_dtype())
     model, abstract = abstract_model(decoder)
     params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
     vocab = decoder.vocab_size
@@ -204,7 +221,7 @@ def compile_decode(device: jax.Device):
 def compile_slot_decode(device: jax.Device):
     """The slot engine's decode chunk (`engine.decode_program`) compiled for `device` on
     abstract params and --batch slots of --prompt + --new cache positions."""
-    decoder = model_config(_DTYPE.value)
+    decoder = model_config(inference_param_dtype())
     model, abstract = abstract_model(decoder)
     params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
     vocab = decoder.vocab_size
@@ -223,7 +240,7 @@ def compile_slot_decode(device: jax.Device):
 
 def compile_score(device: jax.Device):
     """π_ref scoring (`make_score_fn`) of --batch rows compiled for `device`."""
-    scorer = model_config(_DTYPE.value)
+    scorer = model_config(inference_param_dtype())
     model, abstract = abstract_model(scorer)
     params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
     score = make_score_fn(model, temperature=TEMPERATURE)
@@ -503,6 +520,7 @@ def main(argv: list[str]) -> None:
         "device_kind": device.device_kind,
         "shape": _SHAPE.value,
         "dtype": _DTYPE.value,
+        "param_dtype": "float32" if _PROGRAM.value in LEARNER_PROGRAMS else inference_param_dtype(),
         "prompt": _PROMPT.value,
         "new": _NEW.value,
         **profile(device),

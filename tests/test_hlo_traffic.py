@@ -253,9 +253,9 @@ def run_profile(*args: str):
 
 
 def test_decode_profile_at_micro_size_on_this_machine():
-    line = run_profile(*MICRO_ROWS, "--decode_segments=2")
+    line = run_profile(*MICRO_ROWS, "--decode_segments=2", "--param_dtype=bfloat16")
     assert line["benchmark"] == "static_profile" and line["program"] == "decode"
-    assert line["target"] == "local"
+    assert line["target"] == "local" and line["param_dtype"] == "bfloat16"
     assert len(line["segment_step_bytes"]) == 2
     assert line["segment_step_bytes"][0] < line["segment_step_bytes"][1]  # a shorter cache
     assert line["static_step_bytes"] >= line["roofline_step_bytes"] > 0

@@ -26,6 +26,7 @@ from tba_jax.models.transformer import (
     cache_batch_axis,
     init_cache,
     last_valid_index,
+    params_in_compute_dtype,
     positions_from_mask,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "init_cache",
     "init_model",
     "last_valid_index",
+    "params_in_compute_dtype",
     "positions_from_mask",
     "preset",
     "sequence_scores",
@@ -96,10 +98,15 @@ class Model:
         return cache_batch_axis(self.config)
 
     def for_decoding(self, params: Params) -> tuple[Model, Params]:
-        """The model and params a decode loop runs, called once before the loop: as they
-        are (per-layer params, or `scan_decode`, which scans the stacked blocks), or with
-        `scan_layers` alone the same model unscanned and `params` unstacked (copies), since
-        static slices of the stacked weights inside each step would be copied every step."""
+        """The model and params a decode loop runs, called once before the loop. The
+        weights are cast to the compute dtype (`params_in_compute_dtype`; the same values
+        the model would cast them to at each step: with float32 params, XLA converted every
+        weight again at every decode step, 7.48 against 4.52 GB a step for qwen2.5-0.5b at
+        batch 256 on an H100). The layout stays (per-layer params, or `scan_decode`, which
+        scans the stacked blocks), but with `scan_layers` alone the same model runs
+        unscanned on `params` unstacked (copies), since static slices of the stacked
+        weights inside each step would be copied every step."""
+        params = params_in_compute_dtype(self.config, params)
         if not self.config.scan_layers or self.config.scan_decode:
             return self, params
         return _per_layer_model(self.config), unstack_layers(params)

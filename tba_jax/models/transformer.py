@@ -65,6 +65,38 @@ ACTIVATION_FNS = {
 }
 
 
+# The params the model casts to the compute dtype at their every use and uses no other way:
+# the blocks' matrices (`.astype(dt)` before a matmul) and biases (added to a matmul's
+# output in its dtype), the LM head, and the token embedding where no learned position
+# table is added to it in the storage dtype first. Norms stay in theirs (they compute in
+# float32). `params_in_compute_dtype` casts them.
+COMPUTE_DTYPE_PARAMS = frozenset(
+    {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+    | {"bq", "bk", "bv", "bo", "b_gate", "b_up", "b_down"}
+)
+
+
+def params_in_compute_dtype(cfg: ModelConfig, params: dict) -> dict:
+    """`params` with the leaves the model only uses in the compute dtype cast to it
+    (`COMPUTE_DTYPE_PARAMS`; the token embedding too without learned positions): the
+    model computes the same values from them, reading half the bytes of float32 params
+    with bfloat16 compute. A decode loop casts once before it (`Model.for_decoding`), where
+    XLA would otherwise convert every weight again at every step."""
+    names = COMPUTE_DTYPE_PARAMS
+    if cfg.position_embedding != "learned":
+        names = names | {"embedding"}
+    dtype = cfg.compute_dtype
+
+    def needs_cast(path, leaf) -> bool:
+        return path[-1].key in names and leaf.dtype != dtype
+
+    if not any(needs_cast(*item) for item in jax.tree_util.tree_leaves_with_path(params)):
+        return params  # already in the compute dtype: the same tree, not a copy
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf.astype(dtype) if needs_cast(path, leaf) else leaf, params
+    )
+
+
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, *, std: float | None = None):
     """A normal-initialised parameter tagged with its logical axis names."""
     std = cfg.init_std if std is None else std
