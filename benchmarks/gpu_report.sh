@@ -44,6 +44,9 @@ case "$part" in
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn
     done
+    # as a run's searchers decode: the learner's float32 params, cast once per call
+    run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=score,train \
+      --attention=cudnn --param_dtype=float32
     ;;
   learner)
     run $G --shape=qwen2.5-0.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn --profile=12

@@ -3,7 +3,8 @@ r"""Decode, scoring and learner-step throughput of tba_jax on one accelerator.
     python benchmarks/gpu_throughput.py --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256
 
 Random weights with a real architecture's shape (a preset), bfloat16 (`--dtype`: the
-compute dtype, and the decode and scoring params'; the learner keeps float32 params and
+compute dtype, and the decode and scoring params' unless `--param_dtype` says otherwise:
+float32 is what a run's searchers and π_ref hold; the learner keeps float32 params and
 Adam state). Decoding samples
 exactly `--new` tokens per row at temperature 0.7 (EOS is an id that is never drawn, as
 transformers' `min_new_tokens` forces in ../shared/bench/hf_generate_baseline.py, the peer
@@ -123,6 +124,12 @@ def main() -> None:
         "--hbm_tb_s", type=float, default=roofline.H100_HBM_BYTES_PER_S / 1e12, help="HBM TB/s"
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--param_dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="decode and score params (unset: --dtype)",
+    )
     parser.add_argument("--layers", type=int, default=None, help="the preset's depth if unset")
     parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
     parser.add_argument("--remat", default="none", choices=REMAT_POLICIES, help="model.remat")
@@ -157,7 +164,8 @@ def main() -> None:
         attention=args.attention,
         logprob_chunk=args.logprob_chunk,
     )
-    decoder = preset(args.shape, dtype=args.dtype, param_dtype=args.dtype, **sizes, **execution)
+    param_dtype = args.param_dtype or args.dtype
+    decoder = preset(args.shape, dtype=args.dtype, param_dtype=param_dtype, **sizes, **execution)
     dtype_bytes = jnp.dtype(args.dtype).itemsize
     vocab = decoder.vocab_size
     model, params = init_model(decoder, seed=0)
@@ -196,6 +204,7 @@ def main() -> None:
             scan_layers=decoder.scan_layers,
             scan_decode=decoder.scan_decode,
             decode_segments=args.decode_segments,
+            param_dtype=param_dtype,
             batch=args.batch,
             prompt=args.prompt,
             new=args.new,
@@ -221,6 +230,7 @@ def main() -> None:
             first,
             times,
             batch=args.batch,
+            param_dtype=param_dtype,
             rows_per_chunk=args.score_rows_per_chunk,
             tokens_per_s=args.batch * total / statistics.median(times),
         )

@@ -19,6 +19,7 @@ ARGS = [
     "--shape=micro",
     "--vocab=64",
     "--dtype=float32",
+    "--param_dtype=bfloat16",  # decode and score on params of another dtype than compute
     "--layers=2",
     "--scan_decode",
     "--remat=dots_saveable",
@@ -57,6 +58,7 @@ def test_micro_run_prints_decode_score_and_learner_lines():
     decode = lines["decode"]
     assert decode["layers"] == 2 and decode["scan_layers"] and decode["scan_decode"]
     assert decode["compile_s"] > 0 and decode["tokens_per_s"] > 0
+    assert decode["param_dtype"] == lines["score"]["param_dtype"] == "bfloat16"
     cfg = preset("micro", vocab_size=64, num_layers=2, max_seq_len=8)
     ceiling = roofline.decode_roofline_tokens_per_s(cfg, *SHAPE.values(), 4, 4)
     assert decode["roofline_tokens_per_s"] == pytest.approx(ceiling, rel=1e-3)
