@@ -121,7 +121,14 @@ ENGINE_FLAGS = {"slots": "width"}
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
 _DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16"], "The model's params and compute dtype."
+    "dtype", "float32", ["float32", "bfloat16"], "The model's compute (and params') dtype."
+)
+_PARAM_DTYPE = flags.DEFINE_enum(
+    "param_dtype",
+    None,
+    ["float32", "bfloat16"],
+    "The params' dtype (unset: --dtype); float32 with bfloat16 compute is what a run's "
+    "searchers and π_ref hold.",
 )
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
@@ -188,6 +195,7 @@ flags.adopt_module_key_flags(cli)
 class Settings:
     preset: str
     dtype: str
+    param_dtype: str | None
     max_prompt_len: int
     max_new_tokens: int
     width: int
@@ -223,6 +231,7 @@ def read_settings() -> Settings:
         for name in (
             "preset",
             "dtype",
+            "param_dtype",
             "max_prompt_len",
             "max_new_tokens",
             "width",
@@ -354,7 +363,7 @@ def build_paths(settings: Settings) -> Paths:
     config = preset(
         settings.preset,
         dtype=settings.dtype,
-        param_dtype=settings.dtype,
+        param_dtype=settings.param_dtype or settings.dtype,
         vocab_size=tokenizer.vocab_size,
         max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
     )

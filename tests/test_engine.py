@@ -348,6 +348,43 @@ def test_in_flight_updates_record_the_first_and_last_versions(setup):
     assert all(item.version_first == item.version_last == 0 for item in fixed.values())
 
 
+def test_float32_params_are_cast_once_a_publish_for_bfloat16_compute(setup):
+    """A run's searchers hold the learner's float32 params: the engine casts the weights
+    to the compute dtype once for each params object it is given (the first, and each
+    newer one an in-flight update brings), not in every prefill and decode chunk; its
+    programs get bfloat16 weights (and the norms as stored)."""
+    model, _ = abstract_model(dataclasses.replace(CFG, dtype="bfloat16"))
+    engine = engine_for({**setup, "model": model}, SAMPLED, slots=4, chunk_steps=2)
+    first, second = setup["params"], jax.tree.map(jnp.copy, setup["params"])
+    calls = iter(range(1000))
+
+    def a_newer_object_after_two_calls():
+        call = next(calls)
+        return (first if call < 3 else second), call
+
+    casts, weights = [], []
+    cast, decode = engine._in_compute_dtype, engine._decode
+    engine._in_compute_dtype = lambda params: casts.append(params) or cast(params)
+
+    def recording_decode(params, *args):
+        weights.append(
+            (params["blocks"][0]["attn"]["wq"].dtype, params["final_norm"]["scale"].dtype)
+        )
+        return decode(params, *args)
+
+    engine._decode = recording_decode
+    requests = [
+        Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], 1) for row in range(8)
+    ]
+    run = engine.run(
+        a_newer_object_after_two_calls, requests, jax.random.key(0), in_flight_updates=True
+    )
+    finished = [item for chunk in run for item in chunk]
+    assert len(finished) == 8 and len(weights) > 3  # chunks on both params objects
+    assert [params is first for params in casts] == [True, False]
+    assert set(weights) == {(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))}
+
+
 def test_more_samples_than_slots_is_refused(setup):
     engine = engine_for(setup, GREEDY, slots=2)
     with pytest.raises(ValueError, match=r"raise search\.slots"):

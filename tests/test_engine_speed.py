@@ -38,12 +38,14 @@ def run_benchmark(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_smoke_run_reports_both_paths_on_both_mixes():
-    """In bfloat16, as a GPU measurement runs it: the EOS bias still sets the lengths."""
-    result = run_benchmark("--smoke", "--dtype=bfloat16")
+    """In bfloat16 on float32 params, as a run's searchers decode on a GPU: the EOS bias
+    still sets the lengths."""
+    result = run_benchmark("--smoke", "--dtype=bfloat16", "--param_dtype=float32")
     assert result.returncode == 0, result.stderr[-3000:]
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["benchmark"] == "engine_speed"
     assert line["smoke"] is True and line["repeats"] == 1 and line["dtype"] == "bfloat16"
+    assert line["param_dtype"] == "float32"
     samples = line["prompts"] * line["samples_per_prompt"]
     assert line["samples_per_measurement"] == samples
     assert list(line["mixes"]) == ["long_tailed", "uniform"]

@@ -76,24 +76,34 @@ COMPUTE_DTYPE_PARAMS = frozenset(
 )
 
 
+def _casts_to_compute_dtype(cfg: ModelConfig, path: tuple, leaf) -> bool:
+    """Whether `params_in_compute_dtype` casts the leaf at `path` (a key path)."""
+    names = COMPUTE_DTYPE_PARAMS
+    if cfg.position_embedding != "learned":
+        names = names | {"embedding"}
+    return path[-1].key in names and leaf.dtype != cfg.compute_dtype
+
+
+def has_params_to_cast(cfg: ModelConfig, params: dict) -> bool:
+    """Whether `params_in_compute_dtype` would cast any leaf of `params`."""
+    items = jax.tree_util.tree_leaves_with_path(params)
+    return any(_casts_to_compute_dtype(cfg, *item) for item in items)
+
+
 def params_in_compute_dtype(cfg: ModelConfig, params: dict) -> dict:
     """`params` with the leaves the model only uses in the compute dtype cast to it
     (`COMPUTE_DTYPE_PARAMS`; the token embedding too without learned positions): the
     model computes the same values from them, reading half the bytes of float32 params
     with bfloat16 compute. A decode loop casts once before it (`Model.for_decoding`), where
-    XLA would otherwise convert every weight again at every step."""
-    names = COMPUTE_DTYPE_PARAMS
-    if cfg.position_embedding != "learned":
-        names = names | {"embedding"}
-    dtype = cfg.compute_dtype
-
-    def needs_cast(path, leaf) -> bool:
-        return path[-1].key in names and leaf.dtype != dtype
-
-    if not any(needs_cast(*item) for item in jax.tree_util.tree_leaves_with_path(params)):
-        return params  # already in the compute dtype: the same tree, not a copy
+    XLA would otherwise convert every weight again at every step. `params` itself (not a
+    copy) when nothing is to be cast."""
+    if not has_params_to_cast(cfg, params):
+        return params
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf.astype(dtype) if needs_cast(path, leaf) else leaf, params
+        lambda path, leaf: (
+            leaf.astype(cfg.compute_dtype) if _casts_to_compute_dtype(cfg, path, leaf) else leaf
+        ),
+        params,
     )
 
 

@@ -58,6 +58,7 @@ import numpy as np
 
 from tba_jax.mesh import replicated, row_axes, row_shards
 from tba_jax.models import KVCache, Model, Params, positions_from_mask
+from tba_jax.models.transformer import has_params_to_cast, params_in_compute_dtype
 from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
 
 ENGINES = ("batch", "slots")
@@ -441,7 +442,8 @@ class SlotEngine:
         config = self.config
         width = config.slots
         widths = config.widths()
-        params, version = params_fn()
+        published, version = params_fn()
+        params = self._in_compute_dtype(published)
         state = self._empty_slots(width, params)
         slots = _SlotTable(width)
         pending = iter(requests)
@@ -478,7 +480,9 @@ class SlotEngine:
                     break
                 state = self._prefill_requests(params, state, slots, batch, version)
             if in_flight_updates:
-                params, version = params_fn()
+                newest, version = params_fn()
+                if newest is not published:
+                    published, params = newest, self._in_compute_dtype(newest)
             live_count = slots.occupied_count()
             if live_count == 0:
                 break
@@ -527,6 +531,17 @@ class SlotEngine:
         if harvest is not None:
             yield _collect(harvest)
 
+    def _in_compute_dtype(self, params: Params) -> Params:
+        """`params` with the weights cast to the compute dtype once, on their own
+        shardings (`models.params_in_compute_dtype`), so that neither each prefill nor
+        each decode chunk converts the published float32 weights again; `params` itself
+        when they are in it already."""
+        if not has_params_to_cast(self.model.config, params):
+            return params
+        leaves, treedef = jax.tree.flatten(params)
+        program = _cast_program(self.model, treedef, tuple(leaf.sharding for leaf in leaves))
+        return treedef.unflatten(program(leaves))
+
     def _empty_slots(self, width: int, params: Params) -> SlotState:
         """`width` empty slots where the prefill and decode programs leave the state when
         they run on `params`, so that a run's first prefill is the program every later
@@ -572,6 +587,17 @@ def _slot_programs(model: Model, prompt_len: int, max_new: int, pad_id: int):
     take = jax.jit(take_rows)
     compact_slots = jax.jit(functools.partial(compact, cache_batch_axis=model.cache_batch_axis))
     return init, prefill, take, compact_slots
+
+
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
+def _cast_program(model: Model, treedef: Any, shardings: tuple):
+    """A jitted `params_in_compute_dtype` of `model` over a list of leaves of `treedef`,
+    each output on its input's sharding."""
+
+    def cast(leaves: list) -> list:
+        return jax.tree.leaves(params_in_compute_dtype(model.config, treedef.unflatten(leaves)))
+
+    return jax.jit(cast, out_shardings=list(shardings))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_KEPT)
