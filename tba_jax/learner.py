@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tba_jax import losses
 from tba_jax import mesh as mesh_lib
 from tba_jax.losses import LossSpec
-from tba_jax.models import Model, Params
+from tba_jax.models import Model, Params, params_in_compute_dtype
 from tba_jax.sampling.scoring import batch_token_logprobs
 
 # Fields of a sampled batch the train step reads. [N, ...] with N = B*K.
@@ -251,6 +251,7 @@ def accumulated_update(
     grad_fn: Callable,
     optimizer: optax.GradientTransformation,
     num_microbatches: int,
+    params_for_grad: Callable[[Params], Params] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser step on the gradient averaged over micro-batches (a `lax.scan`).
 
@@ -258,13 +259,20 @@ def accumulated_update(
     has_aux=True)`. Returns the new state and the metrics averaged over micro-batches,
     plus `grad_norm` (of the averaged gradient) and `skipped_nonfinite`.
 
+    With `params_for_grad`, `grad_fn` gets `params_for_grad(state.params)`, computed once
+    before the scan (the weights cast to the compute dtype: `models.params_in_compute_dtype`
+    with `for_gradients`, whose gradients, added to the float32 sum, are the float32
+    params' exactly), where each micro-batch would otherwise convert them again.
+
     A step whose loss, gradient or updated params hold a NaN or an infinity is skipped:
     params and optimiser state stay as they were (the step counter still advances) and
     `skipped_nonfinite` is 1, so a bad batch never reaches the params or a checkpoint.
     """
 
+    params = state.params if params_for_grad is None else params_for_grad(state.params)
+
     def accumulate(grads_sum, micro):
-        (loss, metrics), grads = grad_fn(state.params, micro)
+        (loss, metrics), grads = grad_fn(params, micro)
         return jax.tree.map(jnp.add, grads_sum, grads), (loss, metrics)
 
     zero_grads = jax.tree.map(jnp.zeros_like, state.params)
@@ -329,6 +337,9 @@ def make_train_step(
             lambda params, micro: grad_fn(params, micro, beta),
             optimizer,
             num_microbatches,
+            params_for_grad=functools.partial(
+                params_in_compute_dtype, model.config, for_gradients=True
+            ),
         )
         metrics["beta"] = beta
         return state, metrics

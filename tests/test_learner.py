@@ -1,5 +1,7 @@
 """The learner's train step, optimiser schedules and micro-batching on the real model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 from support import rewarded_preference, sampled_micro_batch
 
 from tba_jax import learner, losses
+from tba_jax.models import abstract_model, params_in_compute_dtype
 
 B, K, P, T = 3, 4, 5, 6
 TEMPERATURE = 0.8
@@ -74,6 +77,40 @@ def test_microbatches_give_the_same_update(setup):
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(metrics_whole["loss"], metrics_split["loss"], rtol=1e-5)
+
+
+def test_weights_cast_once_before_the_micro_batches_give_the_same_update_bit_for_bit(setup):
+    """float32 params under bfloat16 compute: the gradient through weights cast once
+    before the micro-batch scan (`params_for_grad`, as the train step does) is the
+    float32 params' exactly, so the update is the same to the bit."""
+    model, params, batch = setup
+    mixed, _ = abstract_model(dataclasses.replace(model.config, dtype="bfloat16"))
+    optimizer = optax.adam(1e-2)
+    state = learner.TrainState(params, optimizer.init(params), jnp.int32(0))
+    micro = {name: jnp.asarray(x).reshape(2, -1, *x.shape[1:]) for name, x in batch.items()}
+
+    def weighted_logp(p, m):
+        logp = learner.sequence_logp(mixed, p, m, TEMPERATURE)
+        return jnp.sum(logp * m["reward"]), {}
+
+    grad_fn = jax.value_and_grad(weighted_logp, has_aux=True)
+
+    def update(params_for_grad):
+        step = jax.jit(
+            lambda s, m: learner.accumulated_update(
+                s, m, grad_fn, optimizer, 2, params_for_grad=params_for_grad
+            )
+        )
+        return step(state, micro)[0].params
+
+    cast = update(lambda p: params_in_compute_dtype(mixed.config, p, for_gradients=True))
+    plain = update(None)
+    assert params_in_compute_dtype(mixed.config, params)["lm_head"].dtype == jnp.bfloat16
+    moved = jax.tree.leaves(jax.tree.map(lambda new, old: jnp.any(new != old), plain, params))
+    assert all(moved)
+    for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(plain), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_train_step_lowers_the_tb_loss_on_a_fixed_batch(setup):

@@ -76,35 +76,41 @@ COMPUTE_DTYPE_PARAMS = frozenset(
 )
 
 
-def _casts_to_compute_dtype(cfg: ModelConfig, path: tuple, leaf) -> bool:
+def _casts_to_compute_dtype(cfg: ModelConfig, path: tuple, leaf, for_gradients: bool) -> bool:
     """Whether `params_in_compute_dtype` casts the leaf at `path` (a key path)."""
     names = COMPUTE_DTYPE_PARAMS
-    if cfg.position_embedding != "learned":
+    if cfg.position_embedding != "learned" and not for_gradients:
         names = names | {"embedding"}
     return path[-1].key in names and leaf.dtype != cfg.compute_dtype
 
 
-def has_params_to_cast(cfg: ModelConfig, params: dict) -> bool:
+def has_params_to_cast(cfg: ModelConfig, params: dict, *, for_gradients: bool = False) -> bool:
     """Whether `params_in_compute_dtype` would cast any leaf of `params`."""
     items = jax.tree_util.tree_leaves_with_path(params)
-    return any(_casts_to_compute_dtype(cfg, *item) for item in items)
+    return any(_casts_to_compute_dtype(cfg, *item, for_gradients) for item in items)
 
 
-def params_in_compute_dtype(cfg: ModelConfig, params: dict) -> dict:
+def params_in_compute_dtype(cfg: ModelConfig, params: dict, *, for_gradients: bool = False) -> dict:
     """`params` with the leaves the model only uses in the compute dtype cast to it
     (`COMPUTE_DTYPE_PARAMS`; the token embedding too without learned positions): the
     model computes the same values from them, reading half the bytes of float32 params
     with bfloat16 compute. A decode loop casts once before it (`Model.for_decoding`), where
     XLA would otherwise convert every weight again at every step. `params` itself (not a
-    copy) when nothing is to be cast."""
-    if not has_params_to_cast(cfg, params):
+    copy) when nothing is to be cast.
+
+    `for_gradients`: params to differentiate through (the learner casts once before its
+    micro-batches): the token embedding stays, since the gradient of its row lookup would
+    sum repeated tokens' rows in the compute dtype; the others' gradients, taken at the
+    cast leaves and added to a float32 sum, are the float32 params' exactly."""
+    if not has_params_to_cast(cfg, params, for_gradients=for_gradients):
         return params
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: (
-            leaf.astype(cfg.compute_dtype) if _casts_to_compute_dtype(cfg, path, leaf) else leaf
-        ),
-        params,
-    )
+
+    def cast(path, leaf):
+        if _casts_to_compute_dtype(cfg, path, leaf, for_gradients):
+            return leaf.astype(cfg.compute_dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, *, std: float | None = None):
