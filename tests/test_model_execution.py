@@ -300,15 +300,15 @@ def test_weights_cast_to_the_compute_dtype_give_the_same_outputs(family, tied):
 
 
 def converted_weights_in_loops(jaxpr, weight_shapes: set, in_loop: bool = False) -> list:
-    """The float32 → compute-dtype conversions of weight-shaped arrays inside while loops
-    of `jaxpr` and the jaxprs it calls."""
+    """The float32 → compute-dtype conversions of weight-shaped arrays inside loops (while
+    loops, scans and `lax.map`s) of `jaxpr` and the jaxprs it calls."""
     found = []
     for eqn in jaxpr.eqns:
         if in_loop and eqn.primitive.name == "convert_element_type":
             operand = eqn.invars[0].aval
             if operand.dtype == jnp.float32 and operand.shape in weight_shapes:
                 found.append(operand.shape)
-        inside = in_loop or eqn.primitive.name == "while"
+        inside = in_loop or eqn.primitive.name in ("while", "scan")
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
@@ -320,7 +320,8 @@ def converted_weights_in_loops(jaxpr, weight_shapes: set, in_loop: bool = False)
 
 def test_a_decode_step_does_not_convert_the_weights_again():
     """With float32 params and bfloat16 compute, neither the batch generator's decode loop
-    nor the slot engine's converts a weight: they were cast once before it (on an H100,
+    nor the slot engine's, nor π_ref scoring a few rows at a time, converts a weight in
+    each step: they were cast once before it (on an H100,
     converting them at every step moved 7.48 GB a step against 4.52 GB for
     qwen2.5-0.5b at batch 256, `benchmarks/static_profile.py --param_dtype=float32`)."""
     cfg = dataclasses.replace(PLAIN, dtype="bfloat16")
@@ -338,7 +339,11 @@ def test_a_decode_step_does_not_convert_the_weights_again():
     chunk_jaxpr = jax.make_jaxpr(engine.decode_program(model, sampling, eos_id=1, pad_id=0))(
         abstract, slots, jax.random.key(SEED), count, count, count, count
     )
-    for closed in (generate_jaxpr, chunk_jaxpr):
+    responses = jax.ShapeDtypeStruct((3, 4), jnp.int32)
+    score_jaxpr = jax.make_jaxpr(
+        scoring.make_score_fn(model, temperature=TEMPERATURE, rows_per_chunk=1)
+    )(abstract, prompt, prompt, responses, jax.ShapeDtypeStruct(responses.shape, jnp.float32))
+    for closed in (generate_jaxpr, chunk_jaxpr, score_jaxpr):
         assert converted_weights_in_loops(closed.jaxpr, weight_shapes) == []
 
     # the walk finds conversions where they are: the model's pass in a loop converts them

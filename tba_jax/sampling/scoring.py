@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from tba_jax.models import Model, Params, positions_from_mask
+from tba_jax.models import Model, Params, params_in_compute_dtype, positions_from_mask
 
 
 def token_logprobs(
@@ -148,7 +148,9 @@ def chunked_token_logprobs(
 ) -> jax.Array:
     """`token_logprobs` over `rows_per_chunk` rows at a time (a `lax.map`), so the
     [rows, P + T, vocab] logits never exist for the whole batch at once. N must be a
-    multiple of `rows_per_chunk`. Returns [N, T] float32."""
+    multiple of `rows_per_chunk`. The weights are cast to the compute dtype once, before
+    the map (`params_in_compute_dtype`), not in every chunk. Returns [N, T] float32."""
+    params = params_in_compute_dtype(model.config, params)
     n = prompt_tokens.shape[0]
     if n % rows_per_chunk:
         raise ValueError(
