@@ -9,6 +9,7 @@ inside exchanges is its `exchanging` time (per step in summary.json).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -283,10 +284,12 @@ def run_searcher_process(
     abstract_params: Any,
     meters: Meters,
     stop_signal: StopSignal,
+    params_cast: Callable[[Params], Params] | None = None,
 ) -> None:
     """A searcher process's whole run: receive the start (params, π_ref, its stream
     position), then search and exchange until the learners finish or any process asks to
-    stop. `worker.reference_params` is set from the start broadcast."""
+    stop. `worker.reference_params` is set from the start broadcast. The policy's params
+    are held through `params_cast` (`models.compute_dtype_cast`)."""
     start_template = {
         "params": abstract_params,
         "reference": abstract_params,
@@ -297,7 +300,12 @@ def run_searcher_process(
     epoch, index = start["positions"][topology.searcher_rank]
     stream.restore({"epoch": int(epoch), "index": int(index)})
     worker.reference_params = mesh_lib.publish(start["reference"], sampler_shardings)
-    store = runtime.PolicyStore(sampler_shardings, start["params"], version=int(start["version"]))
+    store = runtime.PolicyStore(
+        sampler_shardings,
+        start["params"],
+        version=int(start["version"]),
+        copy_fn=functools.partial(mesh_lib.publish, cast=params_cast),
+    )
     rows = block_rows(config, topology.num_searchers)
     is_sync = config.mode == "sync"
     outbox = exchange.Outbox(rows // BLOCK_CALLS * OUTBOX_CALLS)

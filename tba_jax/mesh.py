@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -185,10 +185,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def publish(params: Any, sampler_shardings: Any) -> Any:
+def publish(params: Any, sampler_shardings: Any, cast: Callable[[Any], Any] | None = None) -> Any:
     """Copies learner params onto the sampler's shardings, always into new buffers, so
     the learner may donate its own to the next train step without invalidating what the
     searchers hold. Both ways are asynchronous: the copy runs while the learner goes on.
+    `cast` (a pure function of the params tree, e.g. `models.compute_dtype_cast(cfg)`:
+    the weights in the compute dtype, as the searchers use them) is applied in the copy.
 
     When every leaf already lies on its sampler sharding (the roles share devices and
     layout) the copy is one compiled program whose outputs are the sampler's shardings
@@ -206,7 +208,9 @@ def publish(params: Any, sampler_shardings: Any) -> Any:
         isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim)
         for leaf, target in zip(leaves, targets, strict=True)
     ):
-        return treedef.unflatten(_copy_program(targets)(leaves))
+        return treedef.unflatten(_copy_program(treedef, targets, cast)(leaves))
+    if cast is not None:  # cast where the params are (fewer bytes to move), then moved
+        params = jax.jit(cast)(params)
     return jax.device_put(params, sampler_shardings, may_alias=False)
 
 
@@ -215,11 +219,19 @@ COPY_PROGRAMS_KEPT = 8
 
 
 @functools.lru_cache(maxsize=COPY_PROGRAMS_KEPT)
-def _copy_program(targets: tuple) -> Any:
-    """A compiled copy of a list of leaves into new buffers on `targets` (their sharding
-    objects, not the inputs': a program compiled for the sampler's arrays sees the
-    sampler's shardings, so it does not compile again for the learner's)."""
-    return jax.jit(lambda leaves: [jnp.copy(leaf) for leaf in leaves], out_shardings=list(targets))
+def _copy_program(treedef: Any, targets: tuple, cast: Callable[[Any], Any] | None) -> Any:
+    """A compiled copy (through `cast`, if given) of a list of leaves of `treedef` into new
+    buffers on `targets` (their sharding objects, not the inputs': a program compiled for
+    the sampler's arrays sees the sampler's shardings, so it does not compile again for
+    the learner's). Every output is a copy: a leaf `cast` leaves as it is would otherwise
+    be the input buffer itself, which the learner donates."""
+
+    def copy(leaves: list) -> list:
+        if cast is not None:
+            leaves = treedef.flatten_up_to(cast(treedef.unflatten(leaves)))
+        return [jnp.copy(leaf) for leaf in leaves]
+
+    return jax.jit(copy, out_shardings=list(targets))
 
 
 def from_identical_host_data(tree: Any, shardings: Any) -> Any:

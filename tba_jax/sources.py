@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from tba_jax import config_lib, runtime
 from tba_jax.checkpoint import StopSignal
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.fused import FusedSearchWorker
-from tba_jax.models import Model, Params
+from tba_jax.models import Model, Params, compute_dtype_cast
 from tba_jax.replay import ReplayBuffer
 from tba_jax.run_totals import Meters
 from tba_jax.sampling.engine import EngineConfig, SlotEngine
@@ -556,7 +557,9 @@ def make_source(
     """The batch source of `config.mode` on a process that both searches and learns,
     publishing `params` as `version` to start with. `reference_params`: π_ref on the
     sampler."""
-    store = runtime.PolicyStore(sampler_shardings, params, version=version, copy_fn=group.publish)
+    # the searchers hold the weights in the compute dtype, as they use them
+    copy_fn = functools.partial(group.publish, cast=compute_dtype_cast(model.config))
+    store = runtime.PolicyStore(sampler_shardings, params, version=version, copy_fn=copy_fn)
     stream = prompt_stream(task, topology, config.seed)
     is_async = config.mode == "async"
     worker = make_search_worker(

@@ -251,10 +251,11 @@ class LearnerGroup:
             return tree
         return jax.tree.map(lambda x: x.addressable_data(0), self.replicate(tree))
 
-    def publish(self, params: Any, sampler_shardings: Any) -> Any:
+    def publish(self, params: Any, sampler_shardings: Any, cast: Any = None) -> Any:
         """The learner's params copied onto this process's sampler shardings
-        (`mesh.publish`), gathering them from the other processes first."""
-        return mesh_lib.publish(self.local_copy(params), sampler_shardings)
+        (`mesh.publish`, through `cast` if given), gathering them from the other processes
+        first."""
+        return mesh_lib.publish(self.local_copy(params), sampler_shardings, cast)
 
     def global_batch(self, local_fields: dict[str, np.ndarray], sharding: NamedSharding):
         """This process's rows of the batch as part of the global batch on the learner mesh."""

@@ -76,7 +76,7 @@ from tba_jax.checkpoint import (
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import EVAL_SECONDS, RL_SECONDS, MetricsWriter, write_json_atomically
-from tba_jax.models import Model, Params, abstract_model, init_model
+from tba_jax.models import Model, Params, abstract_model, compute_dtype_cast, init_model
 from tba_jax.models.tokenizers import tokenizer_mismatch
 from tba_jax.placement import RolePlacement
 from tba_jax.run_totals import WALL_SECONDS, WARM_START_SECONDS
@@ -458,7 +458,9 @@ def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], flo
     per_call = batch_size * (SLOT_EVAL_BATCHES_PER_CALL if config.search.engine == "slots" else 1)
 
     def evaluate(params: Params) -> float:
-        params = run.group.publish(params, run.sampler_shardings)
+        params = run.group.publish(
+            params, run.sampler_shardings, compute_dtype_cast(run.model.config)
+        )
         rewards = [np.zeros(0, np.float32)]
         for start in range(0, len(examples), per_call):
             if not topology.multi_process:  # stops between batches (several: agreed stops only)
@@ -933,7 +935,9 @@ def with_rollout_advantages(
     if version == step:
         sampler_params = published
     else:
-        sampler_params = run.group.publish(params, run.sampler_shardings)
+        sampler_params = run.group.publish(
+            params, run.sampler_shardings, compute_dtype_cast(run.model.config)
+        )
     rng = jax.random.fold_in(
         jax.random.fold_in(jax.random.key(run.config.seed), VALUE_STAGE_STREAM), step
     )
@@ -1073,6 +1077,7 @@ def search_only(run: Setup, segment: run_totals.Segment, stop_signal: StopSignal
         abstract_params=run.abstract_params,
         meters=segment.meters,
         stop_signal=stop_signal,
+        params_cast=compute_dtype_cast(run.model.config),
     )
 
 

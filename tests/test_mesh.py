@@ -7,12 +7,14 @@ tests/mesh_subprocess_checks.py in a subprocess with fake CPU devices
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
@@ -21,7 +23,7 @@ from support import BACKEND_COMPILE_EVENT, recorded_durations
 from configs.arithmetic import get_config
 from tba_jax import mesh as mesh_lib
 from tba_jax import runtime
-from tba_jax.models import init_model, preset
+from tba_jax.models import compute_dtype_cast, init_model, preset
 from tba_jax.placement import over_all_devices
 
 EVALUATE_SCRIPT = os.path.join(
@@ -204,17 +206,27 @@ def _micro_params_and_colocated_shardings():
     return params, learner_shardings, sampler_shardings
 
 
-def test_colocated_publish_copies_so_the_learner_may_donate():
-    """Same device, same shardings: publish must still copy, or donation would free it."""
+# bfloat16 compute: a publish through this cast holds the weights as the searchers use them
+TO_BFLOAT16 = compute_dtype_cast(preset("micro", vocab_size=16, dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("cast", [None, TO_BFLOAT16], ids=["as_stored", "compute_dtype"])
+def test_colocated_publish_copies_so_the_learner_may_donate(cast):
+    """Same device, same shardings: publish must still copy, or donation would free it;
+    through a cast too, whose float32 leaves (the norms) it leaves as they are."""
     params, learner_shardings, sampler_shardings = _micro_params_and_colocated_shardings()
-    host = jax.device_get(params)
+    host = jax.device_get(params if cast is None else cast(params))
     learner_params = jax.device_put(params, learner_shardings, may_alias=False)
-    published = mesh_lib.publish(learner_params, sampler_shardings)
-    store = runtime.PolicyStore(sampler_shardings, learner_params, version=0)
+    published = mesh_lib.publish(learner_params, sampler_shardings, cast)
+    copy_fn = functools.partial(mesh_lib.publish, cast=cast)
+    store = runtime.PolicyStore(sampler_shardings, learner_params, version=0, copy_fn=copy_fn)
     store.publish(learner_params, version=2)
     for a, b in zip(jax.tree.leaves(learner_params), jax.tree.leaves(published), strict=True):
         assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
     assert jax.tree.map(lambda x: x.sharding, published) == sampler_shardings
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(published)}
+    expected = {np.dtype(np.float32)} | ({jnp.dtype(jnp.bfloat16)} if cast else set())
+    assert dtypes == expected
 
     update = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
     update(learner_params)
@@ -228,17 +240,20 @@ def test_colocated_publish_copies_so_the_learner_may_donate():
             np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_a_publish_after_the_first_compiles_nothing():
-    """The colocated copy is compiled once per sampler sharding tree, then reused."""
+@pytest.mark.parametrize("cast", [None, TO_BFLOAT16], ids=["as_stored", "compute_dtype"])
+def test_a_publish_after_the_first_compiles_nothing(cast):
+    """The colocated copy is compiled once per sampler sharding tree (and cast), then
+    reused."""
     params, learner_shardings, sampler_shardings = _micro_params_and_colocated_shardings()
     learner_params = jax.device_put(params, learner_shardings, may_alias=False)
-    jax.block_until_ready(mesh_lib.publish(learner_params, sampler_shardings))
+    jax.block_until_ready(mesh_lib.publish(learner_params, sampler_shardings, cast))
     newer = jax.block_until_ready(jax.tree.map(lambda x: x + 1.0, learner_params))
     with recorded_durations(BACKEND_COMPILE_EVENT) as compiles:
-        published = mesh_lib.publish(newer, sampler_shardings)
+        published = mesh_lib.publish(newer, sampler_shardings, cast)
     assert compiles == []
     assert jax.tree.map(lambda x: x.sharding, published) == sampler_shardings
-    for got, want in zip(jax.tree.leaves(published), jax.tree.leaves(newer), strict=True):
+    expected = newer if cast is None else cast(newer)
+    for got, want in zip(jax.tree.leaves(published), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -12,6 +12,7 @@ from support import hand_made_trajectory
 
 from tba_jax import losses, vineppo
 from tba_jax.metrics import RateMeter, TimeSplit
+from tba_jax.models import compute_dtype_cast, preset
 from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.sampling.generate import Generation
 from tba_jax.trajectories import collate
@@ -197,12 +198,17 @@ def test_rollouts_reuse_the_params_a_sync_source_just_published():
         token_advantage: object = None
 
     published_copies, rolled_out_with = [], []
+    model_config = preset("micro", vocab_size=16, dtype="bfloat16")
+
+    def publish(params, shardings, cast):  # held in the compute dtype, as a store holds them
+        assert cast is compute_dtype_cast(model_config)
+        return published_copies.append(params) or "copy"
+
     run = types.SimpleNamespace(
-        group=types.SimpleNamespace(
-            publish=lambda params, shardings: published_copies.append(params) or "copy"
-        ),
+        group=types.SimpleNamespace(publish=publish),
         sampler_shardings=None,
         config=types.SimpleNamespace(seed=0),
+        model=types.SimpleNamespace(config=model_config),
     )
     value_stage = types.SimpleNamespace(
         advantages=lambda params, batch, rng: rolled_out_with.append(params) or "advantages"

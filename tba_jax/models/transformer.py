@@ -113,6 +113,13 @@ def params_in_compute_dtype(cfg: ModelConfig, params: dict, *, for_gradients: bo
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+@functools.cache
+def compute_dtype_cast(cfg: ModelConfig):
+    """`params_in_compute_dtype` of `cfg` as one function per config: a stable key for
+    the compiled copies that publish params to the searchers (`mesh.publish`'s `cast`)."""
+    return functools.partial(params_in_compute_dtype, cfg)
+
+
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape, axes, *, std: float | None = None):
     """A normal-initialised parameter tagged with its logical axis names."""
     std = cfg.init_std if std is None else std
