@@ -55,8 +55,8 @@ case "$part" in
     run $G --shape=qwen2.5-1.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn \
       --scan_layers --remat=dots_with_no_batch_dims_saveable
     run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=decode,train --attention=cudnn
-    run python3 benchmarks/publish_cost.py --full_width
-    run python3 benchmarks/publish_cost.py --full_width --scan_layers
+    run python3 benchmarks/publish_cost.py --full_width --compute_dtype=bfloat16
+    run python3 benchmarks/publish_cost.py --full_width --scan_layers --compute_dtype=bfloat16
     # decode's kernels one by one (command buffers off), then with cuBLAS's matmuls instead of
     # XLA's Triton ones (compiled without a GPU the 256-row projections are split-K Triton
     # kernels; the profile shows what the autotuner picked)

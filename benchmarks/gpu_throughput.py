@@ -38,7 +38,7 @@ import numpy as np
 
 from tba_jax import cli, device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import init_model, preset
+from tba_jax.models import compute_dtype_cast, init_model, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -361,7 +361,7 @@ def measure_train_step(args, mixed, rng: np.random.Generator) -> None:
     )
     if args.profile:
         profile("train_step", run_step, args.profile)
-    time_publish(holder, run_step, median, args.repeats)
+    time_publish(holder, run_step, median, args.repeats, compute_dtype_cast(mixed))
 
 
 def measure_reward_model_step(args, scorer, rng: np.random.Generator) -> None:
@@ -397,17 +397,22 @@ def measure_reward_model_step(args, scorer, rng: np.random.Generator) -> None:
     )
 
 
-def time_publish(holder: dict, run_step, step_s: float, repeats: int) -> None:
-    """A publish (`mesh.publish` of the learner's params onto sampler shardings: here the
-    same device, a copy into new buffers, as a colocated run makes) on its own, and a
-    learner step with one publish started beside it (the copy overlapping the step), each
-    as a share of a plain step's `step_s`."""
+def time_publish(holder: dict, run_step, step_s: float, repeats: int, cast) -> None:
+    """A publish (`mesh.publish` of the learner's params onto sampler shardings through
+    `cast`, the weights in the compute dtype: here the same device, a copy into new
+    buffers, as a colocated run makes) on its own, and a learner step with one publish
+    started beside it (the copy overlapping the step), each as a share of a plain step's
+    `step_s`."""
     params = holder["state"].params
     shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
-    first, alone = timed(lambda: mesh_lib.publish(holder["state"].params, shardings), repeats)
+
+    def publish():
+        return mesh_lib.publish(holder["state"].params, shardings, cast)
+
+    first, alone = timed(publish, repeats)
 
     def step_with_publish():
-        published = mesh_lib.publish(holder["state"].params, shardings)
+        published = publish()
         return run_step(), published
 
     _, overlapped = timed(step_with_publish, repeats)

@@ -3,12 +3,17 @@ r"""What a colocated publish costs the host: `mesh.publish` against leaf-by-leaf
     python benchmarks/publish_cost.py                        # qwen2.5-0.5b's tree, micro widths
     python benchmarks/publish_cost.py --scan_layers          # its scanned tree (14 leaves)
     python benchmarks/publish_cost.py --full_width           # the real widths (an accelerator)
+    python benchmarks/publish_cost.py --compute_dtype=bfloat16  # cast as a bfloat16 run's is
 
 A publish copies the learner's params into new buffers for the searchers
 (`mesh.publish`). On one device most of its cost is host work per leaf, so this builds a
 preset's parameter tree (its depth, its leaves; by default its widths shrunk to micro's
 so that it runs in seconds on a CPU), float32, on the default device, and times after a
 warm-up, as medians over `--repeats` calls:
+
+With `--compute_dtype=bfloat16` the publish casts the weights in its copy
+(`models.compute_dtype_cast`), as a run with `model.dtype=bfloat16` publishes to its
+searchers.
 
 - publish_host_ms: until `mesh.publish` returns (what the learner's loop waits for:
   the copy itself runs asynchronously);
@@ -31,7 +36,7 @@ from absl import flags
 
 from tba_jax import cli
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import init_model, preset
+from tba_jax.models import compute_dtype_cast, init_model, preset
 
 # Widths of the shrunk tree (micro's): the leaf count and the per-leaf work stay the preset's.
 SHRUNK = dict(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
@@ -40,6 +45,9 @@ _SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset whose tree i
 _FULL_WIDTH = flags.DEFINE_bool("full_width", False, "Keep the preset's own widths.")
 _SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "Stacked layers (one leaf per kind).")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls of each (medians).", lower_bound=1)
+_COMPUTE_DTYPE = flags.DEFINE_enum(
+    "compute_dtype", None, ["bfloat16"], "Publish through the cast to this compute dtype."
+)
 
 
 def timed_ms(copy, repeats: int) -> tuple[float, float]:
@@ -58,12 +66,14 @@ def timed_ms(copy, repeats: int) -> tuple[float, float]:
 def main(argv: list[str]) -> None:
     del argv
     widths = {} if _FULL_WIDTH.value else SHRUNK
-    config = preset(_SHAPE.value, scan_layers=_SCAN_LAYERS.value, **widths)
+    dtype = dict(dtype=_COMPUTE_DTYPE.value) if _COMPUTE_DTYPE.value else {}
+    config = preset(_SHAPE.value, scan_layers=_SCAN_LAYERS.value, **widths, **dtype)
+    cast = compute_dtype_cast(config) if _COMPUTE_DTYPE.value else None
     _, params = init_model(config, 0)
     params = jax.device_put(params, jax.devices()[0])
     shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
     publish_host_ms, publish_ms = timed_ms(
-        lambda: mesh_lib.publish(params, shardings), _REPEATS.value
+        lambda: mesh_lib.publish(params, shardings, cast), _REPEATS.value
     )
     _, device_put_ms = timed_ms(
         lambda: jax.device_put(params, shardings, may_alias=False), _REPEATS.value
@@ -74,6 +84,7 @@ def main(argv: list[str]) -> None:
         "shape": _SHAPE.value,
         "full_width": _FULL_WIDTH.value,
         "scan_layers": _SCAN_LAYERS.value,
+        "compute_dtype": _COMPUTE_DTYPE.value,
         "leaves": len(leaves),
         "param_mib": round(sum(leaf.nbytes for leaf in leaves) / 2**20, 2),
         "publish_host_ms": round(publish_host_ms, 3),

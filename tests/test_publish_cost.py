@@ -14,10 +14,15 @@ RUN_SECONDS = 120
 
 def test_publish_cost_reports_the_tree_it_published():
     done = run_repo_script(
-        "benchmarks/publish_cost.py", "--shape=qwen2.5-0.5b", "--repeats=2", timeout=RUN_SECONDS
+        "benchmarks/publish_cost.py",
+        "--shape=qwen2.5-0.5b",
+        "--repeats=2",
+        "--compute_dtype=bfloat16",  # through the cast a bfloat16 run's publish makes
+        timeout=RUN_SECONDS,
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["compute_dtype"] == "bfloat16"
     _, tree = abstract_model(
         preset("qwen2.5-0.5b", vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
     )
