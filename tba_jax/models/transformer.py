@@ -81,7 +81,7 @@ def _casts_to_compute_dtype(cfg: ModelConfig, path: tuple, leaf, for_gradients: 
     names = COMPUTE_DTYPE_PARAMS
     if cfg.position_embedding != "learned" and not for_gradients:
         names = names | {"embedding"}
-    return path[-1].key in names and leaf.dtype != cfg.compute_dtype
+    return getattr(path[-1], "key", None) in names and leaf.dtype != cfg.compute_dtype
 
 
 def has_params_to_cast(cfg: ModelConfig, params: dict, *, for_gradients: bool = False) -> bool:
