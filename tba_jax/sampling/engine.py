@@ -56,9 +56,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax.mesh import replicated, row_axes, row_shards
+from tba_jax.mesh import publish, replicated, row_axes, row_shards
 from tba_jax.models import KVCache, Model, Params, positions_from_mask
-from tba_jax.models.transformer import has_params_to_cast, params_in_compute_dtype
+from tba_jax.models.transformer import compute_dtype_cast, has_params_to_cast
 from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
 
 ENGINES = ("batch", "slots")
@@ -533,14 +533,14 @@ class SlotEngine:
 
     def _in_compute_dtype(self, params: Params) -> Params:
         """`params` with the weights cast to the compute dtype once, on their own
-        shardings (`models.params_in_compute_dtype`), so that neither each prefill nor
-        each decode chunk converts the published float32 weights again; `params` itself
-        when they are in it already."""
-        if not has_params_to_cast(self.model.config, params):
+        shardings (`mesh.publish` through `models.compute_dtype_cast`), so that neither
+        each prefill nor each decode chunk converts float32 weights again; `params` itself
+        when they are in it already (as a run's searchers hold them)."""
+        cfg = self.model.config
+        if not has_params_to_cast(cfg, params):
             return params
-        leaves, treedef = jax.tree.flatten(params)
-        program = _cast_program(self.model, treedef, tuple(leaf.sharding for leaf in leaves))
-        return treedef.unflatten(program(leaves))
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
+        return publish(params, shardings, compute_dtype_cast(cfg))
 
     def _empty_slots(self, width: int, params: Params) -> SlotState:
         """`width` empty slots where the prefill and decode programs leave the state when
@@ -587,17 +587,6 @@ def _slot_programs(model: Model, prompt_len: int, max_new: int, pad_id: int):
     take = jax.jit(take_rows)
     compact_slots = jax.jit(functools.partial(compact, cache_batch_axis=model.cache_batch_axis))
     return init, prefill, take, compact_slots
-
-
-@functools.lru_cache(maxsize=PROGRAMS_KEPT)
-def _cast_program(model: Model, treedef: Any, shardings: tuple):
-    """A jitted `params_in_compute_dtype` of `model` over a list of leaves of `treedef`,
-    each output on its input's sharding."""
-
-    def cast(leaves: list) -> list:
-        return jax.tree.leaves(params_in_compute_dtype(model.config, treedef.unflatten(leaves)))
-
-    return jax.jit(cast, out_shardings=list(shardings))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_KEPT)
