@@ -434,6 +434,12 @@ def warn_if_slots_repeat_rows(config: ml_collections.ConfigDict, sampler: jax.sh
         )
 
 
+def publish_policy(run: Setup, params: Params) -> Params:
+    """The learner's policy `params` copied onto the sampler (`LearnerGroup.publish`), its
+    weights in the compute dtype, as the searchers' policy store holds them."""
+    return run.group.publish(params, run.sampler_shardings, compute_dtype_cast(run.model.config))
+
+
 def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], float]:
     """The in-training evaluation: mean reward of greedy responses to the first
     `eval.num_examples` test prompts (0: all), on the sampler mesh, `eval.batch_size` at a
@@ -458,9 +464,7 @@ def make_evaluate(run: Setup, stop_signal: StopSignal) -> Callable[[Params], flo
     per_call = batch_size * (SLOT_EVAL_BATCHES_PER_CALL if config.search.engine == "slots" else 1)
 
     def evaluate(params: Params) -> float:
-        params = run.group.publish(
-            params, run.sampler_shardings, compute_dtype_cast(run.model.config)
-        )
+        params = publish_policy(run, params)
         rewards = [np.zeros(0, np.float32)]
         for start in range(0, len(examples), per_call):
             if not topology.multi_process:  # stops between batches (several: agreed stops only)
@@ -932,12 +936,7 @@ def with_rollout_advantages(
     learner process of roles_by_process (no policy store: its searchers are other
     processes) rolls out on its own devices, its sampler mesh."""
     published, version = (None, None) if source.store is None else source.store.get()
-    if version == step:
-        sampler_params = published
-    else:
-        sampler_params = run.group.publish(
-            params, run.sampler_shardings, compute_dtype_cast(run.model.config)
-        )
+    sampler_params = published if version == step else publish_policy(run, params)
     rng = jax.random.fold_in(
         jax.random.fold_in(jax.random.key(run.config.seed), VALUE_STAGE_STREAM), step
     )
