@@ -222,7 +222,9 @@ def test_the_features_path_matches_the_full_logits(plain):
     tokens, positions, valid = scoring.joined_inputs(prompt, prompt_mask, response, response_mask)
     logits, _ = jax.jit(model.apply)(params, tokens, positions, valid)
     predicting = scoring.response_slots(logits, PROMPT_LEN, RESPONSE_LEN)
-    expected = scoring.response_logprobs(predicting, response, response_mask, TEMPERATURE)
+    logp_all = jax.nn.log_softmax(predicting / TEMPERATURE, axis=-1)
+    expected = np.take_along_axis(np.asarray(logp_all), np.asarray(response)[..., None], -1)
+    expected = expected[..., 0] * np.asarray(response_mask)
     np.testing.assert_allclose(logp, expected, atol=TOL)
 
 

@@ -86,9 +86,10 @@ class Model:
         """Final hidden states [B, S, d_model] of a cache-free pass; see `Decoder.features`."""
         return nnx.merge(self.graphdef, params).features(tokens, positions, key_valid)
 
-    def head(self, params: Params, features: jax.Array) -> jax.Array:
-        """The output head on hidden states [..., d_model]: float32 [..., V or num_labels]."""
-        return nnx.merge(self.graphdef, params).head(features)
+    def head(self, params: Params, features: jax.Array, *, out_dtype=jnp.float32) -> jax.Array:
+        """The output head on hidden states [..., d_model]: [..., V or num_labels] in
+        `out_dtype` (None: the compute dtype it is computed in)."""
+        return nnx.merge(self.graphdef, params).head(features, out_dtype=out_dtype)
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         return init_cache(self.config, batch, length)

@@ -514,9 +514,10 @@ class Decoder(nnx.Module):
             x = x + jnp.take(self.position_embedding[...], positions, axis=0)
         return x.astype(self.cfg.compute_dtype)
 
-    def head(self, features: jax.Array) -> jax.Array:
-        """The output head on final hidden states [..., d_model]: float32 [..., V] logits
-        (or [..., num_labels] scores)."""
+    def head(self, features: jax.Array, *, out_dtype=jnp.float32) -> jax.Array:
+        """The output head on final hidden states [..., d_model]: [..., V] logits (or
+        [..., num_labels] scores) in `out_dtype` (computed in the compute dtype; None
+        leaves them in it)."""
         dt = self.cfg.compute_dtype
         if self.cfg.head == "score":
             out = dense(features, self.score[...].astype(dt))
@@ -524,7 +525,7 @@ class Decoder(nnx.Module):
             out = dense(features, self.embedding[...].astype(dt).T)
         else:
             out = dense(features, self.lm_head[...].astype(dt))
-        return out.astype(jnp.float32)
+        return out if out_dtype is None else out.astype(out_dtype)
 
     def __call__(
         self,

@@ -67,8 +67,8 @@ def features_logprobs(
 
     def logprobs(chunk_inputs):
         chunk_features, chunk_tokens, chunk_mask = chunk_inputs
-        logits = model.head(params, chunk_features)
-        return response_logprobs(logits, chunk_tokens, chunk_mask, temperature)
+        logits = model.head(params, chunk_features, out_dtype=None)
+        return picked_logprobs(logits, chunk_tokens, temperature) * chunk_mask
 
     length = response_tokens.shape[1]
     if chunk <= 0 or chunk >= length:
@@ -110,14 +110,39 @@ def response_slots(outputs: jax.Array, prompt_len: int, response_len: int) -> ja
     return outputs[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
-def response_logprobs(
-    predicting: jax.Array, response_tokens: jax.Array, response_mask: jax.Array, temperature
-) -> jax.Array:
-    """log π(y_t) at `temperature` from the logits [N, T, V] predicting each response
-    token; 0 where `response_mask` is 0. Returns [N, T] float32."""
-    logp_all = jax.nn.log_softmax(predicting / temperature, axis=-1)
-    logp = jnp.take_along_axis(logp_all, response_tokens[..., None], axis=-1)[..., 0]
-    return logp * response_mask
+@jax.custom_vjp
+def picked_logprobs(logits: jax.Array, tokens: jax.Array, temperature) -> jax.Array:
+    """log softmax(logits / temperature)[token], from logits [..., V] in any dtype (the
+    head's compute dtype) and tokens [...]; returns [...] float32.
+
+    The values are `jax.nn.log_softmax` then a gather, to the bit. The gradient is
+    written out, (onehot − softmax) · g / temperature, so the backward pass keeps only
+    the logits, in their dtype, and two float32 numbers per token, and gives the
+    logits' cotangent in their dtype in one pass over them. Differentiating float32
+    logits through `log_softmax` kept a float32 [..., V] array for the backward pass
+    (README, "The learner": the step's bytes and memory before and after)."""
+    return _picked_logprobs_forward(logits, tokens, temperature)[0]
+
+
+def _picked_logprobs_forward(logits, tokens, temperature):
+    scaled = logits.astype(jnp.float32) / temperature
+    shift = jnp.max(scaled, axis=-1, keepdims=True)
+    shifted = scaled - shift
+    log_normaliser = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    picked = jnp.take_along_axis(shifted, tokens[..., None], axis=-1) - log_normaliser
+    return picked[..., 0], (logits, tokens, temperature, shift, log_normaliser)
+
+
+def _picked_logprobs_backward(residuals, cotangent):
+    logits, tokens, temperature, shift, log_normaliser = residuals
+    shifted = logits.astype(jnp.float32) / temperature - shift
+    probs = jnp.exp(shifted - log_normaliser)
+    onehot = jnp.arange(logits.shape[-1]) == tokens[..., None]
+    d_scaled = (onehot.astype(jnp.float32) - probs) * cotangent[..., None]
+    return (d_scaled / temperature).astype(logits.dtype), None, None
+
+
+picked_logprobs.defvjp(_picked_logprobs_forward, _picked_logprobs_backward)
 
 
 def batch_token_logprobs(
