@@ -75,10 +75,12 @@ class Model:
         key_valid: jax.Array,
         cache: KVCache | None = None,
         cache_offset: jax.Array | int = 0,
+        *,
+        logits_dtype=jnp.float32,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder with `params`; see `Decoder.__call__` for shapes."""
         module = nnx.merge(self.graphdef, params)
-        return module(tokens, positions, key_valid, cache, cache_offset)
+        return module(tokens, positions, key_valid, cache, cache_offset, logits_dtype=logits_dtype)
 
     def features(
         self, params: Params, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array

@@ -534,16 +534,20 @@ class Decoder(nnx.Module):
         key_valid: jax.Array,
         cache: KVCache | None = None,
         cache_offset: jax.Array | int = 0,
+        *,
+        logits_dtype=jnp.float32,
     ) -> tuple[jax.Array, KVCache | None]:
         """tokens, positions: [B, S] int32; key_valid: [B, S_kv] bool.
 
-        Returns logits [B, S, V] (or scores [B, S, num_labels]) float32 and the
-        updated cache (None without one).
+        Returns logits [B, S, V] (or scores [B, S, num_labels]) in `logits_dtype` (None:
+        the compute dtype, as the head computes them) and the updated cache (None without
+        one).
         """
         if cache is None:
-            return self.head(self.features(tokens, positions, key_valid)), None
+            features = self.features(tokens, positions, key_valid)
+            return self.head(features, out_dtype=logits_dtype), None
         x, new_cache = self._cached_trunk(tokens, positions, key_valid, cache, cache_offset)
-        return self.head(x), new_cache
+        return self.head(x, out_dtype=logits_dtype), new_cache
 
     def features(self, tokens: jax.Array, positions: jax.Array, key_valid: jax.Array) -> jax.Array:
         """The cache-free pass up to the head: final-normed hidden states [B, S, d_model]

@@ -211,10 +211,10 @@ class SlotState(NamedTuple):
     """The device state of `W` decode slots; C = P + T (prompt + new tokens).
 
     cache: per layer {"k", "v"}: [W, C, KV, hd] (one stacked [L, W, C, KV, hd] with
-    scan_decode); key_valid: [W, C] bool; next_logits: [W, V] float32 (the logits the slot
-    samples from next); position: [W] int32 (the position id of the next token); step: [W]
-    int32 (tokens generated so far); live: [W] bool (still generating); tokens: [W, T]
-    int32 (pad after the end); token_logp: [W, T] float32 (0 after the end)."""
+    scan_decode); key_valid: [W, C] bool; next_logits: [W, V] in the compute dtype (the
+    logits the slot samples from next); position: [W] int32 (the position id of the next
+    token); step: [W] int32 (tokens generated so far); live: [W] bool (still generating);
+    tokens: [W, T] int32 (pad after the end); token_logp: [W, T] float32 (0 after the end)."""
 
     cache: KVCache
     key_valid: jax.Array
@@ -254,7 +254,7 @@ def init_slots(model: Model, width: int, prompt_len: int, max_new: int) -> SlotS
     return SlotState(
         cache=cache,
         key_valid=jnp.zeros((width, prompt_len + max_new), bool),
-        next_logits=jnp.zeros((width, model.config.vocab_size), jnp.float32),
+        next_logits=jnp.zeros((width, model.config.vocab_size), model.config.compute_dtype),
         position=jnp.zeros((width,), jnp.int32),
         step=jnp.zeros((width,), jnp.int32),
         live=jnp.zeros((width,), bool),
@@ -285,7 +285,9 @@ def prefill_slots(
     prompt_mask = prompt_mask.astype(bool)
     positions = positions_from_mask(prompt_mask)
     cache = model.init_cache(rows, length)
-    logits, cache = model.apply(params, prompt_tokens, positions, prompt_mask, cache, 0)
+    logits, cache = model.apply(
+        params, prompt_tokens, positions, prompt_mask, cache, 0, logits_dtype=None
+    )
     ids = slot_ids.reshape(-1)
     rows_axis = model.cache_batch_axis  # of the cache's leaves ([L, R, ...] with scan_decode)
 
@@ -360,6 +362,7 @@ def decode_chunk(
             s.key_valid,
             s.cache,
             prompt_len + jnp.minimum(s.step, max_new - 1),
+            logits_dtype=None,
         )
         advance = s.live.astype(jnp.int32)
         new_state = SlotState(

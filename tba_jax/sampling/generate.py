@@ -271,7 +271,7 @@ def sample_token(
     """Draws one token per row. logits: [B, V]. Returns token [B] int32, logp [B]: a draw
     from the softmax of the (truncated) tempered logits (`draw_by_inverse_cdf`), and the
     full tempered log-softmax at it."""
-    logits = mask_padded_vocab(logits, sampling.vocab_limit).astype(jnp.float32)
+    logits = mask_padded_vocab(logits.astype(jnp.float32), sampling.vocab_limit)
     if sampling.greedy:
         return draw_with_logp(logits, logits)
     tempered = logits / sampling.temperature
@@ -310,7 +310,9 @@ def generate(
     key_valid = jnp.concatenate([prompt_mask, jnp.ones((batch, max_new), bool)], axis=1)
     prompt_positions = positions_from_mask(prompt_mask)
     cache = model.init_cache(batch, prompt_len + max_new)
-    logits, cache = model.apply(params, prompt_tokens, prompt_positions, key_valid, cache, 0)
+    logits, cache = model.apply(
+        params, prompt_tokens, prompt_positions, key_valid, cache, 0, logits_dtype=None
+    )
 
     class Carry(NamedTuple):
         step: jax.Array
@@ -337,6 +339,7 @@ def generate(
             key_valid[:, :attended],  # the cache slots this segment's steps can see
             carry.cache,
             prompt_len + carry.step,
+            logits_dtype=None,  # carried in the compute dtype; sample_token casts
         )
         return Carry(
             carry.step + 1,
