@@ -79,12 +79,18 @@ def test_microbatches_give_the_same_update(setup):
     np.testing.assert_allclose(metrics_whole["loss"], metrics_split["loss"], rtol=1e-5)
 
 
-def test_weights_cast_once_before_the_micro_batches_give_the_same_update_bit_for_bit(setup):
+@pytest.mark.parametrize("logprob_chunk", [0, 2])
+def test_weights_cast_once_before_the_micro_batches_give_the_same_update_bit_for_bit(
+    setup, logprob_chunk
+):
     """float32 params under bfloat16 compute: the gradient through weights cast once
     before the micro-batch scan (`params_for_grad`, as the train step does) is the
-    float32 params' exactly, so the update is the same to the bit."""
+    float32 params' exactly, so the update is the same to the bit; with chunked log-probs
+    too, where the LM head, used by every chunk, stays float32 (its chunks' gradients
+    summed in bfloat16 moved the update in the last bit)."""
     model, params, batch = setup
-    mixed, _ = abstract_model(dataclasses.replace(model.config, dtype="bfloat16"))
+    mixed_config = dataclasses.replace(model.config, dtype="bfloat16", logprob_chunk=logprob_chunk)
+    mixed, _ = abstract_model(mixed_config)
     optimizer = optax.adam(1e-2)
     state = learner.TrainState(params, optimizer.init(params), jnp.int32(0))
     micro = {name: jnp.asarray(x).reshape(2, -1, *x.shape[1:]) for name, x in batch.items()}
@@ -105,7 +111,10 @@ def test_weights_cast_once_before_the_micro_batches_give_the_same_update_bit_for
 
     cast = update(lambda p: params_in_compute_dtype(mixed.config, p, for_gradients=True))
     plain = update(None)
-    assert params_in_compute_dtype(mixed.config, params)["lm_head"].dtype == jnp.bfloat16
+    for_gradients = params_in_compute_dtype(mixed.config, params, for_gradients=True)
+    head_dtype = jnp.float32 if logprob_chunk else jnp.bfloat16
+    assert for_gradients["lm_head"].dtype == head_dtype
+    assert for_gradients["blocks"][0]["mlp"]["w_up"].dtype == jnp.bfloat16
     moved = jax.tree.leaves(jax.tree.map(lambda new, old: jnp.any(new != old), plain, params))
     assert all(moved)
     for a, b in zip(jax.tree.leaves(cast), jax.tree.leaves(plain), strict=True):

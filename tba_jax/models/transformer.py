@@ -81,6 +81,8 @@ def _casts_to_compute_dtype(cfg: ModelConfig, path: tuple, leaf, for_gradients: 
     names = COMPUTE_DTYPE_PARAMS
     if cfg.position_embedding != "learned" and not for_gradients:
         names = names | {"embedding"}
+    if for_gradients and cfg.logprob_chunk > 0:
+        names = names - {"lm_head"}  # used by every log-prob chunk (see the caller)
     return getattr(path[-1], "key", None) in names and leaf.dtype != cfg.compute_dtype
 
 
@@ -99,9 +101,11 @@ def params_in_compute_dtype(cfg: ModelConfig, params: dict, *, for_gradients: bo
     copy) when nothing is to be cast.
 
     `for_gradients`: params to differentiate through (the learner casts once before its
-    micro-batches): the token embedding stays, since the gradient of its row lookup would
-    sum repeated tokens' rows in the compute dtype; the others' gradients, taken at the
-    cast leaves and added to a float32 sum, are the float32 params' exactly."""
+    micro-batches). A leaf used more than once in a pass has its gradients summed in its
+    own dtype, so the leaves used more than once stay: the token embedding (the gradient
+    of its row lookup sums repeated tokens' rows) and, with `logprob_chunk`, the LM head
+    (each chunk of the log-probs uses it). The others are used once, and their gradients,
+    taken at the cast leaves and added to a float32 sum, are the float32 params' exactly."""
     if not has_params_to_cast(cfg, params, for_gradients=for_gradients):
         return params
 
