@@ -82,7 +82,7 @@ def _casts_to_compute_dtype(cfg: ModelConfig, path: tuple, leaf, for_gradients: 
     if cfg.position_embedding != "learned" and not for_gradients:
         names = names | {"embedding"}
     if for_gradients and cfg.logprob_chunk > 0:
-        names = names - {"lm_head"}  # used by every log-prob chunk (see the caller)
+        names = names - {"lm_head"}  # used by every log-prob chunk: params_in_compute_dtype
     return getattr(path[-1], "key", None) in names and leaf.dtype != cfg.compute_dtype
 
 
