@@ -374,6 +374,23 @@ def test_a_decode_step_does_not_convert_the_weights_again():
     assert set(converted) == weight_shapes - {embedding}
 
 
+def test_chunked_logprobs_convert_the_head_once_forward_and_backward():
+    """With `logprob_chunk`, the learner's gradient converts the float32 LM head to the
+    compute dtype outside the loop over chunks, forward and backward (a lax.map left to
+    autodiff converted it in every chunk, twice)."""
+    model, abstract = abstract_model(dataclasses.replace(BFLOAT16_COMPUTE, logprob_chunk=3))
+    prompt, prompt_mask, response, response_mask = scoring_batch()
+
+    def loss(params):
+        logp = scoring.token_logprobs(
+            model, params, prompt, prompt_mask, response, response_mask, temperature=TEMPERATURE
+        )
+        return logp.sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(abstract).jaxpr
+    assert converted_weights_in_loops(jaxpr, {abstract["lm_head"].shape}) == []
+
+
 def loop_carried_logits(jaxpr, vocab: int) -> list:
     """The dtypes of the [rows, vocab] arrays that the while loops of `jaxpr` (and of the
     jaxprs it calls) carry from one step to the next."""

@@ -1,12 +1,14 @@
-"""The log-prob of the picked token (`scoring.picked_logprobs`): its values, its written-out
-gradient, and what its backward pass keeps."""
+"""The log-prob of the picked token (`scoring.picked_logprobs`, and a head's chunk at a
+time, `scoring.chunked_picked_logprobs`): values, written-out gradients, and what the
+backward pass keeps."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tba_jax.sampling.scoring import picked_logprobs
+from tba_jax.models.transformer import dense
+from tba_jax.sampling.scoring import chunked_picked_logprobs, picked_logprobs
 
 TEMPERATURE = 0.7
 VOCAB = 50
@@ -76,3 +78,56 @@ def test_the_backward_pass_keeps_no_float32_vocabulary_array():
 
     assert float32_vocabulary_arrays(through_log_softmax)
     assert not float32_vocabulary_arrays(lambda x: picked_logprobs(x, tokens, TEMPERATURE))
+
+
+def chunked_inputs(dtype):
+    """A [16, VOCAB] float32 head weight, [3, 2, 4, 16] features in `dtype` (3 chunks of
+    4 slots, 2 rows) and [3, 2, 4] tokens."""
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    weight = jax.random.normal(keys[0], (16, VOCAB))
+    features = jax.random.normal(keys[1], (3, 2, 4, 16)).astype(dtype)
+    tokens = jax.random.randint(keys[2], (3, 2, 4), 0, VOCAB)
+    return weight, features, tokens
+
+
+def chunks_through_autodiff(dtype, weight, features, tokens):
+    """The head then `picked_logprobs` on each chunk, in a lax.map left to autodiff."""
+
+    def one_chunk(chunk):
+        chunk_features, chunk_tokens = chunk
+        logits = dense(chunk_features, weight.astype(dtype))
+        return picked_logprobs(logits, chunk_tokens, TEMPERATURE)
+
+    return jax.lax.map(one_chunk, (features, tokens))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_logprobs_are_the_head_then_picked_logprobs(dtype):
+    """The same logits; the log-softmax on them to float32 rounding (XLA compiles the two
+    programs' exponentials and logarithms apart)."""
+    weight, features, tokens = chunked_inputs(dtype)
+    got = jax.jit(chunked_picked_logprobs, static_argnums=0)(
+        dtype, weight, features, tokens, TEMPERATURE
+    )
+    expected = jax.jit(chunks_through_autodiff, static_argnums=0)(dtype, weight, features, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_chunked_logprobs_give_autodiffs_gradients(dtype, tolerance):
+    """The weight's and the features' gradients against autodiff of the chunk map; the
+    weight's comes back float32 (its chunks summed in float32)."""
+    weight, features, tokens = chunked_inputs(dtype)
+    cotangent = jax.random.normal(jax.random.PRNGKey(3), tokens.shape)
+
+    def gradients(fn):
+        _, backward = jax.vjp(fn, weight, features)
+        return backward(cotangent)
+
+    got = gradients(lambda w, f: chunked_picked_logprobs(dtype, w, f, tokens, TEMPERATURE))
+    expected = gradients(lambda w, f: chunks_through_autodiff(dtype, w, f, tokens))
+    assert got[0].dtype == jnp.float32 and got[1].dtype == dtype
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tolerance
+        )

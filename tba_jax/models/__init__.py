@@ -93,6 +93,11 @@ class Model:
         `out_dtype` (None: the compute dtype it is computed in)."""
         return nnx.merge(self.graphdef, params).head(features, out_dtype=out_dtype)
 
+    def head_weight(self, params: Params) -> jax.Array:
+        """The output head's matrix [d_model, V or num_labels] in `params`, as stored: the
+        head is `features @ head_weight` in the compute dtype."""
+        return nnx.merge(self.graphdef, params).head_weight()
+
     def init_cache(self, batch: int, length: int) -> KVCache:
         return init_cache(self.config, batch, length)
 

@@ -522,14 +522,17 @@ class Decoder(nnx.Module):
         """The output head on final hidden states [..., d_model]: [..., V] logits (or
         [..., num_labels] scores) in `out_dtype` (computed in the compute dtype; None
         leaves them in it)."""
-        dt = self.cfg.compute_dtype
-        if self.cfg.head == "score":
-            out = dense(features, self.score[...].astype(dt))
-        elif self.cfg.tie_embeddings:
-            out = dense(features, self.embedding[...].astype(dt).T)
-        else:
-            out = dense(features, self.lm_head[...].astype(dt))
+        out = dense(features, self.head_weight().astype(self.cfg.compute_dtype))
         return out if out_dtype is None else out.astype(out_dtype)
+
+    def head_weight(self) -> jax.Array:
+        """The output head's matrix [d_model, V or num_labels], as stored (the tied token
+        embedding transposed)."""
+        if self.cfg.head == "score":
+            return self.score[...]
+        if self.cfg.tie_embeddings:
+            return self.embedding[...].T
+        return self.lm_head[...]
 
     def __call__(
         self,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from tba_jax.models import Model, Params, params_in_compute_dtype, positions_from_mask
+from tba_jax.models.transformer import dense
 
 
 def token_logprobs(
@@ -60,25 +61,23 @@ def features_logprobs(
 ) -> jax.Array:
     """log π(y_t) from the hidden states [N, T, d_model] of the slots predicting each
     response token, through the output head. `chunk` > 0 runs the head, log-softmax and
-    gather on `chunk` slots of every row at a time (a `lax.map`; T is padded up to a
-    multiple), each chunk rematerialised in the backward pass, so at most [N, chunk, V]
-    float32 logits exist at once; 0: all T at once. Returns [N, T] float32, 0 where
+    gather on `chunk` slots of every row at a time (`chunked_picked_logprobs`; T is
+    padded up to a multiple), each chunk recomputed in the backward pass, so at most
+    [N, chunk, V] logits exist at once; 0: all T at once. Returns [N, T] float32, 0 where
     `response_mask` is 0."""
-
-    def logprobs(chunk_inputs):
-        chunk_features, chunk_tokens, chunk_mask = chunk_inputs
-        logits = model.head(params, chunk_features, out_dtype=None)
-        return picked_logprobs(logits, chunk_tokens, temperature) * chunk_mask
-
     length = response_tokens.shape[1]
     if chunk <= 0 or chunk >= length:
-        return logprobs((features, response_tokens, response_mask))
+        logits = model.head(params, features, out_dtype=None)
+        return picked_logprobs(logits, response_tokens, temperature) * response_mask
     chunks = -(-length // chunk)
-    inputs = tuple(
-        time_chunks(x, chunk, chunks) for x in (features, response_tokens, response_mask)
-    )
-    out = jax.lax.map(jax.checkpoint(logprobs), inputs)  # [chunks, N, chunk]
-    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], -1)[:, :length]
+    logp = chunked_picked_logprobs(
+        model.config.compute_dtype,
+        model.head_weight(params),
+        time_chunks(features, chunk, chunks),
+        time_chunks(response_tokens, chunk, chunks),
+        temperature,
+    )  # [chunks, N, chunk]
+    return jnp.moveaxis(logp, 0, 1).reshape(logp.shape[1], -1)[:, :length] * response_mask
 
 
 def time_chunks(x: jax.Array, chunk: int, chunks: int) -> jax.Array:
@@ -144,6 +143,72 @@ def _picked_logprobs_backward(residuals, cotangent):
 
 
 picked_logprobs.defvjp(_picked_logprobs_forward, _picked_logprobs_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def chunked_picked_logprobs(
+    compute_dtype, weight: jax.Array, features: jax.Array, tokens: jax.Array, temperature
+) -> jax.Array:
+    """`picked_logprobs` of the head `features @ weight` (in `compute_dtype`), a time
+    chunk at a time: features [C, N, c, d_model], tokens [C, N, c], weight [d_model, V]
+    as stored; returns [C, N, c] float32: the head then `picked_logprobs` on each chunk,
+    the same logits and log-probs to float32 rounding.
+
+    The weight is cast to the compute dtype once, not in every chunk, and the backward
+    pass recomputes each chunk's logits, adds its weight gradient to a float32 sum
+    (each chunk's matmul gives float32), and keeps no logits between chunks. Left to
+    autodiff, a lax.map over chunks converted the weight in every chunk, forward and
+    again in the backward pass, and summed the chunks' weight gradients in the dtype the
+    weight had inside the map."""
+    return _chunked_forward(compute_dtype, weight, features, tokens, temperature)[0]
+
+
+def _chunked_forward(compute_dtype, weight, features, tokens, temperature):
+    head = weight.astype(compute_dtype)
+
+    def one_chunk(chunk):
+        chunk_features, chunk_tokens = chunk
+        logits = dense(chunk_features, head)
+        logp, residuals = _picked_logprobs_forward(logits, chunk_tokens, temperature)
+        return logp, residuals[3][..., 0], residuals[4][..., 0]  # the shift and normaliser
+
+    logp, shift, log_normaliser = jax.lax.map(one_chunk, (features, tokens))
+    return logp, (weight, features, tokens, temperature, shift, log_normaliser)
+
+
+def _chunked_backward(compute_dtype, residuals, cotangent):
+    weight, features, tokens, temperature, shift, log_normaliser = residuals
+    head = weight.astype(compute_dtype)
+
+    def one_chunk(d_weight, chunk):
+        chunk_features, chunk_tokens, chunk_shift, chunk_normaliser, chunk_cotangent = chunk
+        logits = dense(chunk_features, head)
+        chunk_residuals = (
+            logits,
+            chunk_tokens,
+            temperature,
+            chunk_shift[..., None],
+            chunk_normaliser[..., None],
+        )
+        d_logits = _picked_logprobs_backward(chunk_residuals, chunk_cotangent)[0]
+        d_features = dense(d_logits, head.T)
+        flat_features = chunk_features.reshape(-1, chunk_features.shape[-1])
+        d_weight += jnp.matmul(
+            flat_features.T,
+            d_logits.reshape(-1, d_logits.shape[-1]),
+            preferred_element_type=jnp.float32,
+        )
+        return d_weight, d_features
+
+    d_weight, d_features = jax.lax.scan(
+        one_chunk,
+        jnp.zeros(weight.shape, jnp.float32),
+        (features, tokens, shift, log_normaliser, cotangent),
+    )
+    return d_weight.astype(weight.dtype), d_features, None, None
+
+
+chunked_picked_logprobs.defvjp(_chunked_forward, _chunked_backward)
 
 
 def batch_token_logprobs(
