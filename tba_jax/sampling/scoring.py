@@ -114,10 +114,11 @@ def picked_logprobs(logits: jax.Array, tokens: jax.Array, temperature) -> jax.Ar
     """log softmax(logits / temperature)[token], from logits [..., V] in any dtype (the
     head's compute dtype) and tokens [...]; returns [...] float32.
 
-    The values are `jax.nn.log_softmax` then a gather, to the bit (both compiled). The
-    gradient is written out, (onehot − softmax) · g / temperature, so the backward pass
-    keeps only the logits, in their dtype, and two float32 numbers per token, and gives
-    the logits' cotangent in their dtype in one pass over them. Differentiating float32
+    The values are `jax.nn.log_softmax` then a gather (to the bit, each compiled alone;
+    inside other programs XLA may round exp and log apart). The gradient is written out,
+    (onehot − softmax) · g / temperature, so the backward pass keeps only the logits, in
+    their dtype, and two float32 numbers per token, and gives the logits' cotangent in
+    their dtype in one pass over them. Differentiating float32
     logits through `log_softmax` kept a float32 [..., V] array for the backward pass
     (README, "Accelerator throughput": the learner step's bytes and memory before and
     after)."""
