@@ -301,6 +301,16 @@ def test_weights_cast_to_the_compute_dtype_give_the_same_outputs(family, tied):
     assert params_in_compute_dtype(cfg, cast) is cast  # nothing left to cast
 
 
+def called_jaxprs(eqn):
+    """The jaxprs an equation calls (a loop's body and condition, a branch, a pjit's)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                yield sub.jaxpr
+            elif isinstance(sub, jax.extend.core.Jaxpr):
+                yield sub
+
+
 def converted_weights_in_loops(jaxpr, weight_shapes: set, in_loop: bool = False) -> list:
     """The float32 → compute-dtype conversions of weight-shaped arrays inside loops (while
     loops, scans and `lax.map`s) of `jaxpr` and the jaxprs it calls."""
@@ -311,12 +321,8 @@ def converted_weights_in_loops(jaxpr, weight_shapes: set, in_loop: bool = False)
             if operand.dtype == jnp.float32 and operand.shape in weight_shapes:
                 found.append(operand.shape)
         inside = in_loop or eqn.primitive.name in ("while", "scan")
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += converted_weights_in_loops(sub.jaxpr, weight_shapes, inside)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += converted_weights_in_loops(sub, weight_shapes, inside)
+        for called in called_jaxprs(eqn):
+            found += converted_weights_in_loops(called, weight_shapes, inside)
     return found
 
 
@@ -399,10 +405,8 @@ def loop_carried_logits(jaxpr, vocab: int) -> list:
         if eqn.primitive.name == "while":
             carried = eqn.params["body_jaxpr"].jaxpr.invars
             found += [v.aval.dtype for v in carried if v.aval.shape[-1:] == (vocab,)]
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += loop_carried_logits(sub.jaxpr, vocab)
+        for called in called_jaxprs(eqn):
+            found += loop_carried_logits(called, vocab)
     return found
 
 
