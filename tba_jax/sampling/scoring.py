@@ -170,8 +170,10 @@ def _chunked_forward(compute_dtype, weight, features, tokens, temperature):
     def one_chunk(chunk):
         chunk_features, chunk_tokens = chunk
         logits = dense(chunk_features, head)
-        logp, residuals = _picked_logprobs_forward(logits, chunk_tokens, temperature)
-        return logp, residuals[3][..., 0], residuals[4][..., 0]  # the shift and normaliser
+        logp, (*_, shift, log_normaliser) = _picked_logprobs_forward(
+            logits, chunk_tokens, temperature
+        )
+        return logp, shift[..., 0], log_normaliser[..., 0]
 
     logp, shift, log_normaliser = jax.lax.map(one_chunk, (features, tokens))
     return logp, (weight, features, tokens, temperature, shift, log_normaliser)
