@@ -19,9 +19,10 @@ compiling warm-up, with tokens/s; for decode, the memory-bound roofline at `--hb
 (`tba_jax.roofline`: the weights and each row's KV cache read once a step) and the share
 of it reached; for the learner, model FLOP utilisation against `--peak_tflops` (dense
 bf16), with the FLOPs per token written out. `--layers` changes the preset's depth, and
-`--scan_layers`, `--scan_decode`, `--remat`, `--attention` and `--logprob_chunk` set those
-execution knobs (`benchmarks/static_profile.py` gives each one's MFU ceiling; decode
-reports its compile seconds, `compile_s`, lowered and compiled ahead of the first run).
+`--scan_layers`, `--scan_decode`, `--remat`, `--attention`, `--decode_attention` and
+`--logprob_chunk` set those execution knobs (`benchmarks/static_profile.py` gives each
+one's MFU ceiling; decode reports its compile seconds, `compile_s`, lowered and compiled
+ahead of the first run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import numpy as np
 from tba_jax import cli, device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import compute_dtype_cast, init_model, preset
-from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
+from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
@@ -134,6 +135,12 @@ def main() -> None:
     parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
     parser.add_argument("--remat", default="none", choices=REMAT_POLICIES, help="model.remat")
     parser.add_argument("--attention", default="einsum", choices=ATTENTIONS, help="model.attention")
+    parser.add_argument(
+        "--decode_attention",
+        default="same",
+        choices=DECODE_ATTENTIONS,
+        help="model.decode_attention",
+    )
     parser.add_argument("--logprob_chunk", type=int, default=0, help="model.logprob_chunk")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
@@ -162,6 +169,7 @@ def main() -> None:
         scan_decode=args.scan_decode,
         remat=args.remat,
         attention=args.attention,
+        decode_attention=args.decode_attention,
         logprob_chunk=args.logprob_chunk,
     )
     param_dtype = args.param_dtype or args.dtype
@@ -204,6 +212,8 @@ def main() -> None:
             scan_layers=decoder.scan_layers,
             scan_decode=decoder.scan_decode,
             decode_segments=args.decode_segments,
+            attention=decoder.attention,
+            decode_attention=decoder.decode_attention,
             param_dtype=param_dtype,
             batch=args.batch,
             prompt=args.prompt,
@@ -271,6 +281,7 @@ def checked_skip(args) -> set[str]:
             scan_decode=args.scan_decode,
             remat=args.remat,
             attention=args.attention,
+            decode_attention=args.decode_attention,
             logprob_chunk=args.logprob_chunk,
         )
     except ValueError as error:

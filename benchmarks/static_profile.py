@@ -71,7 +71,7 @@ from absl import flags
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
-from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
+from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -122,6 +122,9 @@ _PAIRS = flags.DEFINE_integer(
 )
 _REMAT = flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "model.remat.")
 _ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention", "same", list(DECODE_ATTENTIONS), "model.decode_attention."
+)
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
 _HBM_TB_S = flags.DEFINE_float("hbm_tb_s", roofline.H100_HBM_BYTES_PER_S / 1e12, "HBM TB/s.")
 _PEAK_TFLOPS = flags.DEFINE_float(
@@ -181,6 +184,7 @@ def model_config(param_dtype: str):
         scan_decode=_SCAN_DECODE.value,
         remat=_REMAT.value,
         attention=_ATTENTION.value,
+        decode_attention=_DECODE_ATTENTION.value,
         logprob_chunk=_LOGPROB_CHUNK.value,
         **sizes,
     )

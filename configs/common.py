@@ -141,12 +141,14 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # decode scanning them too over a stacked KV cache (needs scan_layers; off: decode
     # unstacks the params once per call), a jax.checkpoint policy per block (none |
     # nothing_saveable | dots_saveable | dots_with_no_batch_dims_saveable), the attention
-    # kernel (einsum | dot_product | cudnn), and how many response slots the log-probs'
-    # head runs on at a time (0: all).
+    # kernel (einsum | dot_product | cudnn), a decode step's attention (same: as attention;
+    # pallas: one flash-decoding kernel over the KV cache, GPU), and how many response
+    # slots the log-probs' head runs on at a time (0: all).
     config.model.scan_layers = False
     config.model.scan_decode = False
     config.model.remat = "none"
     config.model.attention = "einsum"
+    config.model.decode_attention = "same"
     config.model.logprob_chunk = 0
 
     # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the

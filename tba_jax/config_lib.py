@@ -28,7 +28,13 @@ from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
 from tba_jax.critic import CRITIC_INITS, CRITIC_KINDS
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
-from tba_jax.models.config import ATTENTIONS, DTYPES, HALF_DTYPES, REMAT_POLICIES
+from tba_jax.models.config import (
+    ATTENTIONS,
+    DECODE_ATTENTIONS,
+    DTYPES,
+    HALF_DTYPES,
+    REMAT_POLICIES,
+)
 from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
 
@@ -221,6 +227,7 @@ RANGES: dict[str, Allowed] = {
     "model.scan_decode": BOOLEAN,
     "model.remat": one_of(REMAT_POLICIES),
     "model.attention": one_of(ATTENTIONS),
+    "model.decode_attention": one_of(DECODE_ATTENTIONS),
     "model.logprob_chunk": integer_at_least(0),
     "model.vocab_size": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),

@@ -175,7 +175,14 @@ def run_tokenizer(config: ml_collections.ConfigDict, workdir: str):
 
 
 # config.model keys that set how the policy is computed (`ModelConfig`'s execution fields).
-EXECUTION_KEYS = ("scan_layers", "scan_decode", "remat", "attention", "logprob_chunk")
+EXECUTION_KEYS = (
+    "scan_layers",
+    "scan_decode",
+    "remat",
+    "attention",
+    "decode_attention",
+    "logprob_chunk",
+)
 
 
 def execution_fields(config: ml_collections.ConfigDict) -> dict:

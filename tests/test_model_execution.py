@@ -205,6 +205,39 @@ def test_fused_attention_in_passes_with_a_cache_decodes_as_the_einsum_one(plain)
         )
 
 
+def test_pallas_decode_attention_decodes_as_the_einsum_one(plain):
+    """With `decode_attention=pallas` every decode step attends through the Pallas kernel
+    (its interpreter here): greedy tokens equal the einsum model's across a left-padded
+    prompt, log-probs to float rounding, and one step with an offset per row (the slot
+    engine's) gives the einsum step's logits."""
+    *_, params = plain
+    einsum = abstract_model(PLAIN)[0]
+    pallas = abstract_model(execution(decode_attention="pallas"))[0]
+    prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
+    sampling = SamplingConfig(max_new_tokens=4, greedy=True)
+    generated = [
+        make_generate_fn(model, sampling, eos_id=1, pad_id=0)(
+            params, prompt, prompt > 0, jax.random.key(SEED)
+        )
+        for model in (einsum, pallas)
+    ]
+    np.testing.assert_array_equal(np.asarray(generated[1].tokens), np.asarray(generated[0].tokens))
+    np.testing.assert_allclose(
+        np.asarray(generated[1].token_logp), np.asarray(generated[0].token_logp), atol=TOL
+    )
+    # rows at different lengths: the next token of each is written at its own offset
+    valid = jnp.asarray([[0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]], bool)
+    cache = einsum.init_cache(2, 6)
+    _, cache = jax.jit(einsum.apply)(
+        params, prompt, positions_from_mask(valid[:, :4]), valid[:, :4], cache, 0
+    )
+    offsets = jnp.asarray([3, 4], jnp.int32)
+    step_valid = valid.at[jnp.arange(2), offsets].set(True)
+    step = (jnp.asarray([[9], [10]], jnp.int32), jnp.asarray([[2], [4]], jnp.int32), step_valid)
+    logits = [jax.jit(model.apply)(params, *step, cache, offsets)[0] for model in (einsum, pallas)]
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=TOL)
+
+
 @pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded
 def test_chunked_logprobs_and_their_gradient_match(plain, chunk):
     logp, grads, params = plain
@@ -424,7 +457,9 @@ def test_decode_loops_carry_the_logits_in_the_compute_dtype():
 def test_execution_fields_stay_out_of_the_checkpoint_identity():
     plain = PLAIN.to_dict()
     assert not set(EXECUTION_FIELDS) & set(plain) and "scan_layers" not in plain
-    tuned = execution(remat="dots_saveable", attention="dot_product", logprob_chunk=4)
+    tuned = execution(
+        remat="dots_saveable", attention="dot_product", decode_attention="pallas", logprob_chunk=4
+    )
     assert tuned.to_dict() == plain  # a resumed run may change these
     # and the params' layout: each checkpoint records it, and a resume converts it
     assert SCANNED.to_dict() == plain
@@ -437,6 +472,7 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(remat="full"), "model.remat"),
         (dict(attention="flash"), "model.attention"),
         (dict(attention="cudnn"), "half-precision"),
+        (dict(decode_attention="flash"), "model.decode_attention"),
         (dict(logprob_chunk=-1), "model.logprob_chunk"),
     ],
 )

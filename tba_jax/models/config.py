@@ -43,10 +43,12 @@ REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_bat
 # "einsum": the explicit einsum/softmax attention; "dot_product": `jax.nn.dot_product_attention`
 # with JAX's choice of kernel (XLA in JAX 0.10); "cudnn": its cuDNN flash kernel (GPU, bf16/fp16).
 ATTENTIONS = ("einsum", "dot_product", "cudnn")
+# A decode step's attention: "same" as `attention`, or "pallas" (`models.decode_attention`).
+DECODE_ATTENTIONS = ("same", "pallas")
 HALF_DTYPES = ("bfloat16", "float16")
 # Fields that change how the model runs but neither its outputs (up to float rounding) nor
 # its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
-EXECUTION_FIELDS = ("scan_decode", "remat", "attention", "logprob_chunk")
+EXECUTION_FIELDS = ("scan_decode", "remat", "attention", "decode_attention", "logprob_chunk")
 
 # Values the architecture switches take when a config leaves them as None.
 _LLAMA_SWITCHES = dict(
@@ -125,6 +127,10 @@ class ModelConfig:
       cache-free pass: what the backward pass recomputes instead of keeping.
     - `attention`: the attention kernel (`ATTENTIONS`) of every pass, with a KV cache
       (prefill, decode steps) or without (learner, scoring).
+    - `decode_attention`: a decode step's attention (one query slot per row over the KV
+      cache): "same" as `attention`, or "pallas", flash decoding in one Pallas kernel
+      over the cache as it is laid out (`models.decode_attention`: Triton on a GPU, Pallas'
+      interpreter, slow, elsewhere). Prefill and cache-free passes keep `attention`.
     - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
       and normalise this many response slots at a time, so [rows, length, vocab] float32
       logits never exist at once (0: all slots in one go).
@@ -169,6 +175,7 @@ class ModelConfig:
     scan_decode: bool = False
     remat: str = "none"
     attention: str = "einsum"
+    decode_attention: str = "same"
     logprob_chunk: int = 0
 
     def __post_init__(self):
@@ -240,6 +247,11 @@ class ModelConfig:
         if self.attention not in ATTENTIONS:
             raise ValueError(
                 f"model.attention={self.attention!r} is not one of {list(ATTENTIONS)}."
+            )
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(
+                f"model.decode_attention={self.decode_attention!r} is not one of "
+                f"{list(DECODE_ATTENTIONS)} ('same': as model.attention)."
             )
         if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
             raise ValueError(

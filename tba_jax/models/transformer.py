@@ -26,7 +26,9 @@ static slices of it (the cache keeps its per-layer layout), or with `cfg.scan_de
 scans them too, over a stacked cache {"k", "v"}: [L, B, S_kv, KV, hd] whose layer slice
 each step reads and whose new keys it writes in place (`cache_batch_axis` says where a
 cache's rows are). `cfg.remat` wraps each block of the cache-free pass in
-`jax.checkpoint`, and `cfg.attention` picks that pass's attention kernel.
+`jax.checkpoint`, and `cfg.attention` picks that pass's attention kernel (and, unless
+`cfg.decode_attention="pallas"` gives them `models.decode_attention`'s kernel, every pass
+with a cache's).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from tba_jax.models.config import REMAT_POLICIES, ModelConfig
+from tba_jax.models.decode_attention import decode_attention
 
 # per layer {"k", "v"}, or with scan_decode one {"k", "v"} of stacked [L, ...] arrays
 KVCache = tuple[dict[str, jax.Array], ...] | dict[str, jax.Array]
@@ -257,7 +260,12 @@ class Attention(nnx.Module):
         kernel reads the whole cache).
         """
         cfg = self.cfg
-        fused = cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS
+        # a decode step (one query slot over a cache) through the Pallas kernel reads the
+        # whole cache as the fused kernels do (its loop stops at the last visible slot)
+        pallas_step = (
+            cache_layer is not None and x.shape[1] == 1 and cfg.decode_attention == "pallas"
+        )
+        fused = cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS or pallas_step
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
         k = self._rotate(self._project(x, self.wk, "bk"), positions)
         v = self._project(x, self.wv, "bv")
@@ -292,7 +300,9 @@ class Attention(nnx.Module):
             key_slots = jnp.arange(k.shape[1])
             causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
             visible = causal & key_valid[:, None, :]
-            if fused:  # with a cache: the cache-free pass took the branch above
+            if pallas_step:
+                out = decode_attention(q[:, 0], k, v, visible[:, 0])[:, None]
+            elif fused:  # with a cache: the cache-free pass took the branch above
                 out = fused_cached_attention(q, k, v, visible, cfg)
             else:
                 out = einsum_attention(q, k, v, visible, cfg)

@@ -1,0 +1,161 @@
+"""A decode step's attention as one Pallas kernel over the KV cache as it is laid out.
+
+A decode step has one query slot per row. XLA's einsum attention and cuDNN's flash kernel
+treat it as a general attention: cuDNN tiles the query axis (one valid row in a tile of
+64), and both read every cache slot, the empty ones masked. This kernel is flash decoding
+for grouped-query attention (`jax.experimental.pallas.ops.gpu.decode_attention`'s
+structure): one program per (row, KV head) holds that head's G query heads in one tile
+and walks the cache in blocks of `block_k` slots up to the row's last visible slot, with
+an online softmax in float32. It reads the cache [B, S_kv, KV, hd] in place (the library's
+`gqa` transposes it to [B, KV, S_kv, hd] first: a copy of the whole cache every layer of
+every step) and takes any mask of visible slots (left-padded prompts, the slot engine's
+per-row prefixes), not only a contiguous range.
+
+On a GPU it lowers through Triton; elsewhere it runs in Pallas' interpret mode (slow:
+for tests on a CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Query heads sharing a KV head are padded to this many rows: Triton's matmuls need at
+# least 16 on each side.
+QUERY_TILE = 16
+# Cache slots a program reads at once (fewer for a shorter cache, a power of two >= 16).
+BLOCK_K = 128
+MIN_BLOCK_K = 16
+QK_DIMS = (((1,), (1,)), ((), ()))  # [tile, hd] · [block_k, hd] over hd
+# Triton's launch settings for the kernel (the library kernel's defaults).
+NUM_WARPS, NUM_STAGES = 4, 2
+
+
+def block_k_for(cache_len: int) -> int:
+    """The cache slots the kernel reads at once: `BLOCK_K`, or the largest power of two
+    that fits a shorter cache (Triton's blocks are powers of two, at least `MIN_BLOCK_K`
+    for its matmuls), or a cache shorter than that whole (the interpreter's only). A cache
+    length that is no multiple of it ends in a block that overlaps the one before."""
+    if cache_len >= BLOCK_K:
+        return BLOCK_K
+    if cache_len >= MIN_BLOCK_K:
+        return 1 << (cache_len.bit_length() - 1)
+    return cache_len
+
+
+def _kernel(q_ref, k_ref, v_ref, visible_ref, length_ref, o_ref, *, block_k: int, scale: float):
+    """One (row, KV head): q_ref [QUERY_TILE, hd]; k_ref, v_ref [S_kv, hd]; visible_ref
+    [S_kv] int32 (1: the query sees the slot); length_ref [1] int32 (the last visible
+    slot + 1); o_ref [QUERY_TILE, hd]."""
+    q = q_ref[...]
+    head_dim = q.shape[-1]
+    cache_len = k_ref.shape[0]
+    num_blocks = pl.cdiv(length_ref[0], block_k)
+
+    def body(block, carry):
+        out, row_max, row_sum = carry
+        # the last block of a cache that is no multiple of block_k starts early; the slots
+        # it shares with the block before are masked here
+        first = block * block_k
+        start = jnp.minimum(first, cache_len - block_k)
+        slots = pl.ds(start, block_k)
+        k = k_ref[slots, :].astype(q.dtype)
+        # q · kᵀ: [tile, block_k]
+        scores = jax.lax.dot_general(q, k, QK_DIMS, preferred_element_type=jnp.float32) * scale
+        seen = (visible_ref[slots] != 0) & (start + jnp.arange(block_k) >= first)
+        scores = jnp.where(seen[None, :], scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, scores.max(axis=-1))
+        # rows that have seen nothing yet keep a max of -inf: shift by 0 there instead
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        correction = jnp.exp(row_max - shift)
+        weights = jnp.exp(scores - shift[:, None])
+        row_sum = correction * row_sum + weights.sum(axis=-1)
+        v = v_ref[slots, :].astype(q.dtype)
+        out = correction[:, None] * out + jnp.dot(
+            weights.astype(q.dtype), v, preferred_element_type=jnp.float32
+        )
+        return out, new_max, row_sum
+
+    tile = q.shape[0]
+    init = (
+        jnp.zeros((tile, head_dim), jnp.float32),
+        jnp.full((tile,), -jnp.inf, jnp.float32),
+        jnp.zeros((tile,), jnp.float32),
+    )
+    out, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    # a query that sees no slot (a padded prompt's row) gets zeros, as the fused kernels
+    out = jnp.where(row_sum[:, None] > 0, out / jnp.maximum(row_sum, 1e-30)[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def decode_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, interpret: bool | None = None
+) -> jax.Array:
+    """Attention of one query slot per row over a KV cache.
+
+    q: [B, H, hd]; k, v: [B, S_kv, KV, hd] (H a multiple of KV, at most `QUERY_TILE`
+    query heads per KV head); visible: [B, S_kv] bool, the slots each row's query sees
+    (causal and not padding). Scores and softmax in float32, the weights cast to the
+    queries' dtype for their matmul with the values (as `transformer.einsum_attention`).
+    Returns [B, H, hd] in q's dtype, zero for a row that sees no slot. `interpret`: None runs
+    the Triton kernel where the program is lowered for a CUDA GPU and Pallas' interpreter
+    elsewhere (chosen as the program is lowered, so a GPU program compiled on a machine
+    without one gets the kernel), and the interpreter for a cache shorter than
+    `MIN_BLOCK_K` slots, which Triton's matmuls do not take (a toy model's; its cost is
+    nothing beside the rest of the step).
+    """
+    if interpret is None and k.shape[1] < MIN_BLOCK_K:
+        interpret = True
+    if interpret is None:
+        run = functools.partial(_decode_attention, interpret=True)
+        on_gpu = functools.partial(_decode_attention, interpret=False)
+        return jax.lax.platform_dependent(q, k, v, visible, cuda=on_gpu, default=run)
+    return _decode_attention(q, k, v, visible, interpret=interpret)
+
+
+def _decode_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, interpret: bool
+) -> jax.Array:
+    """`decode_attention` with Pallas' interpreter or not."""
+    batch, num_heads, head_dim = q.shape
+    cache_len, kv_heads = k.shape[1], k.shape[2]
+    groups = num_heads // kv_heads
+    if groups * kv_heads != num_heads or groups > QUERY_TILE:
+        raise ValueError(
+            f"decode attention 'pallas' takes up to {QUERY_TILE} query heads per KV head; "
+            f"this model has {num_heads} query and {kv_heads} KV heads."
+        )
+    block_k = block_k_for(cache_len)
+    # [B, KV, tile, hd]: each KV head's query heads, zero rows below the tile's G
+    q_tiles = q.reshape(batch, kv_heads, groups, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, QUERY_TILE - groups), (0, 0)))
+    slots = jnp.arange(cache_len)
+    length = jnp.max(jnp.where(visible, slots[None, :] + 1, 0), axis=1).astype(jnp.int32)
+    kernel = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(head_dim))
+    cache_spec = pl.BlockSpec((None, cache_len, None, head_dim), lambda b, h: (b, 0, h, 0))
+    tile_spec = pl.BlockSpec((None, None, QUERY_TILE, head_dim), lambda b, h: (b, h, 0, 0))
+    extra = {}
+    if not interpret:
+        extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads),
+        in_specs=[
+            tile_spec,
+            cache_spec,
+            cache_spec,
+            pl.BlockSpec((None, cache_len), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, 1), lambda b, h: (b, 0)),
+        ],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
+        interpret=interpret,
+        name="decode_attention",
+        **extra,
+    )(q_tiles, k, v, visible.astype(jnp.int32), length[:, None])
+    return out[:, :, :groups].reshape(batch, num_heads, head_dim)

@@ -1,0 +1,77 @@
+"""`models.decode_attention`, the Pallas kernel of a decode step's attention (run by
+Pallas' interpreter on this CPU), against the attention formula written in NumPy: grouped
+query heads, any mask of visible slots (a row that sees none gets zeros), and caches whose
+length is no multiple of the kernel's block (the last block overlaps the one before)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tba_jax.models import decode_attention as kernel
+
+
+def reference(q, k, v, visible):
+    """Softmax attention of q [B, H, hd] over k, v [B, S, KV, hd] where `visible` [B, S],
+    in float64; zeros for a row that sees no slot."""
+    batch, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    out = np.zeros((batch, heads, head_dim))
+    for b in range(batch):
+        if not visible[b].any():
+            continue
+        for h in range(heads):
+            scores = k[b, :, h // groups] @ q[b, h] / np.sqrt(head_dim)
+            scores = np.where(visible[b], scores, -np.inf)
+            weights = np.exp(scores - scores.max())
+            out[b, h] = weights @ v[b, :, h // groups] / weights.sum()
+    return out
+
+
+def random_case(cache_len, heads, kv_heads, head_dim=32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(4, heads, head_dim))
+    k, v = (rng.normal(size=(4, cache_len, kv_heads, head_dim)) for _ in range(2))
+    visible = np.zeros((4, cache_len), bool)
+    visible[0, 3 : cache_len // 2] = True  # a left-padded prompt and its response so far
+    visible[1] = rng.random(cache_len) < 0.3  # any mask
+    visible[2, [0, cache_len - 1]] = True  # the cache's first and last slots only
+    return q, k, v, visible  # row 3 sees nothing
+
+
+@pytest.mark.parametrize(
+    "cache_len, heads, kv_heads",
+    [(300, 14, 2), (256, 4, 4), (40, 6, 2), (9, 4, 1)],
+    ids=["overlapping-last-block", "one-head-per-kv-head", "short-cache", "under-one-block"],
+)
+def test_the_kernel_computes_attention_over_the_visible_slots(cache_len, heads, kv_heads):
+    q, k, v, visible = random_case(cache_len, heads, kv_heads)
+    as_f32 = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    out = kernel.decode_attention(*as_f32, jnp.asarray(visible), interpret=True)
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), reference(q, k, v, visible), atol=2e-6)
+    assert not np.asarray(out[3]).any()
+
+
+def test_the_kernel_in_bfloat16_rounds_as_bfloat16():
+    q, k, v, visible = random_case(300, 14, 2)
+    as_bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    out = kernel.decode_attention(*as_bf16, jnp.asarray(visible), interpret=True)
+    assert out.dtype == jnp.bfloat16
+    rounded = (np.asarray(x.astype(jnp.float32), np.float64) for x in as_bf16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference(*rounded, visible), atol=2e-2)
+
+
+def test_the_block_is_a_power_of_two_of_at_least_16_slots_or_a_shorter_cache_whole():
+    assert kernel.block_k_for(768) == kernel.BLOCK_K
+    assert kernel.block_k_for(100) == 64
+    assert kernel.block_k_for(16) == 16
+    assert kernel.block_k_for(9) == 9
+
+
+def test_too_many_query_heads_per_kv_head_are_refused():
+    q = jnp.zeros((1, 34, 16))
+    k = jnp.zeros((1, 32, 2, 16))
+    with pytest.raises(ValueError, match="up to 16 query heads per KV head"):
+        kernel.decode_attention(q, k, k, jnp.ones((1, 32), bool), interpret=True)
