@@ -2,7 +2,8 @@
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
 # in six parts that each fit a 10-minute command:
 #
-#   bash benchmarks/gpu_report.sh decode  PEER   # decode at 3 shapes beside transformers'
+#   bash benchmarks/gpu_report.sh decode  PEER   # decode at 3 shapes (einsum, cudnn, the Pallas
+#                                                # decode kernel) beside transformers'
 #                                                # generate (PEER: a copy of
 #                                                # ../shared/bench/hf_generate_baseline.py)
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
@@ -43,6 +44,8 @@ case "$part" in
       run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn
+      run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn \
+        --decode_attention=pallas
     done
     # as a run's searchers decode: the learner's float32 params, cast once per call
     run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=score,train \
