@@ -39,6 +39,8 @@ case "$part" in
   decode)
     [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"
     peer=$2
+    # the Pallas decode-attention kernel against float64, and one layer's time beside cuDNN's
+    run python3 benchmarks/decode_attention_kernel.py --attention=cudnn
     for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
       set -- $shape
       run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256

@@ -1,13 +1,17 @@
 """`models.decode_attention`, the Pallas kernel of a decode step's attention (run by
 Pallas' interpreter on this CPU), against the attention formula written in NumPy: grouped
 query heads, any mask of visible slots (a row that sees none gets zeros), and caches whose
-length is no multiple of the kernel's block (the last block overlaps the one before)."""
+length is no multiple of the kernel's block (the last block overlaps the one before); and
+`benchmarks/decode_attention_kernel.py`, which checks it so on a GPU."""
 
 from __future__ import annotations
+
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import run_repo_script
 
 from tba_jax.models import decode_attention as kernel
 
@@ -75,3 +79,25 @@ def test_too_many_query_heads_per_kv_head_are_refused():
     k = jnp.zeros((1, 32, 2, 16))
     with pytest.raises(ValueError, match="up to 16 query heads per KV head"):
         kernel.decode_attention(q, k, k, jnp.ones((1, 32), bool), interpret=True)
+
+
+def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
+    done = run_repo_script(
+        "benchmarks/decode_attention_kernel.py",
+        "--batch=3",
+        "--cache_lens=40,130",
+        "--dtype=float32",
+        "--repeats=1",
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert [line["cache_len"] for line in lines] == [40, 130]
+    for line in lines:
+        assert line["max_abs_error"] < 1e-5 and line["empty_row_zero"]
+        assert line["kernel_us"] > 0 and line["baseline_us"] > 0
+        assert line["baseline_attention"] == "einsum" and line["backend"] == "cpu"
+    refused = run_repo_script(
+        "benchmarks/decode_attention_kernel.py", "--attention=cudnn", timeout=60
+    )
+    assert refused.returncode != 0 and "needs a GPU" in refused.stderr

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Query heads sharing a KV head are padded to this many rows: Triton's matmuls need at
-# least 16 on each side.
+# Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
+# masked: Triton's matmuls need at least 16 on each side.
 QUERY_TILE = 16
 # Cache slots a program reads at once (fewer for a shorter cache, a power of two >= 16).
 BLOCK_K = 128
@@ -48,11 +48,16 @@ def block_k_for(cache_len: int) -> int:
     return cache_len
 
 
-def _kernel(q_ref, k_ref, v_ref, visible_ref, length_ref, o_ref, *, block_k: int, scale: float):
-    """One (row, KV head): q_ref [QUERY_TILE, hd]; k_ref, v_ref [S_kv, hd]; visible_ref
-    [S_kv] int32 (1: the query sees the slot); length_ref [1] int32 (the last visible
-    slot + 1); o_ref [QUERY_TILE, hd]."""
-    q = q_ref[...]
+def _kernel(
+    q_ref, k_ref, v_ref, visible_ref, length_ref, o_ref, *, groups: int, block_k: int, scale: float
+):
+    """One (row, KV head): q_ref, o_ref [QUERY_TILE, hd] blocks over the head's `groups`
+    query heads (the rows past them masked: zeros in, nothing written out); k_ref, v_ref
+    [S_kv, hd]; visible_ref [S_kv] int32 (1: the query sees the slot); length_ref [1]
+    int32 (the last visible slot + 1)."""
+    tile_rows = pl.ds(0, QUERY_TILE)
+    rows_kept = (jnp.arange(QUERY_TILE) < groups)[:, None]
+    q = plgpu.load(q_ref.at[tile_rows, :], mask=rows_kept, other=0.0)
     head_dim = q.shape[-1]
     cache_len = k_ref.shape[0]
     num_blocks = pl.cdiv(length_ref[0], block_k)
@@ -90,7 +95,7 @@ def _kernel(q_ref, k_ref, v_ref, visible_ref, length_ref, o_ref, *, block_k: int
     out, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
     # a query that sees no slot (a padded prompt's row) gets zeros, as the fused kernels
     out = jnp.where(row_sum[:, None] > 0, out / jnp.maximum(row_sum, 1e-30)[:, None], 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
+    plgpu.store(o_ref.at[tile_rows, :], out.astype(o_ref.dtype), mask=rows_kept)
 
 
 def decode_attention(
@@ -131,12 +136,12 @@ def _decode_attention(
             f"this model has {num_heads} query and {kv_heads} KV heads."
         )
     block_k = block_k_for(cache_len)
-    # [B, KV, tile, hd]: each KV head's query heads, zero rows below the tile's G
-    q_tiles = q.reshape(batch, kv_heads, groups, head_dim)
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, QUERY_TILE - groups), (0, 0)))
+    q_groups = q.reshape(batch, kv_heads, groups, head_dim)  # each KV head's query heads
     slots = jnp.arange(cache_len)
     length = jnp.max(jnp.where(visible, slots[None, :] + 1, 0), axis=1).astype(jnp.int32)
-    kernel = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(head_dim))
+    kernel = functools.partial(
+        _kernel, groups=groups, block_k=block_k, scale=1.0 / math.sqrt(head_dim)
+    )
     cache_spec = pl.BlockSpec((None, cache_len, None, head_dim), lambda b, h: (b, 0, h, 0))
     tile_spec = pl.BlockSpec((None, None, QUERY_TILE, head_dim), lambda b, h: (b, h, 0, 0))
     extra = {}
@@ -153,9 +158,9 @@ def _decode_attention(
             pl.BlockSpec((None, 1), lambda b, h: (b, 0)),
         ],
         out_specs=tile_spec,
-        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_groups.shape, q.dtype),
         interpret=interpret,
         name="decode_attention",
         **extra,
-    )(q_tiles, k, v, visible.astype(jnp.int32), length[:, None])
-    return out[:, :, :groups].reshape(batch, num_heads, head_dim)
+    )(q_groups, k, v, visible.astype(jnp.int32), length[:, None])
+    return out.reshape(batch, num_heads, head_dim)

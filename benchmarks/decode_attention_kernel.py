@@ -1,0 +1,135 @@
+r"""The Pallas decode-attention kernel (`model.decode_attention=pallas`) on this machine's
+backend: its output against the attention formula in float64 NumPy, and its time beside
+the attention `model.attention` gives a decode step, one layer at a time.
+
+    python benchmarks/decode_attention_kernel.py                     # qwen2.5-0.5b's layer
+    python benchmarks/decode_attention_kernel.py --attention=cudnn   # on a GPU
+    python benchmarks/decode_attention_kernel.py --batch=4 --cache_lens=40 --repeats=1
+
+On a GPU the kernel is Triton's; elsewhere Pallas' interpreter runs it (slow: a check of
+the script, not a timing). Each row sees a random contiguous range of slots, as a
+left-padded prompt and its response so far do; one row sees a random scatter of slots
+and one sees none (its output must be zeros). One JSON line per cache length:
+`max_abs_error` (against float64, on the inputs rounded to `--dtype`), `empty_row_zero`,
+`kernel_us` and `baseline_us` (the median of `--repeats` timed calls after a compiling
+one), `baseline_attention`, and the mean visible length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tba_jax import cli
+from tba_jax.models import preset, transformer
+from tba_jax.models.config import ATTENTIONS
+from tba_jax.models.decode_attention import decode_attention
+
+
+def random_inputs(args, cfg, cache_len: int, rng: np.random.Generator):
+    """q [B, H, hd], k, v [B, S, KV, hd] in --dtype, visible [B, S] bool."""
+    heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    shapes = ((args.batch, heads, head_dim),) + ((args.batch, cache_len, kv_heads, head_dim),) * 2
+    q, k, v = (jnp.asarray(rng.normal(size=shape), args.dtype) for shape in shapes)
+    visible = np.zeros((args.batch, cache_len), bool)
+    for row in range(args.batch):
+        first = rng.integers(0, cache_len // 2 + 1)
+        visible[row, first : rng.integers(first + 1, cache_len + 1)] = True
+    visible[0] = rng.random(cache_len) < 0.3
+    visible[-1] = False
+    return q, k, v, visible
+
+
+def reference(q, k, v, visible) -> np.ndarray:
+    """Softmax attention in float64 over the visible slots; zeros for a row seeing none."""
+    q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+    batch, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    scores = np.einsum("bkgd,btkd->bkgt", grouped, k) / np.sqrt(head_dim)
+    scores = np.where(visible[:, None, None], scores, -np.inf)
+    peak = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    out = np.einsum("bkgt,btkd->bkgd", weights / np.where(total > 0, total, 1.0), v)
+    return out.reshape(batch, heads, head_dim)
+
+
+def baseline_fn(cfg):
+    """A decode step's attention as `cfg.attention` computes it: [B, H, hd]."""
+
+    def attend(q, k, v, visible):
+        if cfg.attention in transformer.FUSED_ATTENTION_IMPLEMENTATIONS:
+            out = transformer.fused_cached_attention(q[:, None], k, v, visible[:, None], cfg)
+        else:
+            out = transformer.einsum_attention(q[:, None], k, v, visible[:, None], cfg)
+        return out[:, 0]
+
+    return jax.jit(attend)
+
+
+def median_us(fn, inputs, repeats: int) -> float:
+    jax.block_until_ready(fn(*inputs))  # compiles
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        times.append(time.perf_counter() - began)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen2.5-0.5b", help="model preset (its heads)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--cache_lens", default="512,300", help="comma-separated slots")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--attention", default="einsum", choices=ATTENTIONS)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        cache_lens = [int(item) for item in args.cache_lens.split(",")]
+        # the preset's heads; its vocabulary plays no part here
+        cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, attention=args.attention)
+        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1:
+            raise ValueError("--batch must be >= 2, --repeats >= 1 and every cache length >= 1.")
+        if args.attention == "cudnn" and jax.default_backend() != "gpu":
+            raise ValueError(
+                f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
+                f"{jax.default_backend()}; pass --attention=einsum or dot_product."
+            )
+    except ValueError as error:
+        cli.exit_with_error(str(error))
+    rng = np.random.default_rng(args.seed)
+    kernel = jax.jit(decode_attention)
+    baseline = baseline_fn(cfg)
+    for cache_len in cache_lens:
+        q, k, v, visible = random_inputs(args, cfg, cache_len, rng)
+        inputs = (q, k, v, jnp.asarray(visible))
+        out = np.asarray(kernel(*inputs).astype(jnp.float32))
+        line = {
+            "bench": "decode_attention_kernel",
+            "backend": jax.default_backend(),
+            "shape": args.shape,
+            "batch": args.batch,
+            "cache_len": cache_len,
+            "mean_visible_len": round(float(visible.sum(axis=1).mean()), 1),
+            "dtype": args.dtype,
+            "max_abs_error": float(np.abs(out - reference(q, k, v, visible)).max()),
+            "empty_row_zero": bool((out[-1] == 0).all()),
+            "kernel_us": round(median_us(kernel, inputs, args.repeats), 1),
+            "baseline_attention": args.attention,
+            "baseline_us": round(median_us(baseline, inputs, args.repeats), 1),
+        }
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
