@@ -50,11 +50,18 @@ def test_the_variants_build_the_paper_configs_with_real_embedding_rows(tmp_path)
 
 def test_micro_tldr_run_prints_its_step_time_and_rates():
     micro = "model.preset=micro,model.vocab_size=512,model.dtype=float32"
+    # the tiny variant's batch shapes and short sequences: the script's path, in seconds
+    small = (
+        "batch.prompts_per_batch=2,batch.samples_per_prompt=4,"
+        "batch.samples_generated_per_prompt=4,batch.num_microbatches=2,replay.min_prompts=2,"
+        "search.prompts_per_call=2,search.score_rows_per_chunk=0,max_prompt_len=128,"
+        "max_response_len=16"
+    )
     done = run_repo_script(
         "benchmarks/paper_smoke.py",
         "--run=tldr_pythia_1b",
         "--steps=2",
-        f"--set={micro},task.reward_model.preset=micro",
+        f"--set={micro},task.reward_model.preset=micro,{small}",
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
