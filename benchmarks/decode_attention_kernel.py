@@ -5,19 +5,23 @@ the attention `model.attention` gives a decode step, one layer at a time.
     python benchmarks/decode_attention_kernel.py                     # qwen2.5-0.5b's layer
     python benchmarks/decode_attention_kernel.py --attention=cudnn   # on a GPU
     python benchmarks/decode_attention_kernel.py --batch=4 --cache_lens=40 --repeats=1
+    python benchmarks/decode_attention_kernel.py --k_splits=1,2,4,8   # the cache walk split
 
 On a GPU the kernel is Triton's; elsewhere Pallas' interpreter runs it (slow: a check of
 the script, not a timing). Each row sees a random contiguous range of slots, as a
 left-padded prompt and its response so far do; one row sees a random scatter of slots
 and one sees none (its output must be zeros). One JSON line per cache length:
-`max_abs_error` (against float64, on the inputs rounded to `--dtype`), `empty_row_zero`,
-`kernel_us` and `baseline_us` (the median of `--repeats` timed calls after a compiling
-one), `baseline_attention`, and the mean visible length.
+`max_abs_error` (against float64, on the inputs rounded to `--dtype`, the worst over
+`--k_splits`), `empty_row_zero`, `kernel_us` (one figure per `--k_splits` value: how many
+programs share a row's walk over the cache; the model uses `model_k_splits`,
+`decode_attention.K_SPLITS`) and `baseline_us` (each the median of `--repeats` timed
+calls after a compiling one), `baseline_attention`, and the mean visible length.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -29,7 +33,7 @@ import numpy as np
 from tba_jax import cli
 from tba_jax.models import preset, transformer
 from tba_jax.models.config import ATTENTIONS
-from tba_jax.models.decode_attention import decode_attention
+from tba_jax.models.decode_attention import K_SPLITS, decode_attention
 
 
 def random_inputs(args, cfg, cache_len: int, rng: np.random.Generator):
@@ -91,15 +95,19 @@ def main() -> None:
     parser.add_argument("--cache_lens", default="512,300", help="comma-separated slots")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--attention", default="einsum", choices=ATTENTIONS)
+    parser.add_argument("--k_splits", default="1,2,4,8", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
         cache_lens = [int(item) for item in args.cache_lens.split(",")]
+        k_splits = [int(item) for item in args.k_splits.split(",")]
         # the preset's heads; its vocabulary plays no part here
         cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, attention=args.attention)
-        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1:
-            raise ValueError("--batch must be >= 2, --repeats >= 1 and every cache length >= 1.")
+        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1 or min(k_splits) < 1:
+            raise ValueError(
+                "--batch must be >= 2, --repeats >= 1, and every cache length and k_splits >= 1."
+            )
         if args.attention == "cudnn" and jax.default_backend() != "gpu":
             raise ValueError(
                 f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
@@ -108,12 +116,13 @@ def main() -> None:
     except ValueError as error:
         cli.exit_with_error(str(error))
     rng = np.random.default_rng(args.seed)
-    kernel = jax.jit(decode_attention)
+    kernels = {n: jax.jit(functools.partial(decode_attention, k_splits=n)) for n in k_splits}
     baseline = baseline_fn(cfg)
     for cache_len in cache_lens:
         q, k, v, visible = random_inputs(args, cfg, cache_len, rng)
         inputs = (q, k, v, jnp.asarray(visible))
-        out = np.asarray(kernel(*inputs).astype(jnp.float32))
+        expected = reference(q, k, v, visible)
+        outs = [np.asarray(kernel(*inputs).astype(jnp.float32)) for kernel in kernels.values()]
         line = {
             "bench": "decode_attention_kernel",
             "backend": jax.default_backend(),
@@ -122,9 +131,13 @@ def main() -> None:
             "cache_len": cache_len,
             "mean_visible_len": round(float(visible.sum(axis=1).mean()), 1),
             "dtype": args.dtype,
-            "max_abs_error": float(np.abs(out - reference(q, k, v, visible)).max()),
-            "empty_row_zero": bool((out[-1] == 0).all()),
-            "kernel_us": round(median_us(kernel, inputs, args.repeats), 1),
+            "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
+            "empty_row_zero": all(bool((out[-1] == 0).all()) for out in outs),
+            "kernel_us": {
+                str(n): round(median_us(kernel, inputs, args.repeats), 1)
+                for n, kernel in kernels.items()
+            },
+            "model_k_splits": K_SPLITS,
             "baseline_attention": args.attention,
             "baseline_us": round(median_us(baseline, inputs, args.repeats), 1),
         }

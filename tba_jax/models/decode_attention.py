@@ -34,6 +34,10 @@ MIN_BLOCK_K = 16
 QK_DIMS = (((1,), (1,)), ((), ()))  # [tile, hd] · [block_k, hd] over hd
 # Triton's launch settings for the kernel (the library kernel's defaults).
 NUM_WARPS, NUM_STAGES = 4, 2
+# Programs a row's walk over the cache is split between (each KV head's); > 1 adds a
+# combining step outside the kernel. `benchmarks/decode_attention_kernel.py --k_splits`
+# times the choices.
+K_SPLITS = 1
 
 
 def block_k_for(cache_len: int) -> int:
@@ -49,18 +53,32 @@ def block_k_for(cache_len: int) -> int:
 
 
 def _kernel(
-    q_ref, k_ref, v_ref, visible_ref, length_ref, o_ref, *, groups: int, block_k: int, scale: float
+    q_ref,
+    k_ref,
+    v_ref,
+    visible_ref,
+    length_ref,
+    o_ref,
+    *split_refs,
+    groups: int,
+    block_k: int,
+    blocks_per_split: int,
+    scale: float,
 ):
-    """One (row, KV head): q_ref, o_ref [QUERY_TILE, hd] blocks over the head's `groups`
-    query heads (the rows past them masked: zeros in, nothing written out); k_ref, v_ref
-    [S_kv, hd]; visible_ref [S_kv] int32 (1: the query sees the slot); length_ref [1]
-    int32 (the last visible slot + 1)."""
+    """One (row, KV head, split of the cache): q_ref, o_ref [QUERY_TILE, hd] blocks over
+    the head's `groups` query heads (the rows past them masked: zeros in, nothing written
+    out); k_ref, v_ref [S_kv, hd]; visible_ref [S_kv] int32 (1: the query sees the slot);
+    length_ref [1] int32 (the last visible slot + 1). The program reads blocks
+    split × blocks_per_split onwards. Without `split_refs` it is the whole walk and writes
+    the normalised output; with them (max_ref, sum_ref: [QUERY_TILE]) it writes its
+    unnormalised sum of values and the softmax's running max and sum, for `_combine`."""
     tile_rows = pl.ds(0, QUERY_TILE)
     rows_kept = (jnp.arange(QUERY_TILE) < groups)[:, None]
     q = plgpu.load(q_ref.at[tile_rows, :], mask=rows_kept, other=0.0)
     head_dim = q.shape[-1]
     cache_len = k_ref.shape[0]
-    num_blocks = pl.cdiv(length_ref[0], block_k)
+    first_block = pl.program_id(2) * blocks_per_split
+    end_block = jnp.minimum(first_block + blocks_per_split, pl.cdiv(length_ref[0], block_k))
 
     def body(block, carry):
         out, row_max, row_sum = carry
@@ -92,14 +110,40 @@ def _kernel(
         jnp.full((tile,), -jnp.inf, jnp.float32),
         jnp.zeros((tile,), jnp.float32),
     )
-    out, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
-    # a query that sees no slot (a padded prompt's row) gets zeros, as the fused kernels
-    out = jnp.where(row_sum[:, None] > 0, out / jnp.maximum(row_sum, 1e-30)[:, None], 0.0)
+    out, row_max, row_sum = jax.lax.fori_loop(first_block, end_block, body, init)
+    if split_refs:
+        max_ref, sum_ref = split_refs
+        plgpu.store(max_ref.at[tile_rows], row_max, mask=rows_kept[:, 0])
+        plgpu.store(sum_ref.at[tile_rows], row_sum, mask=rows_kept[:, 0])
+    else:
+        out = _normalised(out, row_sum)
     plgpu.store(o_ref.at[tile_rows, :], out.astype(o_ref.dtype), mask=rows_kept)
 
 
+def _normalised(out: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """out [..., hd] over its softmax sum [...]; zeros where the query saw no slot (a
+    padded prompt's row), as the fused kernels give."""
+    return jnp.where(row_sum[..., None] > 0, out / jnp.maximum(row_sum, 1e-30)[..., None], 0.0)
+
+
+def _combine(out: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """The splits' partial results, out [..., splits, G, hd] and their softmax's max and
+    sum [..., splits, G], as one attention output [..., G, hd] (float32). A split that
+    saw no slot has a max of -inf and weighs nothing."""
+    top = row_max.max(axis=-2, keepdims=True)
+    weight = jnp.exp(row_max - jnp.where(top == -jnp.inf, 0.0, top))
+    total = (weight * row_sum).sum(axis=-2)
+    return _normalised((weight[..., None] * out).sum(axis=-3), total)
+
+
 def decode_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, interpret: bool | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    visible: jax.Array,
+    *,
+    k_splits: int = K_SPLITS,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Attention of one query slot per row over a KV cache.
 
@@ -107,7 +151,8 @@ def decode_attention(
     query heads per KV head); visible: [B, S_kv] bool, the slots each row's query sees
     (causal and not padding). Scores and softmax in float32, the weights cast to the
     queries' dtype for their matmul with the values (as `transformer.einsum_attention`).
-    Returns [B, H, hd] in q's dtype, zero for a row that sees no slot. `interpret`: None runs
+    Returns [B, H, hd] in q's dtype, zero for a row that sees no slot. `k_splits`: how many
+    programs share a row's walk over the cache (at most one per block). `interpret`: None runs
     the Triton kernel where the program is lowered for a CUDA GPU and Pallas' interpreter
     elsewhere (chosen as the program is lowered, so a GPU program compiled on a machine
     without one gets the kernel), and the interpreter for a cache shorter than
@@ -117,14 +162,14 @@ def decode_attention(
     if interpret is None and k.shape[1] < MIN_BLOCK_K:
         interpret = True
     if interpret is None:
-        run = functools.partial(_decode_attention, interpret=True)
-        on_gpu = functools.partial(_decode_attention, interpret=False)
+        run = functools.partial(_decode_attention, k_splits=k_splits, interpret=True)
+        on_gpu = functools.partial(_decode_attention, k_splits=k_splits, interpret=False)
         return jax.lax.platform_dependent(q, k, v, visible, cuda=on_gpu, default=run)
-    return _decode_attention(q, k, v, visible, interpret=interpret)
+    return _decode_attention(q, k, v, visible, k_splits=k_splits, interpret=interpret)
 
 
 def _decode_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, interpret: bool
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, k_splits: int, interpret: bool
 ) -> jax.Array:
     """`decode_attention` with Pallas' interpreter or not."""
     batch, num_heads, head_dim = q.shape
@@ -135,32 +180,57 @@ def _decode_attention(
             f"decode attention 'pallas' takes up to {QUERY_TILE} query heads per KV head; "
             f"this model has {num_heads} query and {kv_heads} KV heads."
         )
+    if k_splits < 1:
+        raise ValueError(f"k_splits={k_splits} must be at least 1.")
     block_k = block_k_for(cache_len)
+    blocks = -(-cache_len // block_k)
+    blocks_per_split = -(-blocks // k_splits)
+    splits = -(-blocks // blocks_per_split)  # no split left without a block
     q_groups = q.reshape(batch, kv_heads, groups, head_dim)  # each KV head's query heads
     slots = jnp.arange(cache_len)
     length = jnp.max(jnp.where(visible, slots[None, :] + 1, 0), axis=1).astype(jnp.int32)
     kernel = functools.partial(
-        _kernel, groups=groups, block_k=block_k, scale=1.0 / math.sqrt(head_dim)
+        _kernel,
+        groups=groups,
+        block_k=block_k,
+        blocks_per_split=blocks_per_split,
+        scale=1.0 / math.sqrt(head_dim),
     )
-    cache_spec = pl.BlockSpec((None, cache_len, None, head_dim), lambda b, h: (b, 0, h, 0))
-    tile_spec = pl.BlockSpec((None, None, QUERY_TILE, head_dim), lambda b, h: (b, h, 0, 0))
+    cache_spec = pl.BlockSpec((None, cache_len, None, head_dim), lambda b, h, s: (b, 0, h, 0))
+    tile = (QUERY_TILE, head_dim)
+    q_spec = pl.BlockSpec((None, None, *tile), lambda b, h, s: (b, h, 0, 0))
+    if splits == 1:
+        out_specs = q_spec
+        out_shape = jax.ShapeDtypeStruct(q_groups.shape, q.dtype)
+    else:  # per split: the unnormalised output, the softmax's max and sum
+        grouped = (batch, kv_heads, splits, groups)
+        out_specs = [
+            pl.BlockSpec((None, None, None, *tile), lambda b, h, s: (b, h, s, 0, 0)),
+            *[pl.BlockSpec((None, None, None, QUERY_TILE), lambda b, h, s: (b, h, s, 0))] * 2,
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((*grouped, head_dim), jnp.float32),
+            *[jax.ShapeDtypeStruct(grouped, jnp.float32)] * 2,
+        ]
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     out = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads),
+        grid=(batch, kv_heads, splits),
         in_specs=[
-            tile_spec,
+            q_spec,
             cache_spec,
             cache_spec,
-            pl.BlockSpec((None, cache_len), lambda b, h: (b, 0)),
-            pl.BlockSpec((None, 1), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, cache_len), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
         ],
-        out_specs=tile_spec,
-        out_shape=jax.ShapeDtypeStruct(q_groups.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         name="decode_attention",
         **extra,
     )(q_groups, k, v, visible.astype(jnp.int32), length[:, None])
+    if splits > 1:
+        out = _combine(*out).astype(q.dtype)
     return out.reshape(batch, num_heads, head_dim)
