@@ -62,6 +62,10 @@ what scoring is left bounds
 the speed-up where the device cannot run it alongside decoding, as on a CPU, whose cores
 do both.
 
+`--attention` and `--decode_attention` set the model's kernels for both paths (e.g.
+`--attention=cudnn --decode_attention=pallas` on a GPU: the Pallas kernel stops at each
+slot's last visible cache slot, where cuDNN's reads the whole cache).
+
 The last stdout line is JSON: {"benchmark": "engine_speed", "mixes": {mix: {"batch": {...},
 "fused": {...}, "fused_over_batch", ...}}, then the settings and the device}. Run it on a
 quiet machine: every figure is a wall-clock time.
@@ -85,6 +89,7 @@ from tba_jax import cli
 from tba_jax.fused import FusedSearchWorker
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models import PRESETS, init_model, preset
+from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS
 from tba_jax.models.tokenizers import PRINTABLE_ASCII, CharTokenizer
 from tba_jax.runtime import SearchWorker
 from tba_jax.sampling.engine import EngineConfig, EngineCounters, SlotEngine
@@ -129,6 +134,10 @@ _PARAM_DTYPE = flags.DEFINE_enum(
     ["float32", "bfloat16"],
     "The params' dtype (unset: --dtype); float32 with bfloat16 compute is what a run's "
     "searchers and π_ref hold.",
+)
+_ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention", "same", list(DECODE_ATTENTIONS), "model.decode_attention."
 )
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
@@ -196,6 +205,8 @@ class Settings:
     preset: str
     dtype: str
     param_dtype: str | None
+    attention: str
+    decode_attention: str
     max_prompt_len: int
     max_new_tokens: int
     width: int
@@ -232,6 +243,8 @@ def read_settings() -> Settings:
             "preset",
             "dtype",
             "param_dtype",
+            "attention",
+            "decode_attention",
             "max_prompt_len",
             "max_new_tokens",
             "width",
@@ -276,7 +289,33 @@ def read_settings() -> Settings:
     if settings.score_rows < 1:
         raise cli.UsageError(f"--score_rows={settings.score_rows} must be >= 1.")
     engine_config(settings)  # its flags checked before any work
+    model_config(settings, vocab_size=2)
+    if settings.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise cli.UsageError(
+            f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
+            f"{jax.default_backend()}; pass another --attention (dot_product, einsum)."
+        )
     return settings
+
+
+def model_config(settings: Settings, vocab_size: int):
+    """The preset's config with the flags' dtypes and attention kernels; UsageError for a
+    combination the model refuses (cuDNN's attention in float32)."""
+    if settings.preset not in PRESETS:
+        raise cli.UsageError(f"--preset={settings.preset}: choose one of {sorted(PRESETS)}.")
+    sequence = settings.max_prompt_len + settings.max_new_tokens
+    try:
+        return preset(
+            settings.preset,
+            dtype=settings.dtype,
+            param_dtype=settings.param_dtype or settings.dtype,
+            attention=settings.attention,
+            decode_attention=settings.decode_attention,
+            vocab_size=vocab_size,
+            max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
+        )
+    except ValueError as error:
+        raise cli.UsageError(str(error)) from error
 
 
 def engine_config(settings: Settings) -> EngineConfig:
@@ -357,16 +396,7 @@ class Paths:
 
 def build_paths(settings: Settings) -> Paths:
     tokenizer = CharTokenizer.for_text()
-    if settings.preset not in PRESETS:
-        raise cli.UsageError(f"--preset={settings.preset}: choose one of {sorted(PRESETS)}.")
-    sequence = settings.max_prompt_len + settings.max_new_tokens
-    config = preset(
-        settings.preset,
-        dtype=settings.dtype,
-        param_dtype=settings.param_dtype or settings.dtype,
-        vocab_size=tokenizer.vocab_size,
-        max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
-    )
+    config = model_config(settings, tokenizer.vocab_size)
     model, params = init_model(config, settings.seed)
     sampling = SamplingConfig(max_new_tokens=settings.max_new_tokens)
     ids = dict(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)

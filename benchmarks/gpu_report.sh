@@ -7,7 +7,9 @@
 #                                                # generate (PEER: a copy of
 #                                                # ../shared/bench/hf_generate_baseline.py)
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
-#   bash benchmarks/gpu_report.sh engine         # batch-then-score vs the slot engine
+#   bash benchmarks/gpu_report.sh engine [FLAGS] # batch-then-score vs the slot engine (FLAGS:
+#                                                # more engine_speed.py flags, e.g.
+#                                                # --attention=cudnn --decode_attention=pallas)
 #   bash benchmarks/gpu_report.sh reward_model   # reward-model steps: time, MFU, peak memory
 #   bash benchmarks/gpu_report.sh smoke_tldr     # the paper-scale smoke runs, one a part
 #   bash benchmarks/gpu_report.sh smoke_gsm8k GSM8K  # (GSM8K: a folder with GSM8K's
@@ -18,7 +20,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="decode PEER | learner | engine | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR"
+PARTS="decode PEER | learner | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -79,7 +81,7 @@ case "$part" in
     limit=${REPORT_TIMEOUT:-560}
     run python3 benchmarks/engine_speed.py --preset=rho-1b --dtype=bfloat16 \
       --max_prompt_len=256 --max_new_tokens=512 --width=72 --samples_per_prompt=24 \
-      --prompts=18 --repeats=2 --eos_bias=-0.5
+      --prompts=18 --repeats=2 --eos_bias=-0.5 "${@:2}"
     ;;
   reward_model)
     # the README's "Reward models on one GPU" plans, run: 64 pairs of 512 + 54 tokens (TL;DR),
