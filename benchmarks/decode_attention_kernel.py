@@ -108,12 +108,11 @@ def main() -> None:
             raise ValueError(
                 "--batch must be >= 2, --repeats >= 1, and every cache length and k_splits >= 1."
             )
-        if args.attention == "cudnn" and jax.default_backend() != "gpu":
-            raise ValueError(
-                f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
-                f"{jax.default_backend()}; pass --attention=einsum or dot_product."
+        if args.attention == "cudnn":
+            cli.check_cudnn_backend(
+                "--attention=cudnn", "pass another --attention (dot_product, einsum)."
             )
-    except ValueError as error:
+    except (ValueError, cli.UsageError) as error:
         cli.exit_with_error(str(error))
     rng = np.random.default_rng(args.seed)
     kernels = {n: jax.jit(functools.partial(decode_attention, k_splits=n)) for n in k_splits}

@@ -290,10 +290,9 @@ def read_settings() -> Settings:
         raise cli.UsageError(f"--score_rows={settings.score_rows} must be >= 1.")
     engine_config(settings)  # its flags checked before any work
     model_config(settings, vocab_size=2)
-    if settings.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise cli.UsageError(
-            f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
-            f"{jax.default_backend()}; pass another --attention (dot_product, einsum)."
+    if settings.attention == "cudnn":
+        cli.check_cudnn_backend(
+            "--attention=cudnn", "pass another --attention (dot_product, einsum)."
         )
     return settings
 

@@ -286,10 +286,9 @@ def checked_skip(args) -> set[str]:
         )
     except ValueError as error:
         raise cli.UsageError(str(error)) from error
-    if args.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise cli.UsageError(
-            f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
-            f"{jax.default_backend()}; pass another --attention (dot_product, einsum)."
+    if args.attention == "cudnn":
+        cli.check_cudnn_backend(
+            "--attention=cudnn", "pass another --attention (dot_product, einsum)."
         )
     return skip
 

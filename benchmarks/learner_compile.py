@@ -157,12 +157,7 @@ def check_attentions(sweeps: list[str], dtype: str) -> None:
             f"--attentions=cudnn needs a half-precision --dtype (cuDNN's attention takes "
             f"{list(HALF_DTYPES)}), got --dtype={dtype}; pass --dtype=bfloat16."
         )
-    backend = jax.default_backend()
-    if backend != "gpu":
-        raise cli.UsageError(
-            f"--attentions=cudnn needs a GPU with cuDNN, and JAX's platform here is {backend}; "
-            "leave cudnn out of --attentions."
-        )
+    cli.check_cudnn_backend("--attentions=cudnn", "leave cudnn out of --attentions.")
 
 
 def model_config(shapes: Shapes, num_layers: int, vocab_size: int, **execution) -> ModelConfig:

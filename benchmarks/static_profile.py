@@ -160,12 +160,9 @@ def check_model() -> None:
     except ValueError as error:
         raise cli.UsageError(str(error)) from error
     if _ATTENTION.value == "cudnn" and _TARGET.value == "local":
-        backend = jax.default_backend()
-        if backend != "gpu":
-            raise cli.UsageError(
-                f"--attention=cudnn needs a GPU with cuDNN, and JAX's platform here is "
-                f"{backend}; pass --target=h100 to compile for one, or another --attention."
-            )
+        cli.check_cudnn_backend(
+            "--attention=cudnn", "pass --target=h100 to compile for one, or another --attention."
+        )
 
 
 def lowering_platforms() -> tuple[str, ...] | None:

@@ -180,6 +180,16 @@ def override_hint(error: flags.Error) -> str:
     return ""
 
 
+def check_cudnn_backend(flag: str, instead: str) -> None:
+    """UsageError where JAX's platform here is no GPU, for a benchmark's `flag` (e.g.
+    "--attention=cudnn") that asks for cuDNN's attention; `instead` says what to pass."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise UsageError(
+            f"{flag} needs a GPU with cuDNN, and JAX's platform here is {backend}; {instead}"
+        )
+
+
 def check_preset_flags(shape: str, vocab: int | None) -> None:
     """UsageError for a benchmark's `--shape` that is no model preset, or a preset without
     a vocabulary size given no `--vocab`."""
