@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in six parts that each fit a 10-minute command:
+# in seven parts that each fit a 10-minute command:
 #
-#   bash benchmarks/gpu_report.sh decode  PEER   # decode at 3 shapes (einsum, cudnn, the Pallas
-#                                                # decode kernel) beside transformers'
-#                                                # generate (PEER: a copy of
-#                                                # ../shared/bench/hf_generate_baseline.py)
+#   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone,
+#                                                # then decode at 3 shapes (cudnn, the kernel)
+#                                                # beside transformers' generate (PEER: a copy
+#                                                # of ../shared/bench/hf_generate_baseline.py)
+#   bash benchmarks/gpu_report.sh decode_more    # decode with einsum attention, on float32
+#                                                # params, and with cuBLAS's matmuls
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
 #   bash benchmarks/gpu_report.sh engine [FLAGS] # batch-then-score vs the slot engine (FLAGS:
 #                                                # more engine_speed.py flags, e.g.
 #                                                # --attention=cudnn --decode_attention=pallas)
 #   bash benchmarks/gpu_report.sh reward_model   # reward-model steps: time, MFU, peak memory
 #   bash benchmarks/gpu_report.sh smoke_tldr     # the paper-scale smoke runs, one a part
-#   bash benchmarks/gpu_report.sh smoke_gsm8k GSM8K  # (GSM8K: a folder with GSM8K's
-#                                                # train.jsonl and test.jsonl)
+#   bash benchmarks/gpu_report.sh smoke_gsm8k GSM8K [SET]  # (GSM8K: a folder with GSM8K's
+#                                                # train.jsonl and test.jsonl; SET: more
+#                                                # overrides for paper_smoke.py's --set, e.g.
+#                                                # search.engine=slots)
 #
 # Each line of benchmarks/gpu_throughput.py, the peer and benchmarks/paper_smoke.py is
 # printed as it comes; "=== ..." lines name the command before them. Library chatter is
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="decode PEER | learner | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR"
+PARTS="decode PEER | decode_more | learner | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -33,7 +37,7 @@ limit=${REPORT_TIMEOUT:-240}
 G="python3 benchmarks/gpu_throughput.py"
 
 run() {
-  echo "=== $*"
+  echo "=== ${XLA_FLAGS:+XLA_FLAGS=$XLA_FLAGS }$*"
   timeout "$limit" "$@" 2>&1 | grep -v '^WARNING\|^I0000\|^W0000\|^[IW][0-9]\{4\} '
 }
 
@@ -46,14 +50,25 @@ case "$part" in
     for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
       set -- $shape
       run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256
-      run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn \
         --decode_attention=pallas
     done
+    ;;
+  decode_more)
+    for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
+      set -- $shape
+      run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train
+    done
     # as a run's searchers decode: the learner's float32 params, cast once per call
     run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=score,train \
       --attention=cudnn --param_dtype=float32
+    # the 256-row projections as XLA's Triton matmuls (the default), then as cuBLAS's: they
+    # take about half a step's kernel time, each ~4x what its bytes need (README's profile)
+    for xla_flags in "" "--xla_gpu_enable_triton_gemm=false"; do
+      XLA_FLAGS=$xla_flags run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 \
+        --skip=score,train --attention=cudnn --decode_attention=pallas
+    done
     ;;
   learner)
     run $G --shape=qwen2.5-0.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn --profile=12
@@ -103,7 +118,7 @@ case "$part" in
       [ $# -ge 2 ] || usage "smoke_gsm8k needs a GSM8K folder (GSM8K_DIR)"
       gsm8k=$2
       run python3 benchmarks/paper_smoke.py --run=gsm8k_rho1b --gsm8k_dir="$gsm8k" --steps=4 \
-        --timeout=$((limit - 10))
+        --timeout=$((limit - 10)) --set="${3:-}"
     fi
     ;;
   *)
