@@ -473,8 +473,18 @@ def hf_folders(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[st
 
 def check_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
     """ConfigError for model.attention=cudnn without a half-precision compute dtype (the
-    cuDNN kernel takes bfloat16 or float16 only) or off a GPU (`backend`: JAX's platform,
-    default this process's)."""
+    cuDNN kernel takes bfloat16 or float16 only) or off a GPU, and for
+    model.decode_attention=pallas off a GPU, where the kernel has no Triton to lower to and
+    would run in Pallas' interpreter, far slower than the step it replaces (`backend`: JAX's
+    platform, default this process's)."""
+    if config.model.get("decode_attention") == "pallas":
+        backend = backend or jax.default_backend()
+        if backend != "gpu":
+            raise ConfigError(
+                "model.decode_attention=pallas is a Triton kernel for a GPU, and this run's "
+                f"JAX platform is {backend}, where it would run in Pallas' interpreter, many "
+                "times slower; use model.decode_attention=same here."
+            )
     if config.model.get("attention") != "cudnn":
         return
     dtype = config.model.get("dtype") or "float32"

@@ -14,7 +14,8 @@ training loop:
   `reading_checkpointer(config, workdir)` checking it;
 - `checkpoint_template(...)`: the abstract pytree a checkpoint restores into;
 - `restore_run(config, workdir, step)`: the trained policy and π_ref on one device (or a
-  given mesh);
+  given mesh), computing with the run's execution knobs as this platform runs them
+  (`runnable_execution_fields`);
 - `read_checkpoint(workdir, step, read)`: any read of a checkpoint, tried again while a
   run in progress saves and removes checkpoints around it.
 """
@@ -190,6 +191,36 @@ def execution_fields(config: ml_collections.ConfigDict) -> dict:
     They are not part of a checkpoint's identity (`ModelConfig.to_dict`), so a model
     rebuilt from `stored_model_config` computes as its run did only with these applied."""
     return {key: config.model[key] for key in EXECUTION_KEYS if key in config.model}
+
+
+# Execution knobs only a GPU runs, and what computes the same attention elsewhere.
+GPU_ONLY_EXECUTION = {("attention", "cudnn"): "dot_product", ("decode_attention", "pallas"): "same"}
+
+
+def runnable_execution_fields(
+    config: ml_collections.ConfigDict, backend: str | None = None
+) -> dict:
+    """`execution_fields` for reading a run on this process's platform (`backend`, default
+    JAX's): a GPU-only kernel (cuDNN's attention, the Pallas decode kernel) becomes the
+    kernel that computes the same attention here, with a warning, so a GPU run's checkpoint
+    is evaluated, exported or viewed on any machine."""
+    fields = execution_fields(config)
+    backend = backend or jax.default_backend()
+    if backend == "gpu":
+        return fields
+    for (key, gpu_only), instead in GPU_ONLY_EXECUTION.items():
+        if fields.get(key) == gpu_only:
+            fields[key] = instead
+            logging.warning(
+                "The run set model.%s=%s, which needs a GPU; reading it on %s with "
+                "model.%s=%s (the same attention, another kernel).",
+                key,
+                gpu_only,
+                backend,
+                key,
+                instead,
+            )
+    return fields
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -555,7 +586,11 @@ def restore_step(
 ) -> RestoredRun:
     """`restore_run` of the saved `step`, read once: CheckpointUnreadableError (one line,
     naming the other saved steps) when any part of it does not restore."""
-    model_cfg = stored_model_config(workdir)
+    # the run's execution knobs (attention kernel, remat, chunked log-probs, ...), which
+    # the checkpoint's identity leaves out, as this platform runs them
+    model_cfg = dataclasses.replace(
+        stored_model_config(workdir), **runnable_execution_fields(config)
+    )
     if mesh is None:
         mesh, rules = mesh_lib.make_mesh(jax.devices()[:1], {}), ()
     with reading_checkpointer(config, workdir) as checkpointer:

@@ -138,6 +138,7 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("method=ppo,loss.ppo.minibatches=128", 4, r"does not divide over the learner"),
         ("replay.capacity=10", 1, r"replay\.capacity=10 is smaller than replay\.capacity_per"),
         ("model.attention=cudnn,model.dtype=bfloat16", 1, r"cudnn needs a GPU with cuDNN"),
+        ("model.decode_attention=pallas", 1, r"decode_attention=pallas is a Triton kernel"),
         ("search.max_samples_per_draw=-1.0", 1, r"max_samples_per_draw=-1\.0 must be"),
         (
             "search.max_samples_per_draw=1.0,distributed.topology=roles_by_process",

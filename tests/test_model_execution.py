@@ -490,6 +490,12 @@ def test_the_config_checks_the_knobs():
     config_lib.check_attention(config, backend="gpu")
     with pytest.raises(config_lib.ConfigError, match=r"cudnn needs a GPU with cuDNN.*is cpu"):
         config_lib.check_attention(config, backend="cpu")
+    config.model.decode_attention = "pallas"
+    config_lib.check_attention(config, backend="gpu")
+    for backend in ("cpu", "tpu"):
+        refused = rf"decode_attention=pallas .*is {backend}"
+        with pytest.raises(config_lib.ConfigError, match=refused):
+            config_lib.check_attention(config, backend=backend)
     config.model.remat = "everything"
     with pytest.raises(config_lib.ConfigError, match="remat"):
         config_lib.check_ranges(config, config_lib.RANGES)

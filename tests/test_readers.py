@@ -240,6 +240,30 @@ def test_a_checkpoint_without_its_metadata_file_is_unreadable_naming_the_others(
     runs.restore_run(runs.load_config(run_copy), run_copy, 2)  # the other step restores
 
 
+# ---------------------------------------------------------------- the run's execution knobs
+
+
+def test_a_restored_policy_computes_with_its_runs_execution_knobs(finished_run):
+    """The checkpoint's identity leaves the execution knobs out; `restore_run` (evaluate.py,
+    RunView, restore_policy) takes them from the run's config."""
+    config = runs.load_config(finished_run)
+    config.model.attention, config.model.logprob_chunk = "dot_product", 4
+    model_cfg = runs.restore_run(config, finished_run).model.config
+    assert (model_cfg.attention, model_cfg.logprob_chunk) == ("dot_product", 4)
+
+
+def test_a_gpu_runs_kernels_are_read_elsewhere_as_the_same_attention(finished_run, caplog):
+    config = runs.load_config(finished_run)
+    config.model.attention, config.model.decode_attention = "cudnn", "pallas"
+    gpu = runs.runnable_execution_fields(config, backend="gpu")
+    assert (gpu["attention"], gpu["decode_attention"]) == ("cudnn", "pallas")
+    with caplog.at_level("WARNING"):
+        model_cfg = runs.restore_run(config, finished_run).model.config
+    assert (model_cfg.attention, model_cfg.decode_attention) == ("dot_product", "same")
+    assert "model.attention=cudnn, which needs a GPU; reading it on cpu" in caplog.text
+    assert "model.decode_attention=pallas, which needs a GPU" in caplog.text
+
+
 # ---------------------------------------------------------------- a run stopped in its warm start
 
 
