@@ -446,6 +446,7 @@ def validate(
     check_engine(config)
     check_length_buckets(config)
     check_attention(config)
+    check_role_attention(config)
     replay = config.replay
     if config.mode == "async" and replay.capacity < replay.capacity_per_prompt:
         raise ConfigError(
@@ -499,6 +500,40 @@ def check_attention(config: ml_collections.ConfigDict, backend: str | None = Non
             f"model.attention=cudnn needs a GPU with cuDNN, and this run's JAX platform is "
             f"{backend}; use model.attention=dot_product here."
         )
+
+
+def role_attentions(task: Mapping[str, Any], prefix: str = "task.") -> Iterator[tuple[str, Any]]:
+    """(dotted key, section) of every frozen role section under a config's `task` (a
+    reward model, victim or judge: the sections with an `attention` key)."""
+    for key, value in task.items():
+        if isinstance(value, Mapping):
+            if "attention" in value:
+                yield f"{prefix}{key}", value
+            else:
+                yield from role_attentions(value, f"{prefix}{key}.")
+
+
+def check_role_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
+    """ConfigError for a role's `attention` that is no kernel, or `cudnn` without a
+    half-precision dtype or off a GPU (`backend`: JAX's platform, default this process's)."""
+    task = config.get("task")
+    for key, role in role_attentions(task.to_dict() if task is not None else {}):
+        attention = role["attention"]
+        if attention not in ATTENTIONS:
+            raise ConfigError(f"{key}.attention={attention!r} must be one of {list(ATTENTIONS)}.")
+        if attention != "cudnn":
+            continue
+        if role.get("dtype") not in HALF_DTYPES:
+            raise ConfigError(
+                f"{key}.attention=cudnn needs {key}.dtype in {list(HALF_DTYPES)}, got "
+                f"{role.get('dtype')!r}; use {key}.attention=dot_product for float32."
+            )
+        backend = backend or jax.default_backend()
+        if backend != "gpu":
+            raise ConfigError(
+                f"{key}.attention=cudnn needs a GPU with cuDNN, and this run's JAX platform "
+                f"is {backend}; use {key}.attention=dot_product here."
+            )
 
 
 def check_score_chunks(config: ml_collections.ConfigDict) -> None:

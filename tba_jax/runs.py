@@ -365,10 +365,11 @@ def critic_start_params(config: ml_collections.ConfigDict, tokenizer) -> Params 
     critic starts from the policy."""
     if not starts_from_reward_model(config):
         return None
-    from tba_jax.models.frozen import load_frozen_model
+    from tba_jax.models.frozen import DEFAULT_ATTENTION, load_frozen_model
 
     role = config.task.reward_model.copy_and_resolve_references()
     role.dtype = config.model.param_dtype  # the critic trains in the policy's param dtype
+    role.attention = DEFAULT_ATTENTION  # only its weights are read
     frozen = load_frozen_model(
         role,
         role_name="task.reward_model",

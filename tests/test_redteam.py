@@ -281,6 +281,14 @@ def test_roberta_classifier_judge_reads_the_response_as_lee_et_al(roberta_folder
         logits = model(**inputs).logits.double().numpy()
     expected = logits[:, 1] - np.log(np.exp(logits).sum(axis=1))
     np.testing.assert_allclose(judge.toxic_logprob(attacks, responses), expected, atol=1e-5)
+    # its encoder has its own attention: a kernel set for the judge is refused
+    section.attention = "dot_product"
+    victim = redteam.victim_role_config(
+        template=VICTIM_TEMPLATE, num_responses=1, max_prompt_len=8, max_new_tokens=4,
+        temperature=1.0, top_p=1.0, batch_size=4,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"judge\.attention='dot_product', but .* encoder"):
+        redteam.check_roles(victim, section)
 
 
 # --------------------------------------------------------------------------------- victim

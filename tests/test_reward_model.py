@@ -6,7 +6,7 @@ import pytest
 from support import save_tiny_llama_folder
 
 from tba_jax.models import init_model, preset
-from tba_jax.models.frozen import FrozenModel, load_frozen_model
+from tba_jax.models.frozen import FrozenModel, load_frozen_model, role_attention
 from tba_jax.models.tokenizers import CharTokenizer
 from tba_jax.rewards.reward_model import (
     RewardModel,
@@ -139,10 +139,12 @@ def transformers_scores(folder: str, prompts, responses, max_len: int) -> np.nda
     return np.asarray(scores)
 
 
-@pytest.mark.parametrize("max_len", [256, 24])  # 24: most prompts lose their start
-def test_scores_equal_transformers_on_the_same_texts(neox_reward_folder, max_len):
+@pytest.mark.parametrize(
+    "max_len, attention", [(256, "einsum"), (24, "einsum"), (256, "dot_product")]
+)  # 24: most prompts lose their start
+def test_scores_equal_transformers_on_the_same_texts(neox_reward_folder, max_len, attention):
     role = reward_model_role_config()
-    role.hf_path = neox_reward_folder
+    role.hf_path, role.attention = neox_reward_folder, attention
     frozen = load_frozen_model(
         role,
         role_name="reward_model",
@@ -150,6 +152,7 @@ def test_scores_equal_transformers_on_the_same_texts(neox_reward_folder, max_len
         max_seq_len=max_len,
         head="score",
     )
+    assert frozen.model.config.attention == attention
     # Batches of 2 over 5 pairs (the last one filled up), buckets 16, 32, ... up to max_len.
     reward_model = RewardModel(frozen, batch_size=2, max_len=max_len, min_bucket_len=16)
     ours = reward_model.scores(PROMPTS, RESPONSES)
@@ -160,6 +163,22 @@ def test_scores_equal_transformers_on_the_same_texts(neox_reward_folder, max_len
     # The Task.rewards contract: examples carry the prompts.
     examples = [{"id": i, "prompt": prompt} for i, prompt in enumerate(PROMPTS)]
     np.testing.assert_array_equal(reward_model(examples, RESPONSES), ours)
+
+
+def test_a_roles_gpu_only_kernel_is_read_elsewhere_as_the_same_attention(caplog):
+    role = reward_model_role_config(preset_name="micro", dtype="bfloat16")
+    role.attention = "cudnn"
+    assert role_attention(role, "task.reward_model", backend="gpu") == "cudnn"
+    with caplog.at_level("WARNING"):
+        frozen = load_frozen_model(
+            role,
+            role_name="task.reward_model",
+            fallback_tokenizer=CharTokenizer.for_text(),
+            max_seq_len=32,
+            head="score",
+        )
+    assert frozen.model.config.attention == "dot_product"
+    assert "task.reward_model.attention=cudnn needs a GPU" in caplog.text
 
 
 def test_from_config_builds_a_random_stand_in_with_the_policy_tokenizer():

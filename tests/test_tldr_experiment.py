@@ -88,6 +88,20 @@ def test_paper_config_validates_on_one_host(num_devices):
     validate(get_config(), num_devices=num_devices)
 
 
+@pytest.mark.parametrize(
+    "variant, refused",
+    [
+        ("task.reward_model.attention=flash", r"reward_model\.attention='flash' must be one of"),
+        ("task.gold_reward_model.attention=cudnn", r"gold_reward_model\.dtype in \["),
+        ("task.reward_model.attention=cudnn", r"reward_model\.attention=cudnn needs a GPU"),
+    ],
+)
+def test_a_roles_attention_kernel_is_checked_before_any_work(variant, refused):
+    validate(get_config("task.reward_model.attention=dot_product"), num_devices=1)
+    with pytest.raises(ConfigError, match=refused):
+        validate(get_config(variant), num_devices=1)
+
+
 def test_size_variants_pick_the_preset_and_links_follow():
     for size in ("410m", "1b", "2.8b"):
         config = get_config(size)
@@ -165,6 +179,9 @@ def test_tiny_task_fits_prompts_to_the_character_budget(tiny_task):
     assert tasks.task_identity(other_gold) == tiny_task.identity
     other_reward = get_config("tiny,task.reward_model.seed=7").task
     assert tasks.task_identity(other_reward) != tiny_task.identity
+    # nor is the kernel a role model runs with (a run may resume on other hardware)
+    other_kernel = get_config("tiny,task.reward_model.attention=dot_product").task
+    assert tasks.task_identity(other_kernel) == tiny_task.identity
 
 
 def test_prompts_fit_the_policy_tokenizer_budget(tmp_path, data_dir):

@@ -6,8 +6,12 @@ A role is described by a config section with
 - empty `hf_path`: a random `preset` stand-in initialised from `seed`, sharing the
   policy's tokenizer (the `tiny` variants run the same code path this way).
 
-plus `dtype` ("float32" | "bfloat16"). `load_frozen_model` checks the checkpoint's
-head against what the role needs before loading any weights.
+plus `dtype` ("float32" | "bfloat16") and `attention`, the role's attention kernel (a
+`ModelConfig.attention`: einsum by default, `cudnn` on a GPU with a half-precision
+dtype; where the process has no GPU a `cudnn` role is read with `dot_product`, the same
+attention, with a warning, as `runs.runnable_execution_fields` does for the policy).
+`load_frozen_model` checks the checkpoint's head against what the role needs before
+loading any weights.
 
 With a `Placement` (the trainer passes `tba_jax.placement.RolePlacement`: the sampler mesh
 and `mesh.sampler_rules`) a
@@ -20,13 +24,14 @@ without one the model sits whole on the default device.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Protocol
 
 import jax
 import ml_collections
 import numpy as np
 
-from tba_jax.models import Model, ModelConfig, Params, init_model, preset
+from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
 from tba_jax.models.tokenizers import Tokenizer
 
 
@@ -65,6 +70,32 @@ class FrozenModel:
         return arrays if self.placement is None else self.placement.put_rows(*arrays)
 
 
+DEFAULT_ATTENTION = "einsum"  # a role section without `attention` (a run from before it)
+# GPU-only kernels a role may set, and the kernel that computes the same attention elsewhere
+GPU_ONLY_ATTENTION = {"cudnn": "dot_product"}
+
+
+def role_attention(role: ml_collections.ConfigDict, role_name: str, backend: str | None = None):
+    """The attention kernel the role's model runs with on this process's platform
+    (`backend`, default JAX's): its `attention`, or for a GPU-only one off a GPU the kernel
+    that computes the same attention there (with a warning)."""
+    attention = role.get("attention", DEFAULT_ATTENTION)
+    backend = backend or jax.default_backend()
+    if attention in GPU_ONLY_ATTENTION and backend != "gpu":
+        instead = GPU_ONLY_ATTENTION[attention]
+        logging.warning(
+            "%s.attention=%s needs a GPU; running the %s on %s with attention=%s (the same "
+            "attention, another kernel).",
+            role_name,
+            attention,
+            role_name,
+            backend,
+            instead,
+        )
+        return instead
+    return attention
+
+
 def frozen_model_config(
     role: ml_collections.ConfigDict,
     *,
@@ -76,7 +107,12 @@ def frozen_model_config(
 ) -> ModelConfig:
     """The architecture of the model `role` describes, read without loading weights:
     `hf_path`'s config.json, else the `preset` over `vocab_size` ids (only read for a
-    preset) and `max_seq_len` positions. `head`, `num_labels`: see `load_frozen_model`."""
+    preset) and `max_seq_len` positions; in the role's `dtype`, with its attention kernel
+    as this platform runs it (`role_attention`). `head`, `num_labels`: see
+    `load_frozen_model`."""
+    execution = dict(
+        dtype=role.dtype, param_dtype=role.dtype, attention=role_attention(role, role_name)
+    )
     if role.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
 
@@ -87,15 +123,14 @@ def frozen_model_config(
                 f"{role_name}.hf_path={role.hf_path} holds a model with head={config.head!r} "
                 f"but the {role_name} needs head={head!r}; point it at a {kind} checkpoint."
             )
-        return dataclasses.replace(config, dtype=role.dtype, param_dtype=role.dtype)
+        return dataclasses.replace(config, **execution)
     return preset(
         role.preset,
         vocab_size=vocab_size,
         max_seq_len=max_seq_len,
         head=head,
         num_labels=num_labels,
-        dtype=role.dtype,
-        param_dtype=role.dtype,
+        **execution,
     )
 
 
@@ -128,15 +163,13 @@ def load_frozen_model(
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
         from tba_jax.models.hf_tokenizer import HFTokenizer
 
-        model, params = hf.load_model(
-            role.hf_path,
-            dtype=role.dtype,
-            shardings_fn=None
+        model, abstract = abstract_model(config)
+        shardings = (
+            None
             if placement is None
-            else lambda model, abstract: placement.param_shardings(
-                role_name, model.logical_axes, abstract
-            ),
+            else placement.param_shardings(role_name, model.logical_axes, abstract)
         )
+        params = hf.load_params(role.hf_path, model, shardings=shardings)
         tokenizer = HFTokenizer.from_pretrained(role.hf_path)
         return FrozenModel(model, params, tokenizer, role.hf_path, placement)
     model, params = init_model(config, role.seed)
@@ -151,13 +184,18 @@ def load_frozen_model(
 
 
 def frozen_role_config(
-    *, preset_name: str = "micro", seed: int = 0, dtype: str = "float32"
+    *,
+    preset_name: str = "micro",
+    seed: int = 0,
+    dtype: str = "float32",
+    attention: str = DEFAULT_ATTENTION,
 ) -> ml_collections.ConfigDict:
     """A role section for configs: `hf_path` (empty: a random `preset` stand-in), `preset`,
-    `seed`, `dtype`."""
+    `seed`, `dtype`, `attention`."""
     role = ml_collections.ConfigDict()
     role.hf_path = ""
     role.preset = preset_name
     role.seed = seed
     role.dtype = dtype
+    role.attention = attention
     return role

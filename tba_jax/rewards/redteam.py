@@ -40,13 +40,14 @@ import numpy as np
 from tba_jax.batching import fixed_batches
 from tba_jax.config_lib import ConfigError
 from tba_jax.models.frozen import (
+    DEFAULT_ATTENTION,
     FrozenModel,
     Placement,
     frozen_role_config,
     load_frozen_model,
 )
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
-from tba_jax.rewards.judges import Judge
+from tba_jax.rewards.judges import Judge, is_encoder_folder
 from tba_jax.rewards.templates import (
     ATTACK_FIELD,
     RESPONSE_FIELD,
@@ -372,6 +373,13 @@ def check_roles(victim: ml_collections.ConfigDict, judge: ml_collections.ConfigD
                 f"task.{name}.hf_path={role.hf_path!r} is not a Hugging Face model folder (no "
                 "config.json there); pass a local folder saved with save_pretrained."
             )
+    attention = judge.get("attention", DEFAULT_ATTENTION)
+    if judge.hf_path and is_encoder_folder(judge.hf_path) and attention != DEFAULT_ATTENTION:
+        raise ConfigError(
+            f"task.judge.attention={attention!r}, but task.judge.hf_path holds a BERT / "
+            "RoBERTa encoder, which has its own attention; leave task.judge.attention at "
+            f"{DEFAULT_ATTENTION!r}."
+        )
     for key in ("num_responses", "max_new_tokens"):
         if victim[key] < 1:
             raise ConfigError(f"task.victim.{key}={victim[key]} must be >= 1.")
