@@ -53,6 +53,7 @@ from tba_jax.models import (
     stack_layers,
     unstack_layers,
 )
+from tba_jax.models.config import GPU_ONLY_EXECUTION
 from tba_jax.tasks.base import task_identity
 from tba_jax.warmstart import WarmStartCheckpoint
 
@@ -191,10 +192,6 @@ def execution_fields(config: ml_collections.ConfigDict) -> dict:
     They are not part of a checkpoint's identity (`ModelConfig.to_dict`), so a model
     rebuilt from `stored_model_config` computes as its run did only with these applied."""
     return {key: config.model[key] for key in EXECUTION_KEYS if key in config.model}
-
-
-# Execution knobs only a GPU runs, and what computes the same attention elsewhere.
-GPU_ONLY_EXECUTION = {("attention", "cudnn"): "dot_product", ("decode_attention", "pallas"): "same"}
 
 
 def runnable_execution_fields(

@@ -46,6 +46,9 @@ ATTENTIONS = ("einsum", "dot_product", "cudnn")
 # A decode step's attention: "same" as `attention`, or "pallas" (`models.decode_attention`).
 DECODE_ATTENTIONS = ("same", "pallas")
 HALF_DTYPES = ("bfloat16", "float16")
+# Execution field values only a GPU runs, and the value that computes the same attention
+# elsewhere: what a run's checkpoint is read with where there is no GPU.
+GPU_ONLY_EXECUTION = {("attention", "cudnn"): "dot_product", ("decode_attention", "pallas"): "same"}
 # Fields that change how the model runs but neither its outputs (up to float rounding) nor
 # its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
 EXECUTION_FIELDS = ("scan_decode", "remat", "attention", "decode_attention", "logprob_chunk")

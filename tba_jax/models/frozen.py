@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
+from tba_jax.models.config import GPU_ONLY_EXECUTION
 from tba_jax.models.tokenizers import Tokenizer
 
 
@@ -71,8 +72,6 @@ class FrozenModel:
 
 
 DEFAULT_ATTENTION = "einsum"  # a role section without `attention` (a run from before it)
-# GPU-only kernels a role may set, and the kernel that computes the same attention elsewhere
-GPU_ONLY_ATTENTION = {"cudnn": "dot_product"}
 
 
 def role_attention(role: ml_collections.ConfigDict, role_name: str, backend: str | None = None):
@@ -81,8 +80,8 @@ def role_attention(role: ml_collections.ConfigDict, role_name: str, backend: str
     that computes the same attention there (with a warning)."""
     attention = role.get("attention", DEFAULT_ATTENTION)
     backend = backend or jax.default_backend()
-    if attention in GPU_ONLY_ATTENTION and backend != "gpu":
-        instead = GPU_ONLY_ATTENTION[attention]
+    instead = GPU_ONLY_EXECUTION.get(("attention", attention))
+    if instead is not None and backend != "gpu":
         logging.warning(
             "%s.attention=%s needs a GPU; running the %s on %s with attention=%s (the same "
             "attention, another kernel).",
