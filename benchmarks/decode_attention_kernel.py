@@ -5,17 +5,18 @@ the attention `model.attention` gives a decode step, one layer at a time.
     python benchmarks/decode_attention_kernel.py                     # qwen2.5-0.5b's layer
     python benchmarks/decode_attention_kernel.py --attention=cudnn   # on a GPU
     python benchmarks/decode_attention_kernel.py --batch=4 --cache_lens=40 --repeats=1
-    python benchmarks/decode_attention_kernel.py --k_splits=1,2,4,8   # the cache walk split
+    python benchmarks/decode_attention_kernel.py --settings=1:128:4:2,4:64:4:3   # a grid
 
 On a GPU the kernel is Triton's; elsewhere Pallas' interpreter runs it (slow: a check of
 the script, not a timing). Each row sees a random contiguous range of slots, as a
 left-padded prompt and its response so far do; one row sees a random scatter of slots
 and one sees none (its output must be zeros). One JSON line per cache length:
 `max_abs_error` (against float64, on the inputs rounded to `--dtype`, the worst over
-`--k_splits`), `empty_row_zero`, `kernel_us` (one figure per `--k_splits` value: how many
-programs share a row's walk over the cache; the model uses `model_k_splits`,
-`decode_attention.K_SPLITS`) and `baseline_us` (each the median of `--repeats` timed
-calls after a compiling one), `baseline_attention`, and the mean visible length.
+`--settings`), `empty_row_zero`, `kernel_us` (one figure per `--settings` entry
+`k_splits:block_k:num_warps:num_stages`, `decode_attention.KernelSettings`, keyed as
+"k1_b128_w4_s2"; `fastest`: the key of the least; `model_settings`: what the model runs
+with, `decode_attention.SETTINGS`) and `baseline_us` (each the median of `--repeats`
+timed calls after a compiling one), `baseline_attention`, and the mean visible length.
 """
 
 from __future__ import annotations
@@ -33,7 +34,36 @@ import numpy as np
 from tba_jax import cli
 from tba_jax.models import preset, transformer
 from tba_jax.models.config import ATTENTIONS
-from tba_jax.models.decode_attention import K_SPLITS, decode_attention
+from tba_jax.models.decode_attention import (
+    SETTINGS,
+    KernelSettings,
+    check_settings,
+    decode_attention,
+)
+
+# k_splits:block_k:num_warps:num_stages. The model's settings first, then the cache walk
+# split 2-8 ways, smaller blocks with deeper pipelines, and larger blocks with more warps.
+DEFAULT_SETTINGS = (
+    "1:128:4:2,2:128:4:2,4:128:4:2,8:128:4:2,1:64:4:2,2:64:4:3,4:64:4:3,4:64:2:2,"
+    "1:256:8:2,2:256:8:2"
+)
+
+
+def parse_settings(text: str) -> list[KernelSettings]:
+    """`k:b:w:s,...` as KernelSettings (ValueError naming a bad entry)."""
+    settings = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 4 or not all(part.isdigit() for part in parts):
+            raise ValueError(
+                f"--settings entry {item!r} is not k_splits:block_k:num_warps:num_stages "
+                "(four whole numbers, e.g. 2:128:4:2)."
+            )
+        settings.append(KernelSettings(*map(int, parts)))
+        check_settings(settings[-1])
+    if not settings:
+        raise ValueError("--settings is empty.")
+    return settings
 
 
 def random_inputs(args, cfg, cache_len: int, rng: np.random.Generator):
@@ -95,19 +125,19 @@ def main() -> None:
     parser.add_argument("--cache_lens", default="512,300", help="comma-separated slots")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--attention", default="einsum", choices=ATTENTIONS)
-    parser.add_argument("--k_splits", default="1,2,4,8", help="comma-separated")
+    parser.add_argument(
+        "--settings", default=DEFAULT_SETTINGS, help="k_splits:block_k:num_warps:num_stages,..."
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
         cache_lens = [int(item) for item in args.cache_lens.split(",")]
-        k_splits = [int(item) for item in args.k_splits.split(",")]
+        settings = parse_settings(args.settings)
         # the preset's heads; its vocabulary plays no part here
         cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, attention=args.attention)
-        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1 or min(k_splits) < 1:
-            raise ValueError(
-                "--batch must be >= 2, --repeats >= 1, and every cache length and k_splits >= 1."
-            )
+        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1:
+            raise ValueError("--batch must be >= 2, --repeats >= 1, and every cache length >= 1.")
         if args.attention == "cudnn":
             cli.check_cudnn_backend(
                 "--attention=cudnn", "pass another --attention (dot_product, einsum)."
@@ -115,7 +145,10 @@ def main() -> None:
     except (ValueError, cli.UsageError) as error:
         cli.exit_with_error(str(error))
     rng = np.random.default_rng(args.seed)
-    kernels = {n: jax.jit(functools.partial(decode_attention, k_splits=n)) for n in k_splits}
+    kernels = {
+        each.label(): jax.jit(functools.partial(decode_attention, settings=each))
+        for each in settings
+    }
     baseline = baseline_fn(cfg)
     for cache_len in cache_lens:
         q, k, v, visible = random_inputs(args, cfg, cache_len, rng)
@@ -133,13 +166,14 @@ def main() -> None:
             "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
             "empty_row_zero": all(bool((out[-1] == 0).all()) for out in outs),
             "kernel_us": {
-                str(n): round(median_us(kernel, inputs, args.repeats), 1)
-                for n, kernel in kernels.items()
+                label: round(median_us(kernel, inputs, args.repeats), 1)
+                for label, kernel in kernels.items()
             },
-            "model_k_splits": K_SPLITS,
+            "model_settings": SETTINGS.label(),
             "baseline_attention": args.attention,
             "baseline_us": round(median_us(baseline, inputs, args.repeats), 1),
         }
+        line["fastest"] = min(line["kernel_us"], key=line["kernel_us"].get)
         print(json.dumps(line), flush=True)
 
 

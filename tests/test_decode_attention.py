@@ -58,13 +58,23 @@ def test_the_kernel_computes_attention_over_the_visible_slots(cache_len, heads, 
     assert not np.asarray(out[3]).any()
 
 
-@pytest.mark.parametrize("k_splits", [2, 3, 8])  # 8: more splits than the 3 blocks
-def test_a_walk_split_between_programs_combines_to_the_same_attention(k_splits):
-    """Split over the cache (some splits past a row's last visible slot see nothing),
-    the partial results combine to the formula's output."""
+@pytest.mark.parametrize(
+    "settings",
+    [
+        kernel.KernelSettings(k_splits=2),
+        kernel.KernelSettings(k_splits=3),
+        kernel.KernelSettings(k_splits=8),  # more splits than the 3 blocks
+        kernel.KernelSettings(k_splits=4, block_k=32),  # 10 blocks, the last overlapping
+        kernel.KernelSettings(block_k=256),  # one block and a half
+    ],
+    ids=lambda settings: settings.label(),
+)
+def test_a_walk_split_between_programs_combines_to_the_same_attention(settings):
+    """Split over the cache (some splits past a row's last visible slot see nothing), in
+    blocks of any size, the partial results combine to the formula's output."""
     q, k, v, visible = random_case(300, 14, 2)
     as_f32 = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-    out = kernel.decode_attention(*as_f32, jnp.asarray(visible), k_splits=k_splits, interpret=True)
+    out = kernel.decode_attention(*as_f32, jnp.asarray(visible), settings=settings, interpret=True)
     np.testing.assert_allclose(np.asarray(out), reference(q, k, v, visible), atol=2e-6)
     assert not np.asarray(out[3]).any()
 
@@ -79,10 +89,31 @@ def test_the_kernel_in_bfloat16_rounds_as_bfloat16():
 
 
 def test_the_block_is_a_power_of_two_of_at_least_16_slots_or_a_shorter_cache_whole():
-    assert kernel.block_k_for(768) == kernel.BLOCK_K
+    assert kernel.block_k_for(768) == kernel.SETTINGS.block_k == 128
+    assert kernel.block_k_for(768, 64) == 64
     assert kernel.block_k_for(100) == 64
     assert kernel.block_k_for(16) == 16
     assert kernel.block_k_for(9) == 9
+
+
+@pytest.mark.parametrize(
+    "settings, problem",
+    [
+        (kernel.KernelSettings(k_splits=0), "k_splits and num_stages must be at least 1"),
+        (kernel.KernelSettings(block_k=96), "block_k must be a power of two"),
+        (kernel.KernelSettings(block_k=8), "block_k must be at least 16"),
+        (kernel.KernelSettings(num_warps=3), "num_warps must be a power of two"),
+    ],
+)
+def test_settings_the_kernel_cannot_run_with_are_refused(settings, problem):
+    q, k, v, visible = random_case(40, 4, 2)
+    with pytest.raises(ValueError, match=problem):
+        kernel.decode_attention(
+            *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+            jnp.asarray(visible),
+            settings=settings,
+            interpret=True,
+        )
 
 
 def test_too_many_query_heads_per_kv_head_are_refused():
@@ -99,7 +130,7 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         "--cache_lens=40,130",
         "--dtype=float32",
         "--repeats=1",
-        "--k_splits=1,2",
+        "--settings=1:128:4:2,2:16:4:3",
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -107,10 +138,16 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
     assert [line["cache_len"] for line in lines] == [40, 130]
     for line in lines:
         assert line["max_abs_error"] < 1e-5 and line["empty_row_zero"]
-        assert set(line["kernel_us"]) == {"1", "2"} and min(line["kernel_us"].values()) > 0
+        assert set(line["kernel_us"]) == {"k1_b128_w4_s2", "k2_b16_w4_s3"}
+        assert min(line["kernel_us"].values()) > 0 and line["fastest"] in line["kernel_us"]
+        assert line["model_settings"] == kernel.SETTINGS.label()
         assert line["baseline_us"] > 0
         assert line["baseline_attention"] == "einsum" and line["backend"] == "cpu"
     refused = run_repo_script(
         "benchmarks/decode_attention_kernel.py", "--attention=cudnn", timeout=60
     )
     assert refused.returncode != 0 and "needs a GPU" in refused.stderr
+    refused = run_repo_script(
+        "benchmarks/decode_attention_kernel.py", "--settings=2:128:4", timeout=60
+    )
+    assert refused.returncode != 0 and "is not k_splits:block_k" in refused.stderr

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,25 +29,43 @@ from jax.experimental.pallas import triton as plgpu
 # Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
 # masked: Triton's matmuls need at least 16 on each side.
 QUERY_TILE = 16
-# Cache slots a program reads at once (fewer for a shorter cache, a power of two >= 16).
-BLOCK_K = 128
-MIN_BLOCK_K = 16
+MIN_BLOCK_K = 16  # cache slots a program reads at once, at least (Triton's matmuls)
 QK_DIMS = (((1,), (1,)), ((), ()))  # [tile, hd] · [block_k, hd] over hd
-# Triton's launch settings for the kernel (the library kernel's defaults).
-NUM_WARPS, NUM_STAGES = 4, 2
-# Programs a row's walk over the cache is split between (each KV head's); > 1 adds a
-# combining step outside the kernel. `benchmarks/decode_attention_kernel.py --k_splits`
-# times the choices.
-K_SPLITS = 1
 
 
-def block_k_for(cache_len: int) -> int:
-    """The cache slots the kernel reads at once: `BLOCK_K`, or the largest power of two
+class KernelSettings(NamedTuple):
+    """How the kernel splits its work (the results are the same to float rounding):
+
+    - k_splits: programs a row's walk over the cache is split between (each KV head's);
+      > 1 adds a combining step outside the kernel;
+    - block_k: cache slots a program reads at once (a power of two >= `MIN_BLOCK_K`; fewer
+      for a shorter cache);
+    - num_warps, num_stages: Triton's launch settings (ignored by the interpreter).
+
+    `benchmarks/decode_attention_kernel.py --settings` times a grid of them on a GPU.
+    """
+
+    k_splits: int = 1
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def label(self) -> str:
+        """e.g. "k1_b128_w4_s2", the benchmark's key for these settings."""
+        return f"k{self.k_splits}_b{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+
+# What the model runs with (the library kernel's launch settings, one program a row's walk).
+SETTINGS = KernelSettings()
+
+
+def block_k_for(cache_len: int, block_k: int = SETTINGS.block_k) -> int:
+    """The cache slots the kernel reads at once: `block_k`, or the largest power of two
     that fits a shorter cache (Triton's blocks are powers of two, at least `MIN_BLOCK_K`
     for its matmuls), or a cache shorter than that whole (the interpreter's only). A cache
     length that is no multiple of it ends in a block that overlaps the one before."""
-    if cache_len >= BLOCK_K:
-        return BLOCK_K
+    if cache_len >= block_k:
+        return block_k
     if cache_len >= MIN_BLOCK_K:
         return 1 << (cache_len.bit_length() - 1)
     return cache_len
@@ -142,7 +161,7 @@ def decode_attention(
     v: jax.Array,
     visible: jax.Array,
     *,
-    k_splits: int = K_SPLITS,
+    settings: KernelSettings = SETTINGS,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention of one query slot per row over a KV cache.
@@ -151,8 +170,9 @@ def decode_attention(
     query heads per KV head); visible: [B, S_kv] bool, the slots each row's query sees
     (causal and not padding). Scores and softmax in float32, the weights cast to the
     queries' dtype for their matmul with the values (as `transformer.einsum_attention`).
-    Returns [B, H, hd] in q's dtype, zero for a row that sees no slot. `k_splits`: how many
-    programs share a row's walk over the cache (at most one per block). `interpret`: None runs
+    Returns [B, H, hd] in q's dtype, zero for a row that sees no slot. `settings`: how the
+    work is split and launched (`KernelSettings`; at most one split per block). `interpret`:
+    None runs
     the Triton kernel where the program is lowered for a CUDA GPU and Pallas' interpreter
     elsewhere (chosen as the program is lowered, so a GPU program compiled on a machine
     without one gets the kernel), and the interpreter for a cache shorter than
@@ -162,14 +182,32 @@ def decode_attention(
     if interpret is None and k.shape[1] < MIN_BLOCK_K:
         interpret = True
     if interpret is None:
-        run = functools.partial(_decode_attention, k_splits=k_splits, interpret=True)
-        on_gpu = functools.partial(_decode_attention, k_splits=k_splits, interpret=False)
+        run = functools.partial(_decode_attention, settings=settings, interpret=True)
+        on_gpu = functools.partial(_decode_attention, settings=settings, interpret=False)
         return jax.lax.platform_dependent(q, k, v, visible, cuda=on_gpu, default=run)
-    return _decode_attention(q, k, v, visible, k_splits=k_splits, interpret=interpret)
+    return _decode_attention(q, k, v, visible, settings=settings, interpret=interpret)
+
+
+def check_settings(settings: KernelSettings) -> None:
+    """ValueError for settings the kernel cannot run with."""
+    k_splits, block_k, num_warps, num_stages = settings
+    if k_splits < 1 or num_stages < 1:
+        raise ValueError(f"{settings}: k_splits and num_stages must be at least 1.")
+    for name, value in (("block_k", block_k), ("num_warps", num_warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{settings}: {name} must be a power of two.")
+    if block_k < MIN_BLOCK_K:
+        raise ValueError(f"{settings}: block_k must be at least {MIN_BLOCK_K}.")
 
 
 def _decode_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, k_splits: int, interpret: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    visible: jax.Array,
+    *,
+    settings: KernelSettings,
+    interpret: bool,
 ) -> jax.Array:
     """`decode_attention` with Pallas' interpreter or not."""
     batch, num_heads, head_dim = q.shape
@@ -180,11 +218,10 @@ def _decode_attention(
             f"decode attention 'pallas' takes up to {QUERY_TILE} query heads per KV head; "
             f"this model has {num_heads} query and {kv_heads} KV heads."
         )
-    if k_splits < 1:
-        raise ValueError(f"k_splits={k_splits} must be at least 1.")
-    block_k = block_k_for(cache_len)
+    check_settings(settings)
+    block_k = block_k_for(cache_len, settings.block_k)
     blocks = -(-cache_len // block_k)
-    blocks_per_split = -(-blocks // k_splits)
+    blocks_per_split = -(-blocks // settings.k_splits)
     splits = -(-blocks // blocks_per_split)  # no split left without a block
     q_groups = q.reshape(batch, kv_heads, groups, head_dim)  # each KV head's query heads
     slots = jnp.arange(cache_len)
@@ -214,7 +251,9 @@ def _decode_attention(
         ]
     extra = {}
     if not interpret:
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        extra["compiler_params"] = plgpu.CompilerParams(
+            num_warps=settings.num_warps, num_stages=settings.num_stages
+        )
     out = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
