@@ -151,6 +151,16 @@ EXPECTED_TO_CHANGE = ("learner_steps", "variant")
 # ------------------------------------------------------------------------------- setup
 
 
+def check_policy_architecture(config: ml_collections.ConfigDict) -> None:
+    """ConfigError for a policy the model refuses to build: its preset's or checkpoint's
+    shape with the config's dtypes and execution knobs (e.g. the Pallas decode kernel on
+    heads no power of two wide). Reads config files only; the vocabulary plays no part."""
+    try:
+        runs.model_config(config, vocab_size=1)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def check_hf_folders(config: ml_collections.ConfigDict, policy_tokenizer) -> None:
     """ConfigError for a `model.hf_path` / `reference.hf_path` that cannot serve: an
     unsupported or unreadable config.json, a `policy_tokenizer` (`model.hf_path`'s) larger
@@ -340,6 +350,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
     )
     policy_tokenizer = runs.policy_tokenizer(config)  # None: the task's own
     check_hf_folders(config, policy_tokenizer)
+    check_policy_architecture(config)
     check_critic_reward_model(config, policy_tokenizer)
     layout = topology.describe() if topology.multi_process else None
     check_experiment(

@@ -27,6 +27,7 @@ from tba_jax.models import (
     init_model,
     params_in_compute_dtype,
     positions_from_mask,
+    preset,
     stack_layers,
     transformer,
     unstack_layers,
@@ -474,11 +475,15 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(attention="cudnn"), "half-precision"),
         (dict(decode_attention="flash"), "model.decode_attention"),
         (dict(logprob_chunk=-1), "model.logprob_chunk"),
+        # pythia-2.8b's heads: Triton takes power-of-two sizes only
+        (dict(decode_attention="pallas", head_dim=80), "power of two .*is 80"),
+        (dict(decode_attention="pallas", num_heads=34, num_kv_heads=2, head_dim=4), "up to 16"),
     ],
 )
 def test_bad_execution_fields_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         execution(**fields)
+    assert preset("pythia-2.8b", vocab_size=16).resolved_head_dim == 80  # a real case
 
 
 def test_the_config_checks_the_knobs():

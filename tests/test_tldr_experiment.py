@@ -102,6 +102,17 @@ def test_a_roles_attention_kernel_is_checked_before_any_work(variant, refused):
         validate(get_config(variant), num_devices=1)
 
 
+def test_a_policy_the_model_refuses_is_a_config_error_before_any_work():
+    """On a GPU (where `validate` lets the Pallas decode kernel through) pythia-2.8b's
+    80-wide heads, which Triton has no kernel for, stop the run in `check_run`."""
+    from tba_jax.train import check_policy_architecture
+
+    check_policy_architecture(get_config("2.8b"))
+    check_policy_architecture(get_config("1b,model.decode_attention=pallas"))  # 256 wide
+    with pytest.raises(ConfigError, match=r"power of two .*this model's is 80"):
+        check_policy_architecture(get_config("2.8b,model.decode_attention=pallas"))
+
+
 def test_size_variants_pick_the_preset_and_links_follow():
     for size in ("410m", "1b", "2.8b"):
         config = get_config(size)

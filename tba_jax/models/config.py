@@ -45,6 +45,9 @@ REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_bat
 ATTENTIONS = ("einsum", "dot_product", "cudnn")
 # A decode step's attention: "same" as `attention`, or "pallas" (`models.decode_attention`).
 DECODE_ATTENTIONS = ("same", "pallas")
+# The Pallas decode kernel loads a KV head's query heads as one tile of this many rows
+# (Triton's matmuls take at least 16 on each side, and power-of-two array sizes only).
+PALLAS_DECODE_TILE = 16
 HALF_DTYPES = ("bfloat16", "float16")
 # Execution field values only a GPU runs, and the value that computes the same attention
 # elsewhere: what a run's checkpoint is read with where there is no GPU.
@@ -241,6 +244,24 @@ class ModelConfig:
                 f"below model.rope_high_freq_factor={self.rope_high_freq_factor}."
             )
 
+    def _check_pallas_decode_shape(self):
+        """ValueError for heads the Pallas decode kernel cannot take: a head width that is
+        no power of two, which Triton has no kernel for (e.g. pythia-2.8b's 80; heads
+        narrower than 16, a toy model's, run in Pallas' interpreter), or more query heads
+        per KV head than its tile."""
+        head_dim, groups = self.resolved_head_dim, self.num_heads // self.num_kv_heads
+        if head_dim & (head_dim - 1):
+            raise ValueError(
+                "model.decode_attention='pallas' needs a head width that is a power of two "
+                f"(Triton's arrays), and this model's is {head_dim}; use "
+                "decode_attention='same'."
+            )
+        if groups > PALLAS_DECODE_TILE:
+            raise ValueError(
+                f"model.decode_attention='pallas' takes up to {PALLAS_DECODE_TILE} query heads "
+                f"per KV head, and this model has {groups}; use decode_attention='same'."
+            )
+
     def _check_execution(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
@@ -256,6 +277,8 @@ class ModelConfig:
                 f"model.decode_attention={self.decode_attention!r} is not one of "
                 f"{list(DECODE_ATTENTIONS)} ('same': as model.attention)."
             )
+        if self.decode_attention == "pallas":
+            self._check_pallas_decode_shape()
         if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
             raise ValueError(
                 "model.attention='cudnn' needs a half-precision compute dtype "

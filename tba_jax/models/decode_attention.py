@@ -26,9 +26,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tba_jax.models.config import PALLAS_DECODE_TILE
+
 # Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
-# masked: Triton's matmuls need at least 16 on each side.
-QUERY_TILE = 16
+# masked: Triton's matmuls need at least 16 on each side (`ModelConfig` checks a model's
+# heads against it).
+QUERY_TILE = PALLAS_DECODE_TILE
 MIN_BLOCK_K = 16  # cache slots a program reads at once, at least (Triton's matmuls)
 QK_DIMS = (((1,), (1,)), ((), ()))  # [tile, hd] · [block_k, hd] over hd
 
@@ -172,14 +175,14 @@ def decode_attention(
     queries' dtype for their matmul with the values (as `transformer.einsum_attention`).
     Returns [B, H, hd] in q's dtype, zero for a row that sees no slot. `settings`: how the
     work is split and launched (`KernelSettings`; at most one split per block). `interpret`:
-    None runs
-    the Triton kernel where the program is lowered for a CUDA GPU and Pallas' interpreter
-    elsewhere (chosen as the program is lowered, so a GPU program compiled on a machine
-    without one gets the kernel), and the interpreter for a cache shorter than
-    `MIN_BLOCK_K` slots, which Triton's matmuls do not take (a toy model's; its cost is
-    nothing beside the rest of the step).
+    None runs the Triton kernel where the program is lowered for a CUDA GPU and Pallas'
+    interpreter elsewhere (chosen as the program is lowered, so a GPU program compiled on a
+    machine without one gets the kernel), and the interpreter for a cache shorter than
+    `MIN_BLOCK_K` slots or heads narrower than that, which Triton's matmuls do not take (a
+    toy model's; its cost is nothing beside the rest of the step). A head width that is no
+    power of two has no Triton kernel (`ModelConfig` refuses it for the model).
     """
-    if interpret is None and k.shape[1] < MIN_BLOCK_K:
+    if interpret is None and min(k.shape[1], k.shape[3]) < MIN_BLOCK_K:
         interpret = True
     if interpret is None:
         run = functools.partial(_decode_attention, settings=settings, interpret=True)
