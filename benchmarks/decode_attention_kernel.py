@@ -13,10 +13,11 @@ left-padded prompt and its response so far do; one row sees a random scatter of 
 and one sees none (its output must be zeros). One JSON line per cache length:
 `max_abs_error` (against float64, on the inputs rounded to `--dtype`, the worst over
 `--settings`), `empty_row_zero`, `kernel_us` (one figure per `--settings` entry
-`k_splits:block_k:num_warps:num_stages`, `decode_attention.KernelSettings`, keyed as
-"k1_b128_w4_s2"; `fastest`: the key of the least; `model_settings`: what the model runs
-with, `decode_attention.SETTINGS`) and `baseline_us` (each the median of `--repeats`
-timed calls after a compiling one), `baseline_attention`, and the mean visible length.
+`k_splits:block_k:num_warps:num_stages`, `models.config.KernelSettings`, keyed so, e.g.
+"1:128:4:2"; `fastest`: the key of the least, a `model.decode_kernel` value;
+`model_settings`: the kernel's defaults, `decode_attention.SETTINGS`) and `baseline_us`
+(each the median of `--repeats` timed calls after a compiling one), `baseline_attention`,
+and the mean visible length.
 """
 
 from __future__ import annotations
@@ -33,13 +34,8 @@ import numpy as np
 
 from tba_jax import cli
 from tba_jax.models import preset, transformer
-from tba_jax.models.config import ATTENTIONS
-from tba_jax.models.decode_attention import (
-    SETTINGS,
-    KernelSettings,
-    check_settings,
-    decode_attention,
-)
+from tba_jax.models.config import ATTENTIONS, KernelSettings, parse_kernel_settings
+from tba_jax.models.decode_attention import SETTINGS, decode_attention
 
 # k_splits:block_k:num_warps:num_stages. The model's settings first, then the cache walk
 # split 2-8 ways, smaller blocks with deeper pipelines, and larger blocks with more warps.
@@ -51,16 +47,7 @@ DEFAULT_SETTINGS = (
 
 def parse_settings(text: str) -> list[KernelSettings]:
     """`k:b:w:s,...` as KernelSettings (ValueError naming a bad entry)."""
-    settings = []
-    for item in filter(None, text.split(",")):
-        parts = item.split(":")
-        if len(parts) != 4 or not all(part.isdigit() for part in parts):
-            raise ValueError(
-                f"--settings entry {item!r} is not k_splits:block_k:num_warps:num_stages "
-                "(four whole numbers, e.g. 2:128:4:2)."
-            )
-        settings.append(KernelSettings(*map(int, parts)))
-        check_settings(settings[-1])
+    settings = [parse_kernel_settings(item) for item in filter(None, text.split(","))]
     if not settings:
         raise ValueError("--settings is empty.")
     return settings
@@ -146,7 +133,7 @@ def main() -> None:
         cli.exit_with_error(str(error))
     rng = np.random.default_rng(args.seed)
     kernels = {
-        each.label(): jax.jit(functools.partial(decode_attention, settings=each))
+        each.spec(): jax.jit(functools.partial(decode_attention, settings=each))
         for each in settings
     }
     baseline = baseline_fn(cfg)
@@ -169,7 +156,7 @@ def main() -> None:
                 label: round(median_us(kernel, inputs, args.repeats), 1)
                 for label, kernel in kernels.items()
             },
-            "model_settings": SETTINGS.label(),
+            "model_settings": SETTINGS.spec(),
             "baseline_attention": args.attention,
             "baseline_us": round(median_us(baseline, inputs, args.repeats), 1),
         }

@@ -139,6 +139,9 @@ _ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.a
 _DECODE_ATTENTION = flags.DEFINE_enum(
     "decode_attention", "same", list(DECODE_ATTENTIONS), "model.decode_attention."
 )
+_DECODE_KERNEL = flags.DEFINE_string(
+    "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
+)
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", 128, "T: the response length limit.", lower_bound=1
@@ -207,6 +210,7 @@ class Settings:
     param_dtype: str | None
     attention: str
     decode_attention: str
+    decode_kernel: str
     max_prompt_len: int
     max_new_tokens: int
     width: int
@@ -245,6 +249,7 @@ def read_settings() -> Settings:
             "param_dtype",
             "attention",
             "decode_attention",
+            "decode_kernel",
             "max_prompt_len",
             "max_new_tokens",
             "width",
@@ -310,6 +315,7 @@ def model_config(settings: Settings, vocab_size: int):
             param_dtype=settings.param_dtype or settings.dtype,
             attention=settings.attention,
             decode_attention=settings.decode_attention,
+            decode_kernel=settings.decode_kernel,
             vocab_size=vocab_size,
             max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
         )

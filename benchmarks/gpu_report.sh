@@ -2,10 +2,12 @@
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
 # in seven parts that each fit a 10-minute command:
 #
-#   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone,
-#                                                # then decode at 3 shapes (cudnn, the kernel)
-#                                                # beside transformers' generate (PEER: a copy
-#                                                # of ../shared/bench/hf_generate_baseline.py)
+#   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
+#                                                # under a grid of settings, then decode at 3
+#                                                # shapes (cudnn; the kernel at its fastest
+#                                                # settings) beside transformers' generate
+#                                                # (PEER: a copy of
+#                                                # ../shared/bench/hf_generate_baseline.py)
 #   bash benchmarks/gpu_report.sh decode_more    # decode with einsum attention, on float32
 #                                                # params, and with cuBLAS's matmuls
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
@@ -45,14 +47,19 @@ case "$part" in
   decode)
     [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"
     peer=$2
-    # the Pallas decode-attention kernel against float64, and one layer's time beside cuDNN's
-    run python3 benchmarks/decode_attention_kernel.py --attention=cudnn
+    # the Pallas decode-attention kernel against float64, and one layer's time under a grid
+    # of its settings beside cuDNN's; decode then runs with the fastest at 512 cache slots
+    kernel_lines=$(mktemp)
+    run python3 benchmarks/decode_attention_kernel.py --attention=cudnn | tee "$kernel_lines"
+    fastest=$(grep '"cache_len": 512' "$kernel_lines" | python3 -c \
+      'import json, sys; print(json.loads(sys.stdin.readline())["fastest"])' 2>/dev/null)
+    rm -f "$kernel_lines"
     for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
       set -- $shape
       run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn
       run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train --attention=cudnn \
-        --decode_attention=pallas
+        --decode_attention=pallas --decode_kernel="${fastest:-}"
     done
     ;;
   decode_more)

@@ -19,10 +19,10 @@ compiling warm-up, with tokens/s; for decode, the memory-bound roofline at `--hb
 (`tba_jax.roofline`: the weights and each row's KV cache read once a step) and the share
 of it reached; for the learner, model FLOP utilisation against `--peak_tflops` (dense
 bf16), with the FLOPs per token written out. `--layers` changes the preset's depth, and
-`--scan_layers`, `--scan_decode`, `--remat`, `--attention`, `--decode_attention` and
-`--logprob_chunk` set those execution knobs (`benchmarks/static_profile.py` gives each
-one's MFU ceiling; decode reports its compile seconds, `compile_s`, lowered and compiled
-ahead of the first run).
+`--scan_layers`, `--scan_decode`, `--remat`, `--attention`, `--decode_attention`,
+`--decode_kernel` and `--logprob_chunk` set those execution knobs
+(`benchmarks/static_profile.py` gives each one's MFU ceiling; decode reports its compile
+seconds, `compile_s`, lowered and compiled ahead of the first run).
 """
 
 from __future__ import annotations
@@ -141,6 +141,9 @@ def main() -> None:
         choices=DECODE_ATTENTIONS,
         help="model.decode_attention",
     )
+    parser.add_argument(
+        "--decode_kernel", default="", help="model.decode_kernel (k_splits:block_k:warps:stages)"
+    )
     parser.add_argument("--logprob_chunk", type=int, default=0, help="model.logprob_chunk")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
@@ -164,14 +167,7 @@ def main() -> None:
     sizes = dict(max_seq_len=total, vocab_size=args.vocab)
     if args.layers:
         sizes["num_layers"] = args.layers
-    execution = dict(
-        scan_layers=args.scan_layers or args.scan_decode,
-        scan_decode=args.scan_decode,
-        remat=args.remat,
-        attention=args.attention,
-        decode_attention=args.decode_attention,
-        logprob_chunk=args.logprob_chunk,
-    )
+    execution = execution_fields(args)
     param_dtype = args.param_dtype or args.dtype
     decoder = preset(args.shape, dtype=args.dtype, param_dtype=param_dtype, **sizes, **execution)
     dtype_bytes = jnp.dtype(args.dtype).itemsize
@@ -214,6 +210,7 @@ def main() -> None:
             decode_segments=args.decode_segments,
             attention=decoder.attention,
             decode_attention=decoder.decode_attention,
+            decode_kernel=decoder.decode_kernel_settings.spec(),
             param_dtype=param_dtype,
             batch=args.batch,
             prompt=args.prompt,
@@ -258,6 +255,19 @@ def main() -> None:
         measure_reward_model_step(args, train_reward_model.scalar_score_config(mixed), rng)
 
 
+def execution_fields(args) -> dict:
+    """The model's execution knobs as the flags set them."""
+    return dict(
+        scan_layers=args.scan_layers or args.scan_decode,
+        scan_decode=args.scan_decode,
+        remat=args.remat,
+        attention=args.attention,
+        decode_attention=args.decode_attention,
+        decode_kernel=args.decode_kernel,
+        logprob_chunk=args.logprob_chunk,
+    )
+
+
 def checked_skip(args) -> set[str]:
     """The programs --skip leaves out; UsageError, before any work, for an unknown one, an
     integer flag below its minimum, a --shape that is no preset or has no vocabulary
@@ -277,12 +287,7 @@ def checked_skip(args) -> set[str]:
             dtype=args.dtype,
             vocab_size=args.vocab,
             num_layers=args.layers,
-            scan_layers=args.scan_layers or args.scan_decode,
-            scan_decode=args.scan_decode,
-            remat=args.remat,
-            attention=args.attention,
-            decode_attention=args.decode_attention,
-            logprob_chunk=args.logprob_chunk,
+            **execution_fields(args),
         )
     except ValueError as error:
         raise cli.UsageError(str(error)) from error

@@ -125,6 +125,9 @@ _ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.a
 _DECODE_ATTENTION = flags.DEFINE_enum(
     "decode_attention", "same", list(DECODE_ATTENTIONS), "model.decode_attention."
 )
+_DECODE_KERNEL = flags.DEFINE_string(
+    "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
+)
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
 _HBM_TB_S = flags.DEFINE_float("hbm_tb_s", roofline.H100_HBM_BYTES_PER_S / 1e12, "HBM TB/s.")
 _PEAK_TFLOPS = flags.DEFINE_float(
@@ -182,6 +185,7 @@ def model_config(param_dtype: str):
         remat=_REMAT.value,
         attention=_ATTENTION.value,
         decode_attention=_DECODE_ATTENTION.value,
+        decode_kernel=_DECODE_KERNEL.value,
         logprob_chunk=_LOGPROB_CHUNK.value,
         **sizes,
     )

@@ -149,6 +149,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     config.model.remat = "none"
     config.model.attention = "einsum"
     config.model.decode_attention = "same"
+    # the Pallas decode kernel's settings, k_splits:block_k:num_warps:num_stages ("": its
+    # defaults; benchmarks/decode_attention_kernel.py times others on a GPU)
+    config.model.decode_kernel = ""
     config.model.logprob_chunk = 0
 
     # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the

@@ -34,6 +34,7 @@ from tba_jax.models.config import (
     DTYPES,
     HALF_DTYPES,
     REMAT_POLICIES,
+    parse_kernel_settings,
 )
 from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
@@ -206,6 +207,22 @@ def one_of(choices) -> Allowed:
 
 BOOLEAN = Allowed(lambda v: isinstance(v, bool), "true or false")
 
+
+def _is_kernel_spec(value) -> bool:
+    try:
+        parse_kernel_settings(value)
+    except (ValueError, AttributeError):
+        return False
+    return True
+
+
+# '' or k_splits:block_k:num_warps:num_stages that the Pallas decode kernel runs with
+KERNEL_SPEC = Allowed(
+    lambda v: isinstance(v, str) and (v == "" or _is_kernel_spec(v)),
+    "'' or k_splits:block_k:num_warps:num_stages (powers of two for block_k >= 16 and "
+    "num_warps, e.g. 2:128:4:2)",
+)
+
 # The compile cache's (configs/common.py's `compile_cache()`, in the training and the
 # reward-model configs).
 COMPILE_CACHE_RANGES: dict[str, Allowed] = {
@@ -228,6 +245,7 @@ RANGES: dict[str, Allowed] = {
     "model.remat": one_of(REMAT_POLICIES),
     "model.attention": one_of(ATTENTIONS),
     "model.decode_attention": one_of(DECODE_ATTENTIONS),
+    "model.decode_kernel": KERNEL_SPEC,
     "model.logprob_chunk": integer_at_least(0),
     "model.vocab_size": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),
@@ -647,6 +665,8 @@ def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None
         return f"only search.engine=slots reads it (this run: search.engine={config.search.engine})"
     if config.mode != "async" and any(_under(key, k) for k in ASYNC_ONLY_KEYS):
         return f"only mode=async reads it (this run: mode={config.mode})"
+    if config.model.get("decode_attention") != "pallas" and key == "model.decode_kernel":
+        return "only model.decode_attention=pallas reads it"
     if config.search.in_flight_updates and _under(key, "search.restart_on_publish"):
         return "search.in_flight_updates=True never restarts: live samples take the new params"
     return None

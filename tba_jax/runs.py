@@ -183,6 +183,7 @@ EXECUTION_KEYS = (
     "remat",
     "attention",
     "decode_attention",
+    "decode_kernel",
     "logprob_chunk",
 )
 

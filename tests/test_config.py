@@ -139,6 +139,8 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("replay.capacity=10", 1, r"replay\.capacity=10 is smaller than replay\.capacity_per"),
         ("model.attention=cudnn,model.dtype=bfloat16", 1, r"cudnn needs a GPU with cuDNN"),
         ("model.decode_attention=pallas", 1, r"decode_attention=pallas is a Triton kernel"),
+        ("model.decode_kernel=2:128:4", 1, r"model\.decode_kernel='2:128:4' must be '' or k_s"),
+        ("model.decode_kernel=2:96:4:2", 1, r"model\.decode_kernel='2:96:4:2' must be"),
         ("search.max_samples_per_draw=-1.0", 1, r"max_samples_per_draw=-1\.0 must be"),
         (
             "search.max_samples_per_draw=1.0,distributed.topology=roles_by_process",
@@ -394,6 +396,8 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
         ("", "replay.recency_prob", None),
         ("", "optim.learning_rate", None),
         ("", "loss.beta_start", None),
+        ("", "model.decode_kernel", "only model.decode_attention=pallas reads it"),
+        ("model.decode_attention=pallas", "model.decode_kernel", None),
     ],
 )
 def test_unread_key_reason(variant, key, reason):

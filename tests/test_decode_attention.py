@@ -67,7 +67,7 @@ def test_the_kernel_computes_attention_over_the_visible_slots(cache_len, heads, 
         kernel.KernelSettings(k_splits=4, block_k=32),  # 10 blocks, the last overlapping
         kernel.KernelSettings(block_k=256),  # one block and a half
     ],
-    ids=lambda settings: settings.label(),
+    ids=lambda settings: settings.spec(),
 )
 def test_a_walk_split_between_programs_combines_to_the_same_attention(settings):
     """Split over the cache (some splits past a row's last visible slot see nothing), in
@@ -138,9 +138,9 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
     assert [line["cache_len"] for line in lines] == [40, 130]
     for line in lines:
         assert line["max_abs_error"] < 1e-5 and line["empty_row_zero"]
-        assert set(line["kernel_us"]) == {"k1_b128_w4_s2", "k2_b16_w4_s3"}
+        assert set(line["kernel_us"]) == {"1:128:4:2", "2:16:4:3"}
         assert min(line["kernel_us"].values()) > 0 and line["fastest"] in line["kernel_us"]
-        assert line["model_settings"] == kernel.SETTINGS.label()
+        assert line["model_settings"] == kernel.SETTINGS.spec()
         assert line["baseline_us"] > 0
         assert line["baseline_attention"] == "einsum" and line["backend"] == "cpu"
     refused = run_repo_script(

@@ -32,7 +32,7 @@ from tba_jax.models import (
     transformer,
     unstack_layers,
 )
-from tba_jax.models.config import ATTENTIONS, EXECUTION_FIELDS
+from tba_jax.models.config import ATTENTIONS, EXECUTION_FIELDS, KernelSettings
 from tba_jax.sampling import engine, scoring
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
@@ -204,6 +204,30 @@ def test_fused_attention_in_passes_with_a_cache_decodes_as_the_einsum_one(plain)
         np.testing.assert_allclose(
             np.asarray(logits[name])[valid], np.asarray(logits["einsum"])[valid], atol=TOL
         )
+
+
+def test_the_pallas_decode_step_runs_with_the_configs_kernel_settings(plain, monkeypatch):
+    """`model.decode_kernel` reaches the kernel: each decode step's call gets its settings
+    (the default ones without it)."""
+    *_, params = plain
+    seen = []
+
+    def recording(*args, settings):
+        seen.append(settings)
+        return real(*args, settings=settings)
+
+    real = transformer.decode_attention
+    monkeypatch.setattr(transformer, "decode_attention", recording)
+    prompt = jnp.asarray([[0, 3, 4], [5, 6, 7]], jnp.int32)
+    sampling = SamplingConfig(max_new_tokens=2, greedy=True)
+    for spec in ("4:64:2:3", ""):
+        seen.clear()
+        model = abstract_model(execution(decode_attention="pallas", decode_kernel=spec))[0]
+        make_generate_fn(model, sampling, eos_id=1, pad_id=0)(
+            params, prompt, prompt > 0, jax.random.key(SEED)
+        )
+        want = KernelSettings(4, 64, 2, 3) if spec else KernelSettings()
+        assert seen and set(seen) == {want}
 
 
 def test_pallas_decode_attention_decodes_as_the_einsum_one(plain):
@@ -477,6 +501,8 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(logprob_chunk=-1), "model.logprob_chunk"),
         # pythia-2.8b's heads: Triton takes power-of-two sizes only
         (dict(decode_attention="pallas", head_dim=80), "power of two .*is 80"),
+        (dict(decode_kernel="2:96:4:2"), "decode_kernel: .*block_k must be a power of two"),
+        (dict(decode_kernel="fast"), "decode_kernel: 'fast' is not k_splits:block_k"),
         (dict(decode_attention="pallas", num_heads=34, num_kv_heads=2, head_dim=4), "up to 16"),
     ],
 )

@@ -24,7 +24,7 @@ turns the language-model head into a `num_labels`-way score head (reward models)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -48,13 +48,73 @@ DECODE_ATTENTIONS = ("same", "pallas")
 # The Pallas decode kernel loads a KV head's query heads as one tile of this many rows
 # (Triton's matmuls take at least 16 on each side, and power-of-two array sizes only).
 PALLAS_DECODE_TILE = 16
+MIN_BLOCK_K = 16  # cache slots the kernel reads at once, at least (Triton's matmuls)
+
+
+class KernelSettings(NamedTuple):
+    """How the Pallas decode kernel (`models.decode_attention`) splits its work (the
+    results are the same to float rounding):
+
+    - k_splits: programs a row's walk over the cache is split between (each KV head's);
+      > 1 adds a combining step outside the kernel;
+    - block_k: cache slots a program reads at once (a power of two >= `MIN_BLOCK_K`; fewer
+      for a shorter cache);
+    - num_warps, num_stages: Triton's launch settings (ignored by the interpreter).
+
+    `model.decode_kernel` sets them as "k_splits:block_k:num_warps:num_stages", and
+    `benchmarks/decode_attention_kernel.py --settings` times a grid of them on a GPU.
+    """
+
+    k_splits: int = 1
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def spec(self) -> str:
+        """e.g. "1:128:4:2", as `model.decode_kernel` and `parse_kernel_settings` take it."""
+        return ":".join(str(value) for value in self)
+
+
+def check_kernel_settings(settings: KernelSettings) -> None:
+    """ValueError for settings the kernel cannot run with."""
+    k_splits, block_k, num_warps, num_stages = settings
+    if k_splits < 1 or num_stages < 1:
+        raise ValueError(f"{settings}: k_splits and num_stages must be at least 1.")
+    for name, value in (("block_k", block_k), ("num_warps", num_warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{settings}: {name} must be a power of two.")
+    if block_k < MIN_BLOCK_K:
+        raise ValueError(f"{settings}: block_k must be at least {MIN_BLOCK_K}.")
+
+
+def parse_kernel_settings(spec: str) -> KernelSettings:
+    """KernelSettings from "k_splits:block_k:num_warps:num_stages" (e.g. "4:64:4:3"),
+    checked (ValueError naming the spec)."""
+    parts = spec.split(":")
+    if len(parts) != 4 or not all(part.isdigit() for part in parts):
+        raise ValueError(
+            f"{spec!r} is not k_splits:block_k:num_warps:num_stages (four whole numbers, "
+            "e.g. 2:128:4:2)."
+        )
+    settings = KernelSettings(*map(int, parts))
+    check_kernel_settings(settings)
+    return settings
+
+
 HALF_DTYPES = ("bfloat16", "float16")
 # Execution field values only a GPU runs, and the value that computes the same attention
 # elsewhere: what a run's checkpoint is read with where there is no GPU.
 GPU_ONLY_EXECUTION = {("attention", "cudnn"): "dot_product", ("decode_attention", "pallas"): "same"}
 # Fields that change how the model runs but neither its outputs (up to float rounding) nor
 # its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
-EXECUTION_FIELDS = ("scan_decode", "remat", "attention", "decode_attention", "logprob_chunk")
+EXECUTION_FIELDS = (
+    "scan_decode",
+    "remat",
+    "attention",
+    "decode_attention",
+    "decode_kernel",
+    "logprob_chunk",
+)
 
 # Values the architecture switches take when a config leaves them as None.
 _LLAMA_SWITCHES = dict(
@@ -137,6 +197,9 @@ class ModelConfig:
       cache): "same" as `attention`, or "pallas", flash decoding in one Pallas kernel
       over the cache as it is laid out (`models.decode_attention`: Triton on a GPU, Pallas'
       interpreter, slow, elsewhere). Prefill and cache-free passes keep `attention`.
+    - `decode_kernel`: the Pallas kernel's `KernelSettings` as
+      "k_splits:block_k:num_warps:num_stages" ("": its defaults, `KernelSettings()`), for
+      tuning it to a GPU; read only with `decode_attention="pallas"`.
     - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
       and normalise this many response slots at a time, so [rows, length, vocab] float32
       logits never exist at once (0: all slots in one go).
@@ -182,6 +245,7 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "einsum"
     decode_attention: str = "same"
+    decode_kernel: str = ""
     logprob_chunk: int = 0
 
     def __post_init__(self):
@@ -279,6 +343,11 @@ class ModelConfig:
             )
         if self.decode_attention == "pallas":
             self._check_pallas_decode_shape()
+        if self.decode_kernel:
+            try:
+                parse_kernel_settings(self.decode_kernel)
+            except ValueError as error:
+                raise ValueError(f"model.decode_kernel: {error}") from None
         if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
             raise ValueError(
                 "model.attention='cudnn' needs a half-precision compute dtype "
@@ -295,6 +364,11 @@ class ModelConfig:
                 f"model.logprob_chunk={self.logprob_chunk!r} must be an integer >= 0 (0: no "
                 "chunking)."
             )
+
+    @property
+    def decode_kernel_settings(self) -> KernelSettings:
+        """The Pallas decode kernel's settings (`decode_kernel`, parsed)."""
+        return parse_kernel_settings(self.decode_kernel) if self.decode_kernel else KernelSettings()
 
     @property
     def resolved_head_dim(self) -> int:

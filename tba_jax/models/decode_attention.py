@@ -19,46 +19,28 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tba_jax.models.config import PALLAS_DECODE_TILE
+from tba_jax.models.config import (
+    MIN_BLOCK_K,
+    PALLAS_DECODE_TILE,
+    KernelSettings,
+    check_kernel_settings,
+)
 
 # Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
 # masked: Triton's matmuls need at least 16 on each side (`ModelConfig` checks a model's
 # heads against it).
 QUERY_TILE = PALLAS_DECODE_TILE
-MIN_BLOCK_K = 16  # cache slots a program reads at once, at least (Triton's matmuls)
 QK_DIMS = (((1,), (1,)), ((), ()))  # [tile, hd] · [block_k, hd] over hd
 
 
-class KernelSettings(NamedTuple):
-    """How the kernel splits its work (the results are the same to float rounding):
-
-    - k_splits: programs a row's walk over the cache is split between (each KV head's);
-      > 1 adds a combining step outside the kernel;
-    - block_k: cache slots a program reads at once (a power of two >= `MIN_BLOCK_K`; fewer
-      for a shorter cache);
-    - num_warps, num_stages: Triton's launch settings (ignored by the interpreter).
-
-    `benchmarks/decode_attention_kernel.py --settings` times a grid of them on a GPU.
-    """
-
-    k_splits: int = 1
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def label(self) -> str:
-        """e.g. "k1_b128_w4_s2", the benchmark's key for these settings."""
-        return f"k{self.k_splits}_b{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-
-
-# What the model runs with (the library kernel's launch settings, one program a row's walk).
+# What the model runs with unless `model.decode_kernel` says otherwise (the library kernel's
+# launch settings, one program a row's walk).
 SETTINGS = KernelSettings()
 
 
@@ -191,18 +173,6 @@ def decode_attention(
     return _decode_attention(q, k, v, visible, settings=settings, interpret=interpret)
 
 
-def check_settings(settings: KernelSettings) -> None:
-    """ValueError for settings the kernel cannot run with."""
-    k_splits, block_k, num_warps, num_stages = settings
-    if k_splits < 1 or num_stages < 1:
-        raise ValueError(f"{settings}: k_splits and num_stages must be at least 1.")
-    for name, value in (("block_k", block_k), ("num_warps", num_warps)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{settings}: {name} must be a power of two.")
-    if block_k < MIN_BLOCK_K:
-        raise ValueError(f"{settings}: block_k must be at least {MIN_BLOCK_K}.")
-
-
 def _decode_attention(
     q: jax.Array,
     k: jax.Array,
@@ -221,7 +191,7 @@ def _decode_attention(
             f"decode attention 'pallas' takes up to {QUERY_TILE} query heads per KV head; "
             f"this model has {num_heads} query and {kv_heads} KV heads."
         )
-    check_settings(settings)
+    check_kernel_settings(settings)
     block_k = block_k_for(cache_len, settings.block_k)
     blocks = -(-cache_len // block_k)
     blocks_per_split = -(-blocks // settings.k_splits)

@@ -301,7 +301,8 @@ class Attention(nnx.Module):
             causal = key_slots[None, None, :] <= query_slots[:, :, None]  # [1 or B, S, S_kv]
             visible = causal & key_valid[:, None, :]
             if pallas_step:
-                out = decode_attention(q[:, 0], k, v, visible[:, 0])[:, None]
+                settings = cfg.decode_kernel_settings
+                out = decode_attention(q[:, 0], k, v, visible[:, 0], settings=settings)[:, None]
             elif fused:  # with a cache: the cache-free pass took the branch above
                 out = fused_cached_attention(q, k, v, visible, cfg)
             else:
