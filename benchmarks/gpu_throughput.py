@@ -18,7 +18,9 @@ Prints one JSON line per measurement: the median of `--repeats` timed runs after
 compiling warm-up, with tokens/s; for decode, the memory-bound roofline at `--hbm_tb_s`
 (`tba_jax.roofline`: the weights and each row's KV cache read once a step) and the share
 of it reached; for the learner, model FLOP utilisation against `--peak_tflops` (dense
-bf16), with the FLOPs per token written out. `--layers` changes the preset's depth, and
+bf16), with the FLOPs per token written out. Unset, both are the device's datasheet
+figures (`roofline.DEVICE_PEAKS`: H100, H200, A100, TPU v4-v6e; an H100 SXM's for another
+device), named in the first line's `peaks`. `--layers` changes the preset's depth, and
 `--scan_layers`, `--scan_decode`, `--remat`, `--attention`, `--decode_attention`,
 `--decode_kernel` and `--logprob_chunk` set those execution knobs
 (`benchmarks/static_profile.py` gives each one's MFU ceiling; decode reports its compile
@@ -120,9 +122,11 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--score_rows_per_chunk", type=int, default=0, help="0: all rows")
-    parser.add_argument("--peak_tflops", type=float, default=roofline.H100_DENSE_BF16_FLOPS / 1e12)
     parser.add_argument(
-        "--hbm_tb_s", type=float, default=roofline.H100_HBM_BYTES_PER_S / 1e12, help="HBM TB/s"
+        "--peak_tflops", type=float, default=None, help="dense bf16 (unset: the device's)"
+    )
+    parser.add_argument(
+        "--hbm_tb_s", type=float, default=None, help="HBM TB/s (unset: the device's)"
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
@@ -161,7 +165,12 @@ def main() -> None:
     except cli.UsageError as error:
         cli.exit_with_error(str(error))
 
-    print(json.dumps({"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}))
+    peaks = fill_in_peaks(args)
+    print(
+        json.dumps(
+            {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "peaks": peaks}
+        )
+    )
     rng = np.random.default_rng(0)
     total = args.prompt + args.new
     sizes = dict(max_seq_len=total, vocab_size=args.vocab)
@@ -253,6 +262,21 @@ def main() -> None:
     if args.pairs:
         mixed = preset(args.shape, dtype=args.dtype, param_dtype="float32", **sizes, **execution)
         measure_reward_model_step(args, train_reward_model.scalar_score_config(mixed), rng)
+
+
+def fill_in_peaks(args) -> dict:
+    """Sets --hbm_tb_s and --peak_tflops the flags leave unset to the device's datasheet
+    figures (`roofline.device_peaks`; an H100 SXM's for a device it does not know, such as
+    a CPU), and says which were used and where from."""
+    kind = jax.devices()[0].device_kind
+    known = roofline.device_peaks(kind)
+    peaks = known or roofline.H100_SXM
+    if args.hbm_tb_s is None:
+        args.hbm_tb_s = peaks.hbm_bytes_per_s / 1e12
+    if args.peak_tflops is None:
+        args.peak_tflops = peaks.dense_bf16_flops / 1e12
+    source = peaks.name if known else f"{peaks.name} (device {kind!r} not in roofline's table)"
+    return {"hbm_tb_s": args.hbm_tb_s, "peak_tflops": args.peak_tflops, "source": source}
 
 
 def execution_fields(args) -> dict:

@@ -19,11 +19,49 @@ mask); model FLOP utilisation (MFU) divides by the device's dense peak.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tba_jax.models import ModelConfig
 
 # H100 SXM: HBM3 bandwidth and dense bf16 tensor-core peak (NVIDIA's datasheet).
 H100_HBM_BYTES_PER_S = 3.35e12
 H100_DENSE_BF16_FLOPS = 989e12
+
+
+class DevicePeaks(NamedTuple):
+    """A device's memory bandwidth and dense bf16 matmul peak (its datasheet's)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    dense_bf16_flops: float
+
+
+H100_SXM = DevicePeaks("H100 SXM", H100_HBM_BYTES_PER_S, H100_DENSE_BF16_FLOPS)
+# (a substring of JAX's `device_kind`, the device's peaks), the more specific first:
+# NVIDIA's and Google Cloud's datasheets, dense (not sparse) bf16.
+DEVICE_PEAKS = (
+    ("H200 NVL", DevicePeaks("H200 NVL", 4.8e12, 835e12)),
+    ("H200", DevicePeaks("H200 SXM", 4.8e12, 989e12)),
+    ("H100 NVL", DevicePeaks("H100 NVL", 3.9e12, 835e12)),
+    ("H100 PCIe", DevicePeaks("H100 PCIe", 2.0e12, 756e12)),
+    ("H100", H100_SXM),
+    ("A100-SXM4-80GB", DevicePeaks("A100 SXM 80GB", 2.039e12, 312e12)),
+    ("A100 80GB PCIe", DevicePeaks("A100 PCIe 80GB", 1.935e12, 312e12)),
+    ("A100", DevicePeaks("A100 40GB", 1.555e12, 312e12)),
+    ("TPU v6 lite", DevicePeaks("TPU v6e", 1.64e12, 918e12)),
+    ("TPU v5 lite", DevicePeaks("TPU v5e", 0.819e12, 197e12)),
+    ("TPU v5", DevicePeaks("TPU v5p", 2.765e12, 459e12)),
+    ("TPU v4", DevicePeaks("TPU v4", 1.2e12, 275e12)),
+)
+
+
+def device_peaks(device_kind: str) -> DevicePeaks | None:
+    """The peaks of a device JAX names `device_kind` (e.g. "NVIDIA H100 80GB HBM3"), or
+    None for one the table does not know (a CPU)."""
+    for key, peaks in DEVICE_PEAKS:
+        if key in device_kind:
+            return peaks
+    return None
 
 
 def kv_bytes_per_token(cfg: ModelConfig, cache_bytes: int) -> int:

@@ -58,3 +58,30 @@ def test_scoring_flops_per_token_by_hand():
     # 2 per multiplying param, causal attention 2·L·H·hd·S (one forward pass)
     expected = 2 * cfg.num_params() + 2 * 24 * 14 * 64 * 512
     assert roofline.forward_flops_per_token(cfg, 512) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "device_kind, name, tb_s, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 3.35, 989),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 2.0, 756),
+        ("NVIDIA H200", "H200 SXM", 4.8, 989),
+        ("NVIDIA H200 NVL", "H200 NVL", 4.8, 835),
+        ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB", 2.039, 312),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB", 1.555, 312),
+        ("TPU v5 lite", "TPU v5e", 0.819, 197),
+        ("TPU v5", "TPU v5p", 2.765, 459),
+        ("TPU v4", "TPU v4", 1.2, 275),
+    ],
+)
+def test_a_device_kind_names_its_datasheet_peaks(device_kind, name, tb_s, tflops):
+    peaks = roofline.device_peaks(device_kind)
+    assert (peaks.name, peaks.hbm_bytes_per_s, peaks.dense_bf16_flops) == (
+        name,
+        pytest.approx(tb_s * 1e12),
+        pytest.approx(tflops * 1e12),
+    )
+
+
+def test_an_unknown_device_has_no_peaks():
+    assert roofline.device_peaks("cpu") is None
