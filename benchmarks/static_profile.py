@@ -7,11 +7,13 @@ hardware allows: a static profile made from the optimized program, without runni
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/static_profile.py \
         --target=h100 --program=reward_model --shape=pythia-2.8b --microbatches=8
 
-`--target=h100` compiles for an H100 without one (XLA's deviceless GPU compilation, from
-`benchmarks/targets/h100_sxm.txtpb`); it needs JAX's CUDA plugin at the installed JAX's
-version (`pip install jax-cuda12-plugin==<jax version>`, about 180 MB, no CUDA libraries),
-and no GPU. XLA does not autotune its matmuls there, so their tiling (split-K partial sums
-included) is the compiler's default, which a GPU's autotuner may change.
+`--target=h100` (or `h200`) compiles for an H100 (H200) without one (XLA's deviceless GPU
+compilation, from `benchmarks/targets/h100_sxm.txtpb`, `h200_sxm.txtpb`); it needs JAX's
+CUDA plugin at the installed JAX's version (`pip install jax-cuda12-plugin==<jax
+version>`, about 180 MB, no CUDA libraries), and no GPU. `--hbm_tb_s` and `--peak_tflops`
+default to the target device's datasheet figures (`roofline.device_peaks`). XLA does not
+autotune its matmuls there, so their tiling (split-K partial sums included) is the
+compiler's default, which a GPU's autotuner may change.
 
 Random-weight shapes of a preset (`--shape`), as `benchmarks/gpu_throughput.py` measures
 them. The program is read with `tba_jax.hlo_traffic`: per kernel, the bytes it reads and
@@ -80,7 +82,8 @@ TEMPERATURE = 0.7
 BETA = 0.05  # the TB loss's β, held constant
 LEARNING_RATE = 1e-6
 LEARNER_PROGRAMS = ("train", "reward_model")  # float32 params and Adam state
-TARGETS = {"h100": Path(__file__).resolve().parent / "targets" / "h100_sxm.txtpb"}
+TARGET_DIR = Path(__file__).resolve().parent / "targets"
+TARGETS = {"h100": TARGET_DIR / "h100_sxm.txtpb", "h200": TARGET_DIR / "h200_sxm.txtpb"}
 PLUGIN_HINT = (
     "compiling for {target} without its GPU needs JAX's CUDA plugin at JAX's version: "
     "pip install jax-cuda12-plugin=={version} (no GPU or CUDA libraries needed)"
@@ -129,9 +132,9 @@ _DECODE_KERNEL = flags.DEFINE_string(
     "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
 )
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
-_HBM_TB_S = flags.DEFINE_float("hbm_tb_s", roofline.H100_HBM_BYTES_PER_S / 1e12, "HBM TB/s.")
+_HBM_TB_S = flags.DEFINE_float("hbm_tb_s", None, "HBM TB/s (unset: the target device's).")
 _PEAK_TFLOPS = flags.DEFINE_float(
-    "peak_tflops", roofline.H100_DENSE_BF16_FLOPS / 1e12, "Dense bf16 TFLOP/s."
+    "peak_tflops", None, "Dense bf16 TFLOP/s (unset: the target device's)."
 )
 _TOP = flags.DEFINE_integer("top", 12, "Largest kernel groups to list.", lower_bound=0)
 flags.adopt_module_key_flags(cli)
@@ -151,6 +154,16 @@ def target_device(target: str) -> jax.Device:
         hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
         raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
     return topology.devices[0]
+
+
+def device_peaks(device: jax.Device) -> tuple[float, float]:
+    """(HBM bytes/s, dense bf16 FLOP/s): --hbm_tb_s and --peak_tflops, or where unset the
+    device's datasheet figures (`roofline.device_peaks`; an H100 SXM's for a device it does
+    not know, such as a CPU)."""
+    peaks = roofline.device_peaks(device.device_kind) or roofline.H100_SXM
+    hbm = peaks.hbm_bytes_per_s if _HBM_TB_S.value is None else _HBM_TB_S.value * 1e12
+    peak = peaks.dense_bf16_flops if _PEAK_TFLOPS.value is None else _PEAK_TFLOPS.value * 1e12
+    return hbm, peak
 
 
 def check_model() -> None:
@@ -436,7 +449,7 @@ def kernel_profile(compiled, device: jax.Device, what: str, model_flops: float) 
     """Bytes, matmul FLOPs and roofline time of one run of a compiled program (scoring, a
     learner step), the MFU ceiling against `model_flops`, its largest kernels printed."""
     program = hlo_traffic.program_traffic(compiled.as_text())
-    hbm, peak = _HBM_TB_S.value * 1e12, _PEAK_TFLOPS.value * 1e12
+    hbm, peak = device_peaks(device)
     seconds = program.seconds_at_least(hbm, peak)
     largest = print_kernels(
         program,

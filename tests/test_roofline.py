@@ -6,8 +6,10 @@ whose lookup tables a step gathers from rather than reads."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
+from support import REPO_ROOT
 
 from tba_jax import roofline
 from tba_jax.models import ModelConfig, preset
@@ -85,3 +87,15 @@ def test_a_device_kind_names_its_datasheet_peaks(device_kind, name, tb_s, tflops
 
 def test_an_unknown_device_has_no_peaks():
     assert roofline.device_peaks("cpu") is None
+
+
+@pytest.mark.parametrize("target", ["h100_sxm", "h200_sxm"])
+def test_the_static_profiles_gpu_targets_match_the_peaks_table(target):
+    """benchmarks/targets/<target>.txtpb (XLA's description of the GPU compiled for without
+    it) names a device whose table bandwidth is the description's own."""
+    text = (REPO_ROOT / "benchmarks" / "targets" / f"{target}.txtpb").read_text()
+    kind = re.search(r'device_description_str: "([^"]+)"', text).group(1)
+    bandwidth = float(re.search(r"memory_bandwidth: (\d+)", text).group(1))
+    peaks = roofline.device_peaks(kind)
+    assert peaks.name == {"h100_sxm": "H100 SXM", "h200_sxm": "H200 SXM"}[target]
+    assert bandwidth == pytest.approx(peaks.hbm_bytes_per_s, rel=1e-3)
