@@ -366,8 +366,9 @@ def critic_start_params(config: ml_collections.ConfigDict, tokenizer) -> Params 
     from tba_jax.models.frozen import DEFAULT_ATTENTION, load_frozen_model
 
     role = config.task.reward_model.copy_and_resolve_references()
-    role.dtype = config.model.param_dtype  # the critic trains in the policy's param dtype
-    role.attention = DEFAULT_ATTENTION  # only its weights are read
+    with role.unlocked():  # a run's config from before roles had `attention` lacks the key
+        role.dtype = config.model.param_dtype  # the critic trains in the policy's param dtype
+        role.attention = DEFAULT_ATTENTION  # only its weights are read
     frozen = load_frozen_model(
         role,
         role_name="task.reward_model",
