@@ -53,7 +53,7 @@ from tba_jax.models import (
     stack_layers,
     unstack_layers,
 )
-from tba_jax.models.config import GPU_ONLY_EXECUTION
+from tba_jax.models.config import EXECUTION_FIELDS, GPU_ONLY_EXECUTION
 from tba_jax.tasks.base import task_identity
 from tba_jax.warmstart import WarmStartCheckpoint
 
@@ -176,16 +176,9 @@ def run_tokenizer(config: ml_collections.ConfigDict, workdir: str):
     return policy_tokenizer(config) or tasks.build_task(config.task, workdir).tokenizer
 
 
-# config.model keys that set how the policy is computed (`ModelConfig`'s execution fields).
-EXECUTION_KEYS = (
-    "scan_layers",
-    "scan_decode",
-    "remat",
-    "attention",
-    "decode_attention",
-    "decode_kernel",
-    "logprob_chunk",
-)
+# config.model keys that set how the policy is computed (`ModelConfig`'s execution fields,
+# and its params' layout, which a resume converts).
+EXECUTION_KEYS = ("scan_layers", *EXECUTION_FIELDS)
 
 
 def execution_fields(config: ml_collections.ConfigDict) -> dict:
