@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in seven parts that each fit a 10-minute command:
+# in eight parts that each fit a 10-minute command:
 #
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_report.sh decode_more    # decode with einsum attention, on float32
 #                                                # params, and with cuBLAS's matmuls
 #   bash benchmarks/gpu_report.sh learner        # learner MFU, scoring, publish, profiles
+#   bash benchmarks/gpu_report.sh learner_1.5b   # the 1.5b learner step unscanned beside
+#                                                # scanned (a GPU of >= 120 GB: an H200)
 #   bash benchmarks/gpu_report.sh engine [FLAGS] # batch-then-score vs the slot engine (FLAGS:
 #                                                # more engine_speed.py flags, e.g.
 #                                                # --attention=cudnn --decode_attention=pallas)
@@ -26,7 +28,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="decode PEER | decode_more | learner | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
+PARTS="decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -94,6 +96,19 @@ case "$part" in
     XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false" run $G \
       --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=score,train --repeats=1 \
       --attention=cudnn --profile=30
+    ;;
+  learner_1.5b)
+    # unscanned, the qwen2.5-1.5b step plans 69.7 GiB (static_profile --target=h200): it did
+    # not fit an 80 GB H100 even at 95% of its memory, and should fit an H200's 141 GB
+    memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+    if [ "${memory_mib:-0}" -lt 120000 ]; then
+      echo "error: learner_1.5b needs a GPU of >= 120 GB (this one: ${memory_mib:-?} MiB)" >&2
+      exit 2
+    fi
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+    run $G --shape=qwen2.5-1.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn
+    run $G --shape=qwen2.5-1.5b --prompt=512 --new=512 --skip=decode,score --attention=cudnn \
+      --scan_layers --remat=dots_with_no_batch_dims_saveable
     ;;
   engine)
     # issue 11's GPU half: batch-then-score against the slot engine at the GSM8K searcher's
