@@ -504,6 +504,14 @@ def check_attention(config: ml_collections.ConfigDict, backend: str | None = Non
                 f"JAX platform is {backend}, where it would run in Pallas' interpreter, many "
                 "times slower; use model.decode_attention=same here."
             )
+    if config.model.get("attention") == "splash":
+        backend = backend or jax.default_backend()
+        if backend != "tpu":
+            raise ConfigError(
+                "model.attention=splash is a Pallas kernel for a TPU, and this run's JAX "
+                f"platform is {backend}, where it would run in Pallas' interpreter, many "
+                "times slower; use model.attention=dot_product here (or cudnn on a GPU)."
+            )
     if config.model.get("attention") != "cudnn":
         return
     dtype = config.model.get("dtype") or "float32"
@@ -539,6 +547,12 @@ def check_role_attention(config: ml_collections.ConfigDict, backend: str | None 
         attention = role["attention"]
         if attention not in ATTENTIONS:
             raise ConfigError(f"{key}.attention={attention!r} must be one of {list(ATTENTIONS)}.")
+        if attention == "splash" and (backend or jax.default_backend()) != "tpu":
+            raise ConfigError(
+                f"{key}.attention=splash is a Pallas kernel for a TPU, and this run's JAX "
+                f"platform is {backend or jax.default_backend()}; use {key}.attention="
+                "dot_product here."
+            )
         if attention != "cudnn":
             continue
         if role.get("dtype") not in HALF_DTYPES:

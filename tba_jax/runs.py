@@ -53,7 +53,7 @@ from tba_jax.models import (
     stack_layers,
     unstack_layers,
 )
-from tba_jax.models.config import EXECUTION_FIELDS, GPU_ONLY_EXECUTION
+from tba_jax.models.config import EXECUTION_FIELDS, PLATFORM_EXECUTION
 from tba_jax.tasks.base import task_identity
 from tba_jax.warmstart import WarmStartCheckpoint
 
@@ -192,21 +192,21 @@ def runnable_execution_fields(
     config: ml_collections.ConfigDict, backend: str | None = None
 ) -> dict:
     """`execution_fields` for reading a run on this process's platform (`backend`, default
-    JAX's): a GPU-only kernel (cuDNN's attention, the Pallas decode kernel) becomes the
-    kernel that computes the same attention here, with a warning, so a GPU run's checkpoint
-    is evaluated, exported or viewed on any machine."""
+    JAX's): a kernel of another platform (cuDNN's attention or the Pallas decode kernel off
+    a GPU, splash attention off a TPU) becomes the kernel that computes the same attention
+    here, with a warning, so a run's checkpoint is evaluated, exported or viewed on any
+    machine."""
     fields = execution_fields(config)
     backend = backend or jax.default_backend()
-    if backend == "gpu":
-        return fields
-    for (key, gpu_only), instead in GPU_ONLY_EXECUTION.items():
-        if fields.get(key) == gpu_only:
+    for (key, value), (platform, instead) in PLATFORM_EXECUTION.items():
+        if fields.get(key) == value and backend != platform:
             fields[key] = instead
             logging.warning(
-                "The run set model.%s=%s, which needs a GPU; reading it on %s with "
+                "The run set model.%s=%s, which needs a %s; reading it on %s with "
                 "model.%s=%s (the same attention, another kernel).",
                 key,
-                gpu_only,
+                value,
+                platform.upper(),
                 backend,
                 key,
                 instead,

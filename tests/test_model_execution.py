@@ -153,6 +153,26 @@ def test_fused_attention_matches_the_einsum_one_with_padding(plain):
     assert_trees_close(fused_grads, grads, GRAD_TOL)
 
 
+def test_splash_attention_matches_the_einsum_one_and_decodes_through_dot_product(plain):
+    """`attention=splash` (Pallas' TPU kernel, its interpreter here): the cache-free pass's
+    12 slots padded to the kernel's 128, grouped query heads as multi-query attention, the
+    padding as segment ids: log-probs and gradients are the einsum model's; passes with a
+    KV cache go through jax.nn.dot_product_attention and decode the einsum model's tokens."""
+    logp, grads, params = plain
+    splash_logp, splash_grads = logprobs_and_grads(execution(attention="splash"), params)
+    np.testing.assert_allclose(splash_logp, logp, atol=TOL)
+    assert_trees_close(splash_grads, grads, GRAD_TOL)
+    prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
+    sampling = SamplingConfig(max_new_tokens=4, greedy=True)
+    einsum, splash = (
+        make_generate_fn(abstract_model(cfg)[0], sampling, eos_id=1, pad_id=0)(
+            params, prompt, prompt > 0, jax.random.key(SEED)
+        )
+        for cfg in (PLAIN, execution(attention="splash"))
+    )
+    np.testing.assert_array_equal(np.asarray(splash.tokens), np.asarray(einsum.tokens))
+
+
 def test_fused_attention_padded_to_the_kernels_length_multiple_gives_the_same(plain, monkeypatch):
     """The cache-free pass pads its 12 slots to the kernel's length multiple (cuDNN: even
     lengths; forced to 8 here, so 4 padded slots) and drops their outputs: log-probs and
@@ -521,6 +541,11 @@ def test_the_config_checks_the_knobs():
     config_lib.check_attention(config, backend="gpu")
     with pytest.raises(config_lib.ConfigError, match=r"cudnn needs a GPU with cuDNN.*is cpu"):
         config_lib.check_attention(config, backend="cpu")
+    config.model.attention = "splash"
+    config_lib.check_attention(config, backend="tpu")
+    with pytest.raises(config_lib.ConfigError, match=r"attention=splash is a Pallas kernel .*gpu"):
+        config_lib.check_attention(config, backend="gpu")
+    config.model.attention = "cudnn"
     config.model.decode_attention = "pallas"
     config_lib.check_attention(config, backend="gpu")
     for backend in ("cpu", "tpu"):

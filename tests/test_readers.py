@@ -252,7 +252,7 @@ def test_a_restored_policy_computes_with_its_runs_execution_knobs(finished_run):
     assert (model_cfg.attention, model_cfg.logprob_chunk) == ("dot_product", 4)
 
 
-def test_a_gpu_runs_kernels_are_read_elsewhere_as_the_same_attention(finished_run, caplog):
+def test_another_platforms_kernels_are_read_here_as_the_same_attention(finished_run, caplog):
     config = runs.load_config(finished_run)
     config.model.attention, config.model.decode_attention = "cudnn", "pallas"
     gpu = runs.runnable_execution_fields(config, backend="gpu")
@@ -262,6 +262,11 @@ def test_a_gpu_runs_kernels_are_read_elsewhere_as_the_same_attention(finished_ru
     assert (model_cfg.attention, model_cfg.decode_attention) == ("dot_product", "same")
     assert "model.attention=cudnn, which needs a GPU; reading it on cpu" in caplog.text
     assert "model.decode_attention=pallas, which needs a GPU" in caplog.text
+    # a TPU run's splash attention, read on a GPU
+    config.model.attention, config.model.decode_attention = "splash", "same"
+    assert runs.runnable_execution_fields(config, backend="tpu")["attention"] == "splash"
+    assert runs.runnable_execution_fields(config, backend="gpu")["attention"] == "dot_product"
+    assert "model.attention=splash, which needs a TPU; reading it on gpu" in caplog.text
 
 
 # ---------------------------------------------------------------- a run stopped in its warm start

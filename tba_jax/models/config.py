@@ -41,8 +41,10 @@ HEADS = ("lm", "score")
 # recompute the whole block in the backward pass).
 REMAT_POLICIES = ("none", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # "einsum": the explicit einsum/softmax attention; "dot_product": `jax.nn.dot_product_attention`
-# with JAX's choice of kernel (XLA in JAX 0.10); "cudnn": its cuDNN flash kernel (GPU, bf16/fp16).
-ATTENTIONS = ("einsum", "dot_product", "cudnn")
+# with JAX's choice of kernel (XLA in JAX 0.10); "cudnn": its cuDNN flash kernel (GPU, bf16/fp16);
+# "splash": Pallas' splash attention kernel for TPUs in cache-free passes
+# (`models.splash_attention`), "dot_product" in passes with a KV cache.
+ATTENTIONS = ("einsum", "dot_product", "cudnn", "splash")
 # A decode step's attention: "same" as `attention`, or "pallas" (`models.decode_attention`).
 DECODE_ATTENTIONS = ("same", "pallas")
 # The Pallas decode kernel loads a KV head's query heads as one tile of this many rows
@@ -102,9 +104,13 @@ def parse_kernel_settings(spec: str) -> KernelSettings:
 
 
 HALF_DTYPES = ("bfloat16", "float16")
-# Execution field values only a GPU runs, and the value that computes the same attention
-# elsewhere: what a run's checkpoint is read with where there is no GPU.
-GPU_ONLY_EXECUTION = {("attention", "cudnn"): "dot_product", ("decode_attention", "pallas"): "same"}
+# Execution field values only one platform (JAX's name for it) runs, and the value that
+# computes the same attention elsewhere: what a run's checkpoint is read with there.
+PLATFORM_EXECUTION = {
+    ("attention", "cudnn"): ("gpu", "dot_product"),
+    ("decode_attention", "pallas"): ("gpu", "same"),
+    ("attention", "splash"): ("tpu", "dot_product"),
+}
 # Fields that change how the model runs but neither its outputs (up to float rounding) nor
 # its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
 EXECUTION_FIELDS = (
@@ -192,7 +198,8 @@ class ModelConfig:
     - `remat`: a rematerialisation policy (`REMAT_POLICIES`) applied to each block of the
       cache-free pass: what the backward pass recomputes instead of keeping.
     - `attention`: the attention kernel (`ATTENTIONS`) of every pass, with a KV cache
-      (prefill, decode steps) or without (learner, scoring).
+      (prefill, decode steps) or without (learner, scoring); "splash" (TPU) is a kernel
+      for cache-free passes, and passes with a cache take "dot_product" then.
     - `decode_attention`: a decode step's attention (one query slot per row over the KV
       cache): "same" as `attention`, or "pallas", flash decoding in one Pallas kernel
       over the cache as it is laid out (`models.decode_attention`: Triton on a GPU, Pallas'

@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
-from tba_jax.models.config import GPU_ONLY_EXECUTION
+from tba_jax.models.config import PLATFORM_EXECUTION
 from tba_jax.models.tokenizers import Tokenizer
 
 
@@ -76,17 +76,19 @@ DEFAULT_ATTENTION = "einsum"  # a role section without `attention` (a run from b
 
 def role_attention(role: ml_collections.ConfigDict, role_name: str, backend: str | None = None):
     """The attention kernel the role's model runs with on this process's platform
-    (`backend`, default JAX's): its `attention`, or for a GPU-only one off a GPU the kernel
-    that computes the same attention there (with a warning)."""
+    (`backend`, default JAX's): its `attention`, or for one of another platform's (cuDNN's
+    off a GPU, splash off a TPU) the kernel that computes the same attention here (with a
+    warning)."""
     attention = role.get("attention", DEFAULT_ATTENTION)
     backend = backend or jax.default_backend()
-    instead = GPU_ONLY_EXECUTION.get(("attention", attention))
-    if instead is not None and backend != "gpu":
+    platform, instead = PLATFORM_EXECUTION.get(("attention", attention), (backend, attention))
+    if backend != platform:
         logging.warning(
-            "%s.attention=%s needs a GPU; running the %s on %s with attention=%s (the same "
+            "%s.attention=%s needs a %s; running the %s on %s with attention=%s (the same "
             "attention, another kernel).",
             role_name,
             attention,
+            platform.upper(),
             role_name,
             backend,
             instead,

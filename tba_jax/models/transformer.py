@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tba_jax.models import splash_attention
 from tba_jax.models.config import REMAT_POLICIES, ModelConfig
 from tba_jax.models.decode_attention import decode_attention
 
@@ -54,12 +55,14 @@ CHECKPOINT_POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 assert set(CHECKPOINT_POLICIES) == set(REMAT_POLICIES) - {"none"}
-# jax.nn.dot_product_attention's `implementation` for each fused `cfg.attention`.
-FUSED_ATTENTION_IMPLEMENTATIONS = {"dot_product": None, "cudnn": "cudnn"}
+# jax.nn.dot_product_attention's `implementation` for each fused `cfg.attention` (splash's:
+# in passes with a KV cache; a cache-free pass runs `splash_attention`).
+FUSED_ATTENTION_IMPLEMENTATIONS = {"dot_product": None, "cudnn": "cudnn", "splash": None}
 # The cache-free pass pads its sequence to a multiple of this before a fused kernel: cuDNN's
 # flash attention refuses to train with a mask on an odd length (JAX's
-# check_is_flash_attention; TL;DR's 512 + 53 tokens, found on an H100).
-FUSED_SEQ_MULTIPLE = {"dot_product": 1, "cudnn": 2}
+# check_is_flash_attention; TL;DR's 512 + 53 tokens, found on an H100); splash attention
+# works in blocks of 128 slots.
+FUSED_SEQ_MULTIPLE = {"dot_product": 1, "cudnn": 2, "splash": splash_attention.BLOCK}
 
 ACTIVATION_FNS = {
     "silu": jax.nn.silu,
@@ -332,7 +335,8 @@ def fused_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, cfg: ModelConfig
 ) -> jax.Array:
     """Causal attention of a cache-free pass (queries in slots 0..S-1) through
-    `jax.nn.dot_product_attention`: q [B, S, H, hd]; k, v [B, S, KV, hd]; key_valid [B, S]
+    `jax.nn.dot_product_attention` (or `splash_attention` for `cfg.attention="splash"`):
+    q [B, S, H, hd]; k, v [B, S, KV, hd]; key_valid [B, S]
     bool, broadcast to a [B, 1, S, S] mask (cuDNN takes a mask as a bias, which must span
     both sequence axes; left padding is not a sequence length it could take instead).
     Returns [B, S, H, hd] in the compute dtype, zero at padding slots: a query that sees no
@@ -344,6 +348,10 @@ def fused_attention(
     if pad:  # trailing slots no query sees (causal, and masked); their outputs dropped
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
         key_valid = jnp.pad(key_valid, ((0, 0), (0, pad)))
+    if cfg.attention == "splash":
+        dt = cfg.compute_dtype
+        out = splash_attention.causal_attention(q.astype(dt), k.astype(dt), v.astype(dt), key_valid)
+        return jnp.where(key_valid[:, :, None, None], out, jnp.zeros((), dt))[:, :seq_len]
     padded_len = seq_len + pad
     mask = jnp.broadcast_to(key_valid[:, None, None, :], (batch, 1, padded_len, padded_len))
     return _fused_kernel(q, k, v, mask, key_valid, cfg, is_causal=True)[:, :seq_len]
