@@ -22,8 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
 # The kernel's query and key blocks (`splash.BlockSizes.get_default()`): a pass's sequence
 # is padded to a multiple of this (`transformer.FUSED_SEQ_MULTIPLE`).
@@ -33,7 +31,11 @@ BLOCK = 128
 @functools.cache
 def _kernel(seq_len: int, groups: int, interpret: bool):
     """The MQA kernel for `groups` query heads over `seq_len` slots, causal (its block
-    tables made as concrete arrays, whatever is being traced when it is first asked for)."""
+    tables made as concrete arrays, whatever is being traced when it is first asked for).
+    The kernel's modules are imported here: most programs never ask for one."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
     mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len))] * groups)
     with jax.ensure_compile_time_eval():
         return splash.make_splash_mqa(
@@ -73,8 +75,12 @@ def _causal_attention(q, k, v, key_valid, *, interpret: bool) -> jax.Array:
     keys, values = (x.transpose(0, 2, 1, 3) for x in (k, v))
     segment = key_valid.astype(jnp.int32)
 
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import (
+        SegmentIds,
+    )
+
     def one_head(q_head, k_head, v_head, row_segment):
-        ids = splash.SegmentIds(q=row_segment, kv=row_segment)
+        ids = SegmentIds(q=row_segment, kv=row_segment)
         return kernel(q_head, k_head, v_head, segment_ids=ids)
 
     per_kv_head = jax.vmap(one_head, in_axes=(0, 0, 0, None))
