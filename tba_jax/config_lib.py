@@ -33,6 +33,7 @@ from tba_jax.models.config import (
     DECODE_ATTENTIONS,
     DTYPES,
     HALF_DTYPES,
+    PLATFORM_EXECUTION,
     REMAT_POLICIES,
     parse_kernel_settings,
 )
@@ -490,42 +491,39 @@ def hf_folders(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[st
             yield dotted, value
 
 
-def check_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
-    """ConfigError for model.attention=cudnn without a half-precision compute dtype (the
-    cuDNN kernel takes bfloat16 or float16 only) or off a GPU, and for
-    model.decode_attention=pallas off a GPU, where the kernel has no Triton to lower to and
-    would run in Pallas' interpreter, far slower than the step it replaces (`backend`: JAX's
-    platform, default this process's)."""
-    if config.model.get("decode_attention") == "pallas":
-        backend = backend or jax.default_backend()
-        if backend != "gpu":
-            raise ConfigError(
-                "model.decode_attention=pallas is a Triton kernel for a GPU, and this run's "
-                f"JAX platform is {backend}, where it would run in Pallas' interpreter, many "
-                "times slower; use model.decode_attention=same here."
-            )
-    if config.model.get("attention") == "splash":
-        backend = backend or jax.default_backend()
-        if backend != "tpu":
-            raise ConfigError(
-                "model.attention=splash is a Pallas kernel for a TPU, and this run's JAX "
-                f"platform is {backend}, where it would run in Pallas' interpreter, many "
-                "times slower; use model.attention=dot_product here (or cudnn on a GPU)."
-            )
-    if config.model.get("attention") != "cudnn":
-        return
-    dtype = config.model.get("dtype") or "float32"
-    if dtype not in HALF_DTYPES:
-        raise ConfigError(
-            f"model.attention=cudnn needs model.dtype in {list(HALF_DTYPES)}, got {dtype!r}; "
-            "use model.attention=dot_product for float32."
-        )
+def check_platform_kernel(name: str, key: str, value: Any, backend: str | None = None) -> None:
+    """ConfigError when `value` of execution field `key` (set as `name`, e.g.
+    "task.victim.attention") is a kernel of another platform than this run's (`backend`:
+    JAX's, default this process's; `models.config.PLATFORM_EXECUTION`): cuDNN's attention
+    or the Pallas decode kernel off a GPU, splash attention off a TPU, where it would not
+    run, or run in Pallas' interpreter, many times slower."""
+    platform, instead = PLATFORM_EXECUTION.get((key, value), (None, None))
     backend = backend or jax.default_backend()
-    if backend != "gpu":
+    if platform is not None and backend != platform:
         raise ConfigError(
-            f"model.attention=cudnn needs a GPU with cuDNN, and this run's JAX platform is "
-            f"{backend}; use model.attention=dot_product here."
+            f"{name}={value} is a {platform.upper()} kernel, and this run's JAX platform is "
+            f"{backend}; use {name}={instead} here (the same attention, another kernel)."
         )
+
+
+def check_half_dtype_for_cudnn(name: str, attention: str, dtype: str | None) -> None:
+    """ConfigError for cuDNN's attention without a half-precision compute dtype (its kernel
+    takes bfloat16 or float16 only)."""
+    if attention == "cudnn" and (dtype or "float32") not in HALF_DTYPES:
+        raise ConfigError(
+            f"{name}.attention=cudnn needs {name}.dtype in {list(HALF_DTYPES)}, got "
+            f"{dtype or 'float32'!r}; use {name}.attention=dot_product for float32."
+        )
+
+
+def check_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
+    """ConfigError for the policy's attention kernels: cuDNN's without a half-precision
+    compute dtype, and any kernel of another platform than this run's
+    (`check_platform_kernel`)."""
+    model = config.model
+    check_half_dtype_for_cudnn("model", model.get("attention"), model.get("dtype"))
+    for key in ("attention", "decode_attention"):
+        check_platform_kernel(f"model.{key}", key, model.get(key), backend)
 
 
 def role_attentions(task: Mapping[str, Any], prefix: str = "task.") -> Iterator[tuple[str, Any]]:
@@ -540,32 +538,16 @@ def role_attentions(task: Mapping[str, Any], prefix: str = "task.") -> Iterator[
 
 
 def check_role_attention(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
-    """ConfigError for a role's `attention` that is no kernel, or `cudnn` without a
-    half-precision dtype or off a GPU (`backend`: JAX's platform, default this process's)."""
+    """ConfigError for a role's `attention` that is no kernel, `cudnn` without a
+    half-precision dtype, or a kernel of another platform than this run's (`backend`:
+    JAX's, default this process's)."""
     task = config.get("task")
     for key, role in role_attentions(task.to_dict() if task is not None else {}):
         attention = role["attention"]
         if attention not in ATTENTIONS:
             raise ConfigError(f"{key}.attention={attention!r} must be one of {list(ATTENTIONS)}.")
-        if attention == "splash" and (backend or jax.default_backend()) != "tpu":
-            raise ConfigError(
-                f"{key}.attention=splash is a Pallas kernel for a TPU, and this run's JAX "
-                f"platform is {backend or jax.default_backend()}; use {key}.attention="
-                "dot_product here."
-            )
-        if attention != "cudnn":
-            continue
-        if role.get("dtype") not in HALF_DTYPES:
-            raise ConfigError(
-                f"{key}.attention=cudnn needs {key}.dtype in {list(HALF_DTYPES)}, got "
-                f"{role.get('dtype')!r}; use {key}.attention=dot_product for float32."
-            )
-        backend = backend or jax.default_backend()
-        if backend != "gpu":
-            raise ConfigError(
-                f"{key}.attention=cudnn needs a GPU with cuDNN, and this run's JAX platform "
-                f"is {backend}; use {key}.attention=dot_product here."
-            )
+        check_half_dtype_for_cudnn(key, attention, role.get("dtype"))
+        check_platform_kernel(f"{key}.attention", "attention", attention, backend)
 
 
 def check_score_chunks(config: ml_collections.ConfigDict) -> None:

@@ -137,8 +137,16 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("method=ppo,loss.ppo.minibatches=3", 1, r"into loss\.ppo\.minibatches=3 × batch"),
         ("method=ppo,loss.ppo.minibatches=128", 4, r"does not divide over the learner"),
         ("replay.capacity=10", 1, r"replay\.capacity=10 is smaller than replay\.capacity_per"),
-        ("model.attention=cudnn,model.dtype=bfloat16", 1, r"cudnn needs a GPU with cuDNN"),
-        ("model.decode_attention=pallas", 1, r"decode_attention=pallas is a Triton kernel"),
+        (
+            "model.attention=cudnn,model.dtype=bfloat16",
+            1,
+            r"attention=cudnn is a GPU kernel, and this run's JAX platform is cpu",
+        ),
+        (
+            "model.decode_attention=pallas",
+            1,
+            r"decode_attention=pallas is a GPU kernel.*use model\.decode_attention=same",
+        ),
         ("model.decode_kernel=2:128:4", 1, r"model\.decode_kernel='2:128:4' must be '' or k_s"),
         ("model.decode_kernel=2:96:4:2", 1, r"model\.decode_kernel='2:96:4:2' must be"),
         ("search.max_samples_per_draw=-1.0", 1, r"max_samples_per_draw=-1\.0 must be"),

@@ -539,14 +539,13 @@ def test_the_config_checks_the_knobs():
         config_lib.check_attention(config)
     config.model.dtype = "bfloat16"
     config_lib.check_attention(config, backend="gpu")
-    with pytest.raises(config_lib.ConfigError, match=r"cudnn needs a GPU with cuDNN.*is cpu"):
+    with pytest.raises(config_lib.ConfigError, match=r"attention=cudnn is a GPU kernel.*is cpu"):
         config_lib.check_attention(config, backend="cpu")
     config.model.attention = "splash"
     config_lib.check_attention(config, backend="tpu")
-    with pytest.raises(config_lib.ConfigError, match=r"attention=splash is a Pallas kernel .*gpu"):
+    with pytest.raises(config_lib.ConfigError, match=r"attention=splash is a TPU kernel.*is gpu"):
         config_lib.check_attention(config, backend="gpu")
-    config.model.attention = "cudnn"
-    config.model.decode_attention = "pallas"
+    config.model.attention, config.model.decode_attention = "dot_product", "pallas"
     config_lib.check_attention(config, backend="gpu")
     for backend in ("cpu", "tpu"):
         refused = rf"decode_attention=pallas .*is {backend}"
