@@ -266,17 +266,11 @@ def main() -> None:
 
 def fill_in_peaks(args) -> dict:
     """Sets --hbm_tb_s and --peak_tflops the flags leave unset to the device's datasheet
-    figures (`roofline.device_peaks`; an H100 SXM's for a device it does not know, such as
-    a CPU), and says which were used and where from."""
-    kind = jax.devices()[0].device_kind
-    known = roofline.device_peaks(kind)
-    peaks = known or roofline.H100_SXM
-    if args.hbm_tb_s is None:
-        args.hbm_tb_s = peaks.hbm_bytes_per_s / 1e12
-    if args.peak_tflops is None:
-        args.peak_tflops = peaks.dense_bf16_flops / 1e12
-    source = peaks.name if known else f"{peaks.name} (device {kind!r} not in roofline's table)"
-    return {"hbm_tb_s": args.hbm_tb_s, "peak_tflops": args.peak_tflops, "source": source}
+    figures (`roofline.peaks_for`), and says which were used and where from."""
+    peaks = roofline.peaks_for(jax.devices()[0].device_kind, args.hbm_tb_s, args.peak_tflops)
+    args.hbm_tb_s = peaks.hbm_bytes_per_s / 1e12
+    args.peak_tflops = peaks.dense_bf16_flops / 1e12
+    return {"hbm_tb_s": args.hbm_tb_s, "peak_tflops": args.peak_tflops, "source": peaks.name}
 
 
 def execution_fields(args) -> dict:

@@ -158,12 +158,9 @@ def target_device(target: str) -> jax.Device:
 
 def device_peaks(device: jax.Device) -> tuple[float, float]:
     """(HBM bytes/s, dense bf16 FLOP/s): --hbm_tb_s and --peak_tflops, or where unset the
-    device's datasheet figures (`roofline.device_peaks`; an H100 SXM's for a device it does
-    not know, such as a CPU)."""
-    peaks = roofline.device_peaks(device.device_kind) or roofline.H100_SXM
-    hbm = peaks.hbm_bytes_per_s if _HBM_TB_S.value is None else _HBM_TB_S.value * 1e12
-    peak = peaks.dense_bf16_flops if _PEAK_TFLOPS.value is None else _PEAK_TFLOPS.value * 1e12
-    return hbm, peak
+    device's datasheet figures (`roofline.peaks_for`)."""
+    peaks = roofline.peaks_for(device.device_kind, _HBM_TB_S.value, _PEAK_TFLOPS.value)
+    return peaks.hbm_bytes_per_s, peaks.dense_bf16_flops
 
 
 def check_model() -> None:

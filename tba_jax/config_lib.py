@@ -33,8 +33,8 @@ from tba_jax.models.config import (
     DECODE_ATTENTIONS,
     DTYPES,
     HALF_DTYPES,
-    PLATFORM_EXECUTION,
     REMAT_POLICIES,
+    off_platform,
     parse_kernel_settings,
 )
 from tba_jax.replay import DRAW_RULES, PRIORITIES
@@ -212,7 +212,7 @@ BOOLEAN = Allowed(lambda v: isinstance(v, bool), "true or false")
 def _is_kernel_spec(value) -> bool:
     try:
         parse_kernel_settings(value)
-    except (ValueError, AttributeError):
+    except ValueError:
         return False
     return True
 
@@ -497,9 +497,10 @@ def check_platform_kernel(name: str, key: str, value: Any, backend: str | None =
     JAX's, default this process's; `models.config.PLATFORM_EXECUTION`): cuDNN's attention
     or the Pallas decode kernel off a GPU, splash attention off a TPU, where it would not
     run, or run in Pallas' interpreter, many times slower."""
-    platform, instead = PLATFORM_EXECUTION.get((key, value), (None, None))
     backend = backend or jax.default_backend()
-    if platform is not None and backend != platform:
+    found = off_platform(key, value, backend)
+    if found is not None:
+        platform, instead = found
         raise ConfigError(
             f"{name}={value} is a {platform.upper()} kernel, and this run's JAX platform is "
             f"{backend}; use {name}={instead} here (the same attention, another kernel)."

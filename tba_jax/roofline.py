@@ -64,6 +64,22 @@ def device_peaks(device_kind: str) -> DevicePeaks | None:
     return None
 
 
+def peaks_for(
+    device_kind: str, hbm_tb_s: float | None = None, peak_tflops: float | None = None
+) -> DevicePeaks:
+    """The peaks a benchmark measures a device against: `hbm_tb_s` and `peak_tflops` where
+    given, else the device's datasheet figures (`device_peaks`), or an H100 SXM's for a
+    device the table does not know (its name then says so)."""
+    known = device_peaks(device_kind)
+    peaks = known or H100_SXM
+    name = peaks.name if known else f"{peaks.name} (device {device_kind!r} not in roofline's table)"
+    return DevicePeaks(
+        name,
+        peaks.hbm_bytes_per_s if hbm_tb_s is None else hbm_tb_s * 1e12,
+        peaks.dense_bf16_flops if peak_tflops is None else peak_tflops * 1e12,
+    )
+
+
 def kv_bytes_per_token(cfg: ModelConfig, cache_bytes: int) -> int:
     """Bytes of one token's keys and values over every layer."""
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * cache_bytes

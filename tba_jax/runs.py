@@ -53,7 +53,7 @@ from tba_jax.models import (
     stack_layers,
     unstack_layers,
 )
-from tba_jax.models.config import EXECUTION_FIELDS, PLATFORM_EXECUTION
+from tba_jax.models.config import EXECUTION_FIELDS, off_platform
 from tba_jax.tasks.base import task_identity
 from tba_jax.warmstart import WarmStartCheckpoint
 
@@ -198,8 +198,10 @@ def runnable_execution_fields(
     machine."""
     fields = execution_fields(config)
     backend = backend or jax.default_backend()
-    for (key, value), (platform, instead) in PLATFORM_EXECUTION.items():
-        if fields.get(key) == value and backend != platform:
+    for key, value in list(fields.items()):
+        found = off_platform(key, value, backend)
+        if found is not None:
+            platform, instead = found
             fields[key] = instead
             logging.warning(
                 "The run set model.%s=%s, which needs a %s; reading it on %s with "

@@ -99,3 +99,12 @@ def test_the_static_profiles_gpu_targets_match_the_peaks_table(target):
     peaks = roofline.device_peaks(kind)
     assert peaks.name == {"h100_sxm": "H100 SXM", "h200_sxm": "H200 SXM"}[target]
     assert bandwidth == pytest.approx(peaks.hbm_bytes_per_s, rel=1e-3)
+
+
+def test_a_benchmark_measures_against_the_devices_peaks_or_the_flags():
+    assert roofline.peaks_for("NVIDIA H200") == roofline.device_peaks("NVIDIA H200")
+    given = roofline.peaks_for("NVIDIA H200", hbm_tb_s=4.0, peak_tflops=900.0)
+    assert (given.hbm_bytes_per_s, given.dense_bf16_flops) == (4.0e12, 900.0e12)
+    unknown = roofline.peaks_for("cpu")
+    assert unknown.name == "H100 SXM (device 'cpu' not in roofline's table)"
+    assert unknown[1:] == roofline.H100_SXM[1:]

@@ -111,6 +111,16 @@ PLATFORM_EXECUTION = {
     ("decode_attention", "pallas"): ("gpu", "same"),
     ("attention", "splash"): ("tpu", "dot_product"),
 }
+
+
+def off_platform(key: str, value: Any, backend: str) -> tuple[str, str] | None:
+    """(the platform it runs on, the value that computes the same attention elsewhere)
+    when `value` of execution field `key` is a kernel of another platform than `backend`
+    (JAX's name for this run's); None when `backend` runs it."""
+    platform, instead = PLATFORM_EXECUTION.get((key, value), (backend, value))
+    return None if platform == backend else (platform, instead)
+
+
 # Fields that change how the model runs but neither its outputs (up to float rounding) nor
 # its params: left out of `ModelConfig.to_dict`, the identity a run's checkpoints carry.
 EXECUTION_FIELDS = (

@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
-from tba_jax.models.config import PLATFORM_EXECUTION
+from tba_jax.models.config import off_platform
 from tba_jax.models.tokenizers import Tokenizer
 
 
@@ -81,8 +81,9 @@ def role_attention(role: ml_collections.ConfigDict, role_name: str, backend: str
     warning)."""
     attention = role.get("attention", DEFAULT_ATTENTION)
     backend = backend or jax.default_backend()
-    platform, instead = PLATFORM_EXECUTION.get(("attention", attention), (backend, attention))
-    if backend != platform:
+    found = off_platform("attention", attention, backend)
+    if found is not None:
+        platform, instead = found
         logging.warning(
             "%s.attention=%s needs a %s; running the %s on %s with attention=%s (the same "
             "attention, another kernel).",

@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from tba_jax.config_lib import ConfigError
+from tba_jax.config_lib import ConfigError, role_attentions
 from tba_jax.models import Model
 from tba_jax.models.frozen import Placement
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer
@@ -126,20 +126,16 @@ LOCATION_KEYS = ("data_dir", "manual_dir")
 ROLE_EXECUTION_KEYS = ("attention",)
 
 
-def _without_role_execution(section: dict) -> dict:
-    """`section` with every role's execution keys left out, at any depth."""
-    if "attention" in section:  # a role section (`frozen_role_config`)
-        section = {k: v for k, v in section.items() if k not in ROLE_EXECUTION_KEYS}
-    return {k: _without_role_execution(v) if isinstance(v, dict) else v for k, v in section.items()}
-
-
 def task_identity(task_config: ml_collections.ConfigDict) -> dict:
     """The task settings that define the training data and reward: not where data is cached
     or read from, nor the task's evaluation-only keys (`register_task`), nor the attention
     kernel its role models run with (a run may resume on other hardware)."""
     excluded = (*LOCATION_KEYS, *_EVALUATION_KEYS.get(task_config.name, ()))
     kept = {k: v for k, v in task_config.to_dict().items() if k not in excluded}
-    return _without_role_execution(kept)
+    for _, role in role_attentions(kept):  # the dicts of `kept`, at any depth
+        for key in ROLE_EXECUTION_KEYS:
+            del role[key]
+    return kept
 
 
 def task_data_dir(task_config: ml_collections.ConfigDict, workdir: str) -> str:
