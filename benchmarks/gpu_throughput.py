@@ -275,15 +275,7 @@ def fill_in_peaks(args) -> dict:
 
 def execution_fields(args) -> dict:
     """The model's execution knobs as the flags set them."""
-    return dict(
-        scan_layers=args.scan_layers or args.scan_decode,
-        scan_decode=args.scan_decode,
-        remat=args.remat,
-        attention=args.attention,
-        decode_attention=args.decode_attention,
-        decode_kernel=args.decode_kernel,
-        logprob_chunk=args.logprob_chunk,
-    )
+    return cli.execution_flags(lambda name: getattr(args, name))
 
 
 def checked_skip(args) -> set[str]:

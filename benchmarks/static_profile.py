@@ -190,13 +190,7 @@ def model_config(param_dtype: str):
         _SHAPE.value,
         dtype=_DTYPE.value,
         param_dtype=param_dtype,
-        scan_layers=_SCAN_LAYERS.value or _SCAN_DECODE.value,
-        scan_decode=_SCAN_DECODE.value,
-        remat=_REMAT.value,
-        attention=_ATTENTION.value,
-        decode_attention=_DECODE_ATTENTION.value,
-        decode_kernel=_DECODE_KERNEL.value,
-        logprob_chunk=_LOGPROB_CHUNK.value,
+        **cli.execution_flags(lambda name: flags.FLAGS[name].value),
         **sizes,
     )
 

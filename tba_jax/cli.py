@@ -180,6 +180,21 @@ def override_hint(error: flags.Error) -> str:
     return ""
 
 
+def execution_flags(flag: Callable[[str], Any]) -> dict:
+    """A benchmark's execution-knob flags as `ModelConfig` fields; `flag(name)` reads the
+    flag `--name` (argparse's or absl's). `--scan_decode` scans the stacked layers, so it
+    implies `scan_layers`."""
+    return dict(
+        scan_layers=flag("scan_layers") or flag("scan_decode"),
+        scan_decode=flag("scan_decode"),
+        remat=flag("remat"),
+        attention=flag("attention"),
+        decode_attention=flag("decode_attention"),
+        decode_kernel=flag("decode_kernel"),
+        logprob_chunk=flag("logprob_chunk"),
+    )
+
+
 def check_cudnn_backend(flag: str, instead: str) -> None:
     """UsageError where JAX's platform here is no GPU, for a benchmark's `flag` (e.g.
     "--attention=cudnn") that asks for cuDNN's attention; `instead` says what to pass."""
