@@ -15,7 +15,9 @@ operand and are counted at that size:
 `while` loops are expanded into a tree: a loop's traffic per iteration is its body's
 instructions plus each nested loop's per-iteration traffic times that loop's known trip
 count. A decode loop (stopped when every row has ended) has no known trip count, so its
-figure is the bytes of one decode step.
+figure is the bytes of one decode step. A `call` (newer XLA wraps a CPU while loop in
+one; a GPU command buffer is one) counts as the instructions and loops of the
+computation it calls.
 
 This is what the compiler's program moves, not what the hardware achieves: comparing it
 with `roofline.decode_step_bytes` says how much of the gap to the memory roofline is
@@ -423,6 +425,10 @@ def computation_traffic(module: Module, name: str, trip_count: int | None = 1) -
             loop_body = _attribute(instruction, "body")
             nested = computation_traffic(module, loop_body, _trip_count(instruction))
             loops.append(dataclasses.replace(nested, name=instruction.name))
+        elif instruction.opcode == "call":  # inline: the callee's kernels run here
+            called = computation_traffic(module, _attribute(instruction, "to_apply"))
+            accesses.extend(called.accesses)
+            loops.extend(called.loops)
         elif instruction.opcode not in _FREE:
             accesses.append(_access(module, instruction, shapes))
     return Loop(name, trip_count, tuple(accesses), tuple(loops))

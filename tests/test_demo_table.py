@@ -91,7 +91,7 @@ def test_the_figures_below_the_table_and_the_machine():
         "Warm start and its evaluation: async TB 30 s, sync TB 30 s, sync RLOO 30 s."
     )
     assert re.fullmatch(
-        r"Machine: \d+ CPUs.*, JAX \d+\.\d+\.\d+, Python 3\.\d+\.\d+, .+\.", report[-1]
+        r"Machine: \d+ CPUs.*, JAX \d+(\.\d+){2,3}, Python 3\.\d+\.\d+, .+\.", report[-1]
     )
 
 

@@ -121,6 +121,37 @@ def test_a_decode_like_loop_counts_slices_in_place_updates_and_nested_trips():
     assert (largest.kind, largest.count, largest.bytes) == ("elementwise", 3, 9 * ROW)
 
 
+# The same program as newer XLA writes it (JAX 0.12 on CPU; a GPU command buffer is alike):
+# the entry calls a computation that holds the while loop.
+CALLED_LOOP_MODULE = (
+    LOOP_MODULE.replace(
+        "ENTRY %main () -> f32[8,1024] {",
+        """%wrapped_loop (init.1: CARRY) -> CARRY {
+  %init.1 = (s32[], f32[8,1024]{1,0}, f32[8,1024]{1,0}) parameter(0)
+  ROOT %loop.1 = CARRY while(%init.1), condition=%outer_cond, body=%outer_body
+}
+
+ENTRY %main () -> f32[8,1024] {""",
+    )
+    .replace(
+        "while(%init), condition=%outer_cond, body=%outer_body",
+        'call(%init), to_apply=%wrapped_loop, frontend_attributes={xla_cpu_small_call="true"}',
+    )
+    .replace("CARRY", "(s32[], f32[8,1024], f32[8,1024])")
+)
+
+
+def test_a_loop_inside_a_called_computation_is_counted_as_if_inline():
+    inline = hlo_traffic.program_traffic(LOOP_MODULE)
+    called = hlo_traffic.program_traffic(CALLED_LOOP_MODULE)
+    assert "call(" in CALLED_LOOP_MODULE and called.accesses == inline.accesses
+    (inline_loop,) = hlo_traffic.loops_without_trip_count(inline)
+    (called_loop,) = hlo_traffic.loops_without_trip_count(called)
+    assert called_loop.name == "loop.1"
+    assert called_loop.bytes_per_iteration() == inline_loop.bytes_per_iteration()
+    assert called_loop.kernels_per_iteration() == inline_loop.kernels_per_iteration()
+
+
 # A log-prob lookup as XLA fuses it: the logits are scaled and masked elementwise, then
 # one id per row is gathered; only those elements are read. The scale is also written out
 # whole by a second fusion, which reads every element.

@@ -278,6 +278,21 @@ def train_command(workdir, *overrides: str, config: str = SMOKE) -> list[str]:
     return ["experiments/train.py", f"--config={config}", f"--workdir={workdir}", *overrides]
 
 
+def pids_matching(pattern: str) -> list[int]:
+    """The processes whose command line matches `pattern` (as `pgrep -f` finds them, read
+    from /proc, so the test needs no procps)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):  # not a process, or one that has just ended
+            continue
+        if re.search(pattern, command):
+            found.append(int(entry))
+    return found
+
+
 def finish(process: subprocess.Popen) -> tuple[int, str, str]:
     stdout, stderr = process.communicate(timeout=RUN_SECONDS)
     return process.returncode, stdout, stderr or ""
@@ -424,12 +439,10 @@ def test_a_killed_process_ends_the_others(tmp_path):
     for line in run.stdout:
         if re.match(r"\[p0\] step \d+/400", line):
             break
-    searcher = subprocess.run(
-        ["pgrep", "-f", f"workdir={workdir} .*--process_id=1"], capture_output=True, text=True
-    ).stdout.split()
+    searcher = pids_matching(rf"workdir={re.escape(str(workdir))} .*--process_id=1")
     assert len(searcher) == 1
     killed_at = time.monotonic()
-    os.kill(int(searcher[0]), signal.SIGKILL)
+    os.kill(searcher[0], signal.SIGKILL)
     code, rest, _ = finish(run)
     assert time.monotonic() - killed_at < DEAD_PROCESS_SECONDS
     assert code != 0
