@@ -10,10 +10,12 @@ hardware allows: a static profile made from the optimized program, without runni
 `--target=h100` (or `h200`) compiles for an H100 (H200) without one (XLA's deviceless GPU
 compilation, from `benchmarks/targets/h100_sxm.txtpb`, `h200_sxm.txtpb`); it needs JAX's
 CUDA plugin at the installed JAX's version (`pip install jax-cuda12-plugin==<jax
-version>`, about 180 MB, no CUDA libraries), and no GPU. `--hbm_tb_s` and `--peak_tflops`
-default to the target device's datasheet figures (`roofline.device_peaks`). XLA does not
-autotune its matmuls there, so their tiling (split-K partial sums included) is the
-compiler's default, which a GPU's autotuner may change.
+version>`, about 180 MB), from JAX 0.11 on CUDA's libdevice (`pip install
+nvidia-cuda-nvcc-cu12`), and no GPU; Pallas' GPU kernels lower for the target too.
+`--hbm_tb_s` and `--peak_tflops` default to the target device's datasheet figures
+(`roofline.device_peaks`). XLA does not autotune its matmuls there, so their tiling
+(split-K partial sums included) is the compiler's default, which a GPU's autotuner may
+change.
 
 Random-weight shapes of a preset (`--shape`), as `benchmarks/gpu_throughput.py` measures
 them. The program is read with `tba_jax.hlo_traffic`: per kernel, the bytes it reads and
@@ -60,7 +62,9 @@ argument) and their sum, `device_gib`, what the program needs on the device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
 import os
 from pathlib import Path
@@ -86,7 +90,14 @@ TARGET_DIR = Path(__file__).resolve().parent / "targets"
 TARGETS = {"h100": TARGET_DIR / "h100_sxm.txtpb", "h200": TARGET_DIR / "h200_sxm.txtpb"}
 PLUGIN_HINT = (
     "compiling for {target} without its GPU needs JAX's CUDA plugin at JAX's version: "
-    "pip install jax-cuda12-plugin=={version} (no GPU or CUDA libraries needed)"
+    "pip install jax-cuda12-plugin=={version} (no GPU needed)"
+)
+LIBDEVICE = Path("nvvm", "libdevice", "libdevice.10.bc")  # under a CUDA root
+LIBDEVICE_SINCE = (0, 11)  # the first JAX whose compile-only GPU programs link it
+LIBDEVICE_HINT = (
+    "compiling for {target} with JAX {version} needs CUDA's libdevice, which XLA finds "
+    "in $CUDA_ROOT or in the nvidia-cuda-nvcc-cu12 package (without it XLA crashes): "
+    "pip install nvidia-cuda-nvcc-cu12, beside jax-cuda12-plugin=={version}"
 )
 
 _PROGRAM = flags.DEFINE_enum(
@@ -153,7 +164,36 @@ def target_device(target: str) -> jax.Device:
     except (NotImplementedError, RuntimeError) as error:
         hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
         raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
+    if jax_version() >= LIBDEVICE_SINCE and not cuda_roots_with_libdevice():
+        raise cli.UsageError(LIBDEVICE_HINT.format(target=target, version=jax.__version__))
     return topology.devices[0]
+
+
+def jax_version() -> tuple[int, int]:
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def cuda_roots_with_libdevice() -> list[Path]:
+    """The CUDA roots JAX hands XLA (`$CUDA_ROOT`, the nvidia-cuda-nvcc package) that hold
+    libdevice."""
+    roots = [os.environ["CUDA_ROOT"]] if os.environ.get("CUDA_ROOT") else []
+    for module in ("nvidia.cu13", "nvidia.cuda_nvcc"):
+        try:
+            roots.extend(importlib.import_module(module).__path__)
+        except ImportError:
+            continue
+    return [Path(root) for root in roots if (Path(root) / LIBDEVICE).is_file()]
+
+
+def compiling_for(device: jax.Device):
+    """A context in which Pallas' GPU kernels lower for `device`, a compile-only GPU on a
+    machine whose default device is the CPU (since JAX 0.11 Pallas asks the abstract mesh
+    for the GPU it targets): a one-device abstract mesh over `device`."""
+    if device.platform == "cpu":
+        return contextlib.nullcontext()
+    mesh = jax.sharding.Mesh(np.array([device]), ("target",))
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def device_peaks(device: jax.Device) -> tuple[float, float]:
@@ -532,8 +572,9 @@ def main(argv: list[str]) -> None:
         "param_dtype": "float32" if _PROGRAM.value in LEARNER_PROGRAMS else inference_param_dtype(),
         "prompt": _PROMPT.value,
         "new": _NEW.value,
-        **profile(device),
     }
+    with compiling_for(device):
+        line.update(profile(device))
     print(json.dumps(line), flush=True)
 
 

@@ -381,3 +381,30 @@ def test_the_h100_target_without_the_cuda_plugin_says_what_to_install():
     assert done.returncode == 1 and "Traceback" not in done.stderr
     message = done.stderr.strip().splitlines()[-1]
     assert f"pip install jax-cuda12-plugin=={jax.__version__}" in message
+
+
+def test_libdevice_is_found_under_cuda_root(tmp_path, monkeypatch):
+    from benchmarks import static_profile
+
+    monkeypatch.setenv("CUDA_ROOT", str(tmp_path))
+    assert tmp_path not in static_profile.cuda_roots_with_libdevice()
+    (tmp_path / static_profile.LIBDEVICE).parent.mkdir(parents=True)
+    (tmp_path / static_profile.LIBDEVICE).write_bytes(b"")
+    assert tmp_path in static_profile.cuda_roots_with_libdevice()
+
+
+def test_compiling_for_this_machines_device_sets_no_abstract_mesh():
+    from benchmarks import static_profile
+
+    with static_profile.compiling_for(jax.devices()[0]):
+        assert jax.sharding.get_abstract_mesh().empty
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_compiling_for_a_compile_only_gpu_makes_it_the_abstract_meshs_device():
+    from benchmarks import static_profile
+
+    device = static_profile.target_device("h100")
+    with static_profile.compiling_for(device):
+        abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+    assert abstract_device.device_kind == device.device_kind == "NVIDIA H100 80GB HBM3"
