@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -111,6 +112,22 @@ def check_flags(coordinator_address: str | None, num_processes: int | None, proc
         )
 
 
+def check_host_name_resolves() -> None:
+    """ValueError unless this machine's host name resolves to an address: gloo, which
+    carries the CPU devices' collectives between processes, binds to it, and where it
+    does not (a container whose /etc/hosts lacks its own name) the CPU backend fails to
+    start with only "[enforce fail at gloo/transport/tcp/device.cc] rv == 0. -2 vs 0"."""
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as error:
+        raise ValueError(
+            f"this machine's host name {host!r} does not resolve ({error}); the CPU "
+            "collectives between processes (gloo) bind to it: add a line "
+            f"'127.0.0.1 {host}' to /etc/hosts, or run where the name resolves."
+        ) from error
+
+
 def initialize_from_flags() -> None:
     """`initialize` with the flags of `define_flags`."""
     values = flags.FLAGS
@@ -143,6 +160,8 @@ def initialize(
         return
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         # CPU devices of several processes talk over gloo (no-op where another backend runs)
+        if "cpu" in (jax.config.jax_platforms, os.environ.get("JAX_PLATFORMS")):
+            check_host_name_resolves()  # (the launcher's CPU processes: surely gloo's)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs: dict[str, Any] = dict(
         heartbeat_timeout_seconds=heartbeat_timeout_s,

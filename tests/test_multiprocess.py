@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -251,6 +252,16 @@ def test_the_process_flags_go_together():
         distributed.check_flags("localhost:1234", 2, None)
     with pytest.raises(ValueError, match=r"must be in 0\.\.1"):
         distributed.check_flags("localhost:1234", 2, 2)
+
+
+def test_a_host_name_that_does_not_resolve_is_named_before_gloo_fails(monkeypatch):
+    distributed.check_host_name_resolves()  # this machine's does
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    with pytest.raises(ValueError, match=r"'127\.0\.0\.1 no-such-host\.invalid' to /etc/hosts"):
+        distributed.check_host_name_resolves()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # as the launcher's CPU processes have it
+    with pytest.raises(ValueError, match="does not resolve"):  # before jax.distributed
+        distributed.initialize("localhost:1234", 2, 0)
 
 
 # ------------------------------------------------------------------- several processes
