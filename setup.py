@@ -10,16 +10,20 @@ setup(
     description="Trajectory Balance with Asynchrony (TBA) for LLM post-training in JAX/Flax.",
     long_description=pathlib.Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # JAX 0.10's
     packages=find_packages(include=["tba_jax", "tba_jax.*"]),
+    # The JAX stack's floors are the releases CI tests (Python 3.11, 2026-11-28); the suite
+    # also passes with JAX 0.11.2 and 0.12.0.1 on Python 3.13. Older releases fail: flax
+    # 0.11 has no nnx.List, and with JAX 0.10 flax 0.12.0 and orbax 0.11 do not import,
+    # and tensorflow-datasets 4.9.7-4.9.8 want TensorFlow or another protobuf.
     install_requires=[
-        "jax>=0.6",
-        "flax>=0.11",
-        "optax>=0.2.5",  # optax.tree_utils.tree_norm
-        "orbax-checkpoint>=0.11",
-        "tensorflow-datasets>=4.9.7",
-        "array_record>=0.7",
-        "ml-collections>=1.0",
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "tensorflow-datasets>=4.9.10",
+        "array_record>=0.8",
+        "ml-collections>=1.1",
         "absl-py>=2.0",
         "numpy>=1.26",
         "tensorboardX>=2.6",
