@@ -164,14 +164,9 @@ def target_device(target: str) -> jax.Device:
     except (NotImplementedError, RuntimeError) as error:
         hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
         raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
-    if jax_version() >= LIBDEVICE_SINCE and not cuda_roots_with_libdevice():
+    if jax.__version_info__ >= LIBDEVICE_SINCE and not cuda_roots_with_libdevice():
         raise cli.UsageError(LIBDEVICE_HINT.format(target=target, version=jax.__version__))
     return topology.devices[0]
-
-
-def jax_version() -> tuple[int, int]:
-    major, minor = jax.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def cuda_roots_with_libdevice() -> list[Path]:
@@ -189,8 +184,9 @@ def cuda_roots_with_libdevice() -> list[Path]:
 def compiling_for(device: jax.Device):
     """A context in which Pallas' GPU kernels lower for `device`, a compile-only GPU on a
     machine whose default device is the CPU (since JAX 0.11 Pallas asks the abstract mesh
-    for the GPU it targets): a one-device abstract mesh over `device`."""
-    if device.platform == "cpu":
+    for the GPU it targets): a one-device abstract mesh over `device`. Nothing for one of
+    this process's own devices (`--target=local`)."""
+    if device in jax.devices():
         return contextlib.nullcontext()
     mesh = jax.sharding.Mesh(np.array([device]), ("target",))
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

@@ -158,10 +158,11 @@ def initialize(
     cluster = None if explicit else cluster_detected()
     if _initialized or not (explicit or cluster):
         return
-    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+    cpu_asked = "cpu" in (jax.config.jax_platforms, os.environ.get("JAX_PLATFORMS"))
+    if cpu_asked or jax.config.jax_platforms in (None, ""):
         # CPU devices of several processes talk over gloo (no-op where another backend runs)
-        if "cpu" in (jax.config.jax_platforms, os.environ.get("JAX_PLATFORMS")):
-            check_host_name_resolves()  # (the launcher's CPU processes: surely gloo's)
+        if cpu_asked:  # (the launcher's CPU processes: surely gloo's)
+            check_host_name_resolves()
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs: dict[str, Any] = dict(
         heartbeat_timeout_seconds=heartbeat_timeout_s,
