@@ -177,11 +177,14 @@ def sampled_micro_batch(prompt_tokens, *, max_new_tokens: int, temperature: floa
 def rewarded_preference(model, params, batch, temperature: float) -> float:
     """Mean summed log-prob of a batch's rewarded responses minus that of the others: how
     much `params` prefer what was rewarded."""
+    import jax
     import numpy as np
 
     from tba_jax import learner
 
-    logp = np.asarray(learner.sequence_logp(model, params, batch, temperature))
+    # jitted: op by op, the model's forward is a hundred small programs to compile
+    logp_of = jax.jit(lambda p, b: learner.sequence_logp(model, p, b, temperature))
+    logp = np.asarray(logp_of(params, batch))
     rewarded = batch["reward"] > 0
     return float(logp[rewarded].mean() - logp[~rewarded].mean())
 
