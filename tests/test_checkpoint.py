@@ -265,7 +265,8 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent(
 
 def test_restore_reshards_across_two_fake_devices(tmp_path):
     environment = dict(os.environ)
-    environment["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    flags = environment.get("XLA_FLAGS", "")  # the session's (conftest.py) and two devices
+    environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
     environment["JAX_PLATFORMS"] = "cpu"
     environment["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")])

@@ -463,7 +463,8 @@ print(json.dumps({
 
 def test_params_split_over_two_fake_devices(checkpoint):
     ckpt = checkpoint("gpt_neox")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    flags = os.environ.get("XLA_FLAGS", "")  # the session's (conftest.py) and two devices
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=2".strip())
     result = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE_SCRIPT, ckpt.path],
         capture_output=True,
