@@ -73,8 +73,12 @@ case "$part" in
     run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 --skip=score,train \
       --attention=cudnn --param_dtype=float32
     # the 256-row projections as XLA's Triton matmuls (the default), then as cuBLAS's: they
-    # take about half a step's kernel time, each ~4x what its bytes need (README's profile)
-    for xla_flags in "" "--xla_gpu_enable_triton_gemm=false"; do
+    # take about half a step's kernel time, each ~4x what its bytes need (README's profile).
+    # cuBLAS's alone concatenates the gate|up and Q|K|V weights XLA merged into one product
+    # at every step (compiled without a GPU: 4.67 GB a step, 337 kernels); unmerged, the
+    # products read their weights in place (4.10 GB, 433 kernels; the default: 4.35 GB, 312)
+    for xla_flags in "" "--xla_gpu_enable_triton_gemm=false" \
+      "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"; do
       XLA_FLAGS=$xla_flags run $G --shape=qwen2.5-0.5b --batch=256 --prompt=256 --new=256 \
         --skip=score,train --attention=cudnn --decode_attention=pallas
     done
