@@ -197,13 +197,21 @@ def test_remat_and_attention_change_how_a_step_computes_not_what():
         cfg = train_reward_model.reward_model_config(config, tokenizer)
         model, params = init_model(cfg, seed=0)
         params["score"] = train_reward_model.score_head_init(cfg.d_model, 1.0, 0, jnp.float32)
-        optimizer = optax.adam(1e-2)
+        # plain SGD at lr 1: the update is the gradient itself (Adam's first step, about
+        # ±lr wherever |g| >> eps, turns the rounding of a near-zero gradient into a
+        # difference of up to lr: 1e-5 at one weight of 2,048 under JAX 0.12's CPU backend)
+        optimizer = optax.sgd(1.0)
+        initial = jax.device_get(params)
         state, state_sharding, mesh = learner.one_device_train_state(model, params, optimizer)
         step = train_reward_model.make_train_step(
             model, optimizer, num_microbatches=2, state_sharding=state_sharding, mesh=mesh
         )
         state, metrics = step(state, batch)
         results.append((cfg, jax.device_get(state.params), jax.device_get(metrics)))
+    # both configs start from the same weights (seed 0); the step moved them far past the
+    # tolerance below
+    leaves = zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(initial), strict=True)
+    assert max(np.abs(after - before).max() for after, before in leaves) > 1e-3
     (cfg_plain, params_plain, metrics_plain), (cfg_remat, params_remat, metrics_remat) = results
     assert (cfg_plain.remat, cfg_plain.attention) == ("none", "einsum")
     assert (cfg_remat.remat, cfg_remat.attention) == ("nothing_saveable", "dot_product")
