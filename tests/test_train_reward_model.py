@@ -199,7 +199,7 @@ def test_remat_and_attention_change_how_a_step_computes_not_what():
         params["score"] = train_reward_model.score_head_init(cfg.d_model, 1.0, 0, jnp.float32)
         # plain SGD at lr 1: the update is the gradient itself (Adam's first step, about
         # ±lr wherever |g| >> eps, turns the rounding of a near-zero gradient into a
-        # difference of up to lr: 1e-5 at one weight of 2,048 under JAX 0.12's CPU backend)
+        # difference of up to lr: 1e-5 at one weight of 2,048 under JAX 0.12 at LLVM level 0)
         optimizer = optax.sgd(1.0)
         initial = jax.device_get(params)
         state, state_sharding, mesh = learner.one_device_train_state(model, params, optimizer)
