@@ -12,8 +12,18 @@ import jax
 import numpy as np
 import pytest
 
+from tba_jax.launch import with_xla_flags
 from tba_jax.models import ModelConfig
 from tba_jax.trajectories import Trajectory
+
+
+def fake_cpu_devices_env(count: int) -> dict[str, str]:
+    """This process's environment for a subprocess that sees `count` fake CPU devices: the
+    session's XLA_FLAGS (conftest.py's) with the device count added, and JAX on the CPU."""
+    device_count = f"--xla_force_host_platform_device_count={count}"
+    flags = with_xla_flags(os.environ.get("XLA_FLAGS", ""), [device_count])
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
 
 # jax.monitoring's duration events: tracing a function into a jaxpr, compiling a program.
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"

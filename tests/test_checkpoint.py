@@ -20,6 +20,7 @@ import optax
 import pytest
 from etils import epath
 from flax import nnx
+from support import fake_cpu_devices_env
 
 from tba_jax import checkpoint
 from tba_jax.checkpoint import (
@@ -264,10 +265,7 @@ MULTI_DEVICE_SCRIPT = textwrap.dedent(
 
 
 def test_restore_reshards_across_two_fake_devices(tmp_path):
-    environment = dict(os.environ)
-    flags = environment.get("XLA_FLAGS", "")  # the session's (conftest.py) and two devices
-    environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
-    environment["JAX_PLATFORMS"] = "cpu"
+    environment = fake_cpu_devices_env(2)
     environment["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")])
     )

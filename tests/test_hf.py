@@ -30,6 +30,7 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from support import fake_cpu_devices_env
 
 from experiments import compare_hf, export_hf
 from tba_jax import mesh as mesh_lib
@@ -463,8 +464,7 @@ print(json.dumps({
 
 def test_params_split_over_two_fake_devices(checkpoint):
     ckpt = checkpoint("gpt_neox")
-    flags = os.environ.get("XLA_FLAGS", "")  # the session's (conftest.py) and two devices
-    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=2".strip())
+    env = fake_cpu_devices_env(2)
     result = subprocess.run(
         [sys.executable, "-c", MULTI_DEVICE_SCRIPT, ckpt.path],
         capture_output=True,

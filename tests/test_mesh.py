@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
-from support import BACKEND_COMPILE_EVENT, recorded_durations
+from support import BACKEND_COMPILE_EVENT, fake_cpu_devices_env, recorded_durations
 
 from configs.arithmetic import get_config
 from tba_jax import mesh as mesh_lib
@@ -261,15 +261,9 @@ def test_a_publish_after_the_first_compiles_nothing(cast):
 
 
 def _run_check(name: str, num_devices: int, *args: str, timeout: float) -> dict:
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={num_devices}".strip(),
-        "JAX_PLATFORMS": "cpu",
-    }
     proc = subprocess.run(
         [sys.executable, CHECKS_SCRIPT, name, *args],
-        env=env,
+        env=fake_cpu_devices_env(num_devices),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -421,11 +415,6 @@ def test_evaluate_splits_the_policy_batches_over_the_devices_and_agrees_with_one
     metrics = {}
     for devices in (2, 1):
         out = tmp_path / f"eval_{devices}.json"
-        env = {
-            **os.environ,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_PLATFORMS": "cpu",
-        }
         done = subprocess.run(
             [
                 sys.executable,
@@ -435,7 +424,7 @@ def test_evaluate_splits_the_policy_batches_over_the_devices_and_agrees_with_one
                 "--ks=1,2",
                 f"--out={out}",
             ],
-            env=env,
+            env=fake_cpu_devices_env(devices),
             capture_output=True,
             text=True,
             timeout=300,
