@@ -34,7 +34,7 @@ import numpy as np
 
 from tba_jax import cli
 from tba_jax.models import preset, transformer
-from tba_jax.models.config import ATTENTIONS, KernelSettings, parse_kernel_settings
+from tba_jax.models.config import ATTENTIONS, parse_kernel_settings
 from tba_jax.models.decode_attention import SETTINGS, decode_attention
 
 # k_splits:block_k:num_warps:num_stages. The model's settings first, then the cache walk
@@ -45,9 +45,10 @@ DEFAULT_SETTINGS = (
 )
 
 
-def parse_settings(text: str) -> list[KernelSettings]:
-    """`k:b:w:s,...` as KernelSettings (ValueError naming a bad entry)."""
-    settings = [parse_kernel_settings(item) for item in filter(None, text.split(","))]
+def parse_settings(text: str, parse=parse_kernel_settings) -> list:
+    """`k:b:w:s,...` as KernelSettings, or comma-separated specs of another kernel's
+    settings by its `parse` (ValueError naming a bad entry)."""
+    settings = [parse(item) for item in filter(None, text.split(","))]
     if not settings:
         raise ValueError("--settings is empty.")
     return settings

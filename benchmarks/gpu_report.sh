@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in eight parts that each fit a 10-minute command:
+# in nine parts that each fit a 10-minute command:
 #
+#   bash benchmarks/gpu_report.sh mlp            # the Pallas MLP kernel alone under a grid of
+#                                                # settings beside XLA's, then decode with it
+#                                                # (at its fastest) beside decode without it
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
 #                                                # shapes (cudnn; the kernel at its fastest
@@ -28,7 +31,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
+PARTS="mlp | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -46,6 +49,24 @@ run() {
 }
 
 case "$part" in
+  mlp)
+    # a decode step's gated hidden layer, act(x W_gate) * (x W_up), as one Pallas kernel
+    # against float64 and beside XLA's merged gate|up matmul and its multiply (22 + 5 us a
+    # layer on an H100 at 0.5b, batch 256, where the weights' bytes take 5 us); decode then
+    # takes the fastest settings at 256 rows, beside decode without the kernel
+    for shape in qwen2.5-0.5b qwen2.5-1.5b; do
+      kernel_lines=$(mktemp)
+      run python3 benchmarks/gated_mlp_kernel.py --shape=$shape --rows=64,256 | tee "$kernel_lines"
+      fastest=$(grep '"rows": 256' "$kernel_lines" | python3 -c \
+        'import json, sys; print(json.loads(sys.stdin.readline())["fastest"])' 2>/dev/null)
+      rm -f "$kernel_lines"
+      for mlp in same pallas; do
+        run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
+          --attention=cudnn --decode_attention=pallas --decode_mlp=$mlp \
+          --decode_mlp_kernel="$([ $mlp = pallas ] && echo "${fastest:-}")"
+      done
+    done
+    ;;
   decode)
     [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"
     peer=$2

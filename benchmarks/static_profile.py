@@ -77,7 +77,7 @@ from absl import flags
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
-from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, REMAT_POLICIES
+from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, DECODE_MLPS, REMAT_POLICIES
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -141,6 +141,10 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
 )
 _DECODE_KERNEL = flags.DEFINE_string(
     "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
+)
+_DECODE_MLP = flags.DEFINE_enum("decode_mlp", "same", list(DECODE_MLPS), "model.decode_mlp.")
+_DECODE_MLP_KERNEL = flags.DEFINE_string(
+    "decode_mlp_kernel", "", "model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)."
 )
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
 _HBM_TB_S = flags.DEFINE_float("hbm_tb_s", None, "HBM TB/s (unset: the target device's).")

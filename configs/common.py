@@ -152,6 +152,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # the Pallas decode kernel's settings, k_splits:block_k:num_warps:num_stages ("": its
     # defaults; benchmarks/decode_attention_kernel.py times others on a GPU)
     config.model.decode_kernel = ""
+    # a decode step's gated MLP hidden layer (same: XLA's matmuls; pallas: both products
+    # and the activation in one kernel, GPU) and that kernel's settings,
+    # block_m:block_n:block_k:num_warps:num_stages ("": its defaults;
+    # benchmarks/gated_mlp_kernel.py times others on a GPU)
+    config.model.decode_mlp = "same"
+    config.model.decode_mlp_kernel = ""
     config.model.logprob_chunk = 0
 
     # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the

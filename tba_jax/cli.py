@@ -191,6 +191,8 @@ def execution_flags(flag: Callable[[str], Any]) -> dict:
         attention=flag("attention"),
         decode_attention=flag("decode_attention"),
         decode_kernel=flag("decode_kernel"),
+        decode_mlp=flag("decode_mlp"),
+        decode_mlp_kernel=flag("decode_mlp_kernel"),
         logprob_chunk=flag("logprob_chunk"),
     )
 

@@ -31,11 +31,13 @@ from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, reg
 from tba_jax.models.config import (
     ATTENTIONS,
     DECODE_ATTENTIONS,
+    DECODE_MLPS,
     DTYPES,
     HALF_DTYPES,
     REMAT_POLICIES,
     off_platform,
     parse_kernel_settings,
+    parse_mlp_kernel_settings,
 )
 from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
@@ -209,9 +211,9 @@ def one_of(choices) -> Allowed:
 BOOLEAN = Allowed(lambda v: isinstance(v, bool), "true or false")
 
 
-def _is_kernel_spec(value) -> bool:
+def _parses(parse: Callable[[str], Any], value) -> bool:
     try:
-        parse_kernel_settings(value)
+        parse(value)
     except ValueError:
         return False
     return True
@@ -219,9 +221,15 @@ def _is_kernel_spec(value) -> bool:
 
 # '' or k_splits:block_k:num_warps:num_stages that the Pallas decode kernel runs with
 KERNEL_SPEC = Allowed(
-    lambda v: isinstance(v, str) and (v == "" or _is_kernel_spec(v)),
+    lambda v: isinstance(v, str) and (v == "" or _parses(parse_kernel_settings, v)),
     "'' or k_splits:block_k:num_warps:num_stages (powers of two for block_k >= 16 and "
     "num_warps, e.g. 2:128:4:2)",
+)
+# '' or block_m:block_n:block_k:num_warps:num_stages that the Pallas MLP kernel runs with
+MLP_KERNEL_SPEC = Allowed(
+    lambda v: isinstance(v, str) and (v == "" or _parses(parse_mlp_kernel_settings, v)),
+    "'' or block_m:block_n:block_k:num_warps:num_stages (powers of two, the blocks >= 16, "
+    "e.g. 64:64:64:4:3)",
 )
 
 # The compile cache's (configs/common.py's `compile_cache()`, in the training and the
@@ -247,6 +255,8 @@ RANGES: dict[str, Allowed] = {
     "model.attention": one_of(ATTENTIONS),
     "model.decode_attention": one_of(DECODE_ATTENTIONS),
     "model.decode_kernel": KERNEL_SPEC,
+    "model.decode_mlp": one_of(DECODE_MLPS),
+    "model.decode_mlp_kernel": MLP_KERNEL_SPEC,
     "model.logprob_chunk": integer_at_least(0),
     "model.vocab_size": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),
@@ -495,7 +505,7 @@ def check_platform_kernel(name: str, key: str, value: Any, backend: str | None =
     """ConfigError when `value` of execution field `key` (set as `name`, e.g.
     "task.victim.attention") is a kernel of another platform than this run's (`backend`:
     JAX's, default this process's; `models.config.PLATFORM_EXECUTION`): cuDNN's attention
-    or the Pallas decode kernel off a GPU, splash attention off a TPU, where it would not
+    or the Pallas decode kernels off a GPU, splash attention off a TPU, where it would not
     run, or run in Pallas' interpreter, many times slower."""
     backend = backend or jax.default_backend()
     found = off_platform(key, value, backend)
@@ -503,7 +513,7 @@ def check_platform_kernel(name: str, key: str, value: Any, backend: str | None =
         platform, instead = found
         raise ConfigError(
             f"{name}={value} is a {platform.upper()} kernel, and this run's JAX platform is "
-            f"{backend}; use {name}={instead} here (the same attention, another kernel)."
+            f"{backend}; use {name}={instead} here (the same computation, another kernel)."
         )
 
 
@@ -523,7 +533,7 @@ def check_attention(config: ml_collections.ConfigDict, backend: str | None = Non
     (`check_platform_kernel`)."""
     model = config.model
     check_half_dtype_for_cudnn("model", model.get("attention"), model.get("dtype"))
-    for key in ("attention", "decode_attention"):
+    for key in ("attention", "decode_attention", "decode_mlp"):
         check_platform_kernel(f"model.{key}", key, model.get(key), backend)
 
 
@@ -664,6 +674,8 @@ def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None
         return f"only mode=async reads it (this run: mode={config.mode})"
     if config.model.get("decode_attention") != "pallas" and key == "model.decode_kernel":
         return "only model.decode_attention=pallas reads it"
+    if config.model.get("decode_mlp") != "pallas" and key == "model.decode_mlp_kernel":
+        return "only model.decode_mlp=pallas reads it"
     if config.search.in_flight_updates and _under(key, "search.restart_on_publish"):
         return "search.in_flight_updates=True never restarts: live samples take the new params"
     return None

@@ -205,7 +205,7 @@ def runnable_execution_fields(
             fields[key] = instead
             logging.warning(
                 "The run set model.%s=%s, which needs a %s; reading it on %s with "
-                "model.%s=%s (the same attention, another kernel).",
+                "model.%s=%s (the same computation, another kernel).",
                 key,
                 value,
                 platform.upper(),

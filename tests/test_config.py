@@ -149,6 +149,12 @@ def test_bad_variants_are_clear_errors(variant, message):
         ),
         ("model.decode_kernel=2:128:4", 1, r"model\.decode_kernel='2:128:4' must be '' or k_s"),
         ("model.decode_kernel=2:96:4:2", 1, r"model\.decode_kernel='2:96:4:2' must be"),
+        (
+            "model.decode_mlp=pallas",
+            1,
+            r"decode_mlp=pallas is a GPU kernel.*use model\.decode_mlp=same here",
+        ),
+        ("model.decode_mlp_kernel=64:64", 1, r"decode_mlp_kernel='64:64' must be '' or block_m"),
         ("search.max_samples_per_draw=-1.0", 1, r"max_samples_per_draw=-1\.0 must be"),
         (
             "search.max_samples_per_draw=1.0,distributed.topology=roles_by_process",
@@ -406,6 +412,8 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
         ("", "loss.beta_start", None),
         ("", "model.decode_kernel", "only model.decode_attention=pallas reads it"),
         ("model.decode_attention=pallas", "model.decode_kernel", None),
+        ("", "model.decode_mlp_kernel", "only model.decode_mlp=pallas reads it"),
+        ("model.decode_mlp=pallas", "model.decode_mlp_kernel", None),
     ],
 )
 def test_unread_key_reason(variant, key, reason):

@@ -32,7 +32,12 @@ from tba_jax.models import (
     transformer,
     unstack_layers,
 )
-from tba_jax.models.config import ATTENTIONS, EXECUTION_FIELDS, KernelSettings
+from tba_jax.models.config import (
+    ATTENTIONS,
+    EXECUTION_FIELDS,
+    KernelSettings,
+    MlpKernelSettings,
+)
 from tba_jax.sampling import engine, scoring
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 
@@ -250,37 +255,65 @@ def test_the_pallas_decode_step_runs_with_the_configs_kernel_settings(plain, mon
         assert seen and set(seen) == {want}
 
 
-def test_pallas_decode_attention_decodes_as_the_einsum_one(plain):
-    """With `decode_attention=pallas` every decode step attends through the Pallas kernel
-    (its interpreter here): greedy tokens equal the einsum model's across a left-padded
-    prompt, log-probs to float rounding, and one step with an offset per row (the slot
-    engine's) gives the einsum step's logits."""
-    *_, params = plain
-    einsum = abstract_model(PLAIN)[0]
-    pallas = abstract_model(execution(decode_attention="pallas"))[0]
+def assert_decodes_alike(reference, kernel, params):
+    """`kernel` (a model with a decode-step kernel) decodes as `reference`: greedy tokens
+    equal across a left-padded prompt, log-probs to float rounding, and one step with an
+    offset per row (the slot engine's: rows at different lengths, the next token of each
+    written at its own offset) gives `reference`'s logits."""
     prompt = jnp.asarray([[0, 0, 3, 4], [5, 6, 7, 8]], jnp.int32)
     sampling = SamplingConfig(max_new_tokens=4, greedy=True)
     generated = [
         make_generate_fn(model, sampling, eos_id=1, pad_id=0)(
             params, prompt, prompt > 0, jax.random.key(SEED)
         )
-        for model in (einsum, pallas)
+        for model in (reference, kernel)
     ]
     np.testing.assert_array_equal(np.asarray(generated[1].tokens), np.asarray(generated[0].tokens))
     np.testing.assert_allclose(
         np.asarray(generated[1].token_logp), np.asarray(generated[0].token_logp), atol=TOL
     )
-    # rows at different lengths: the next token of each is written at its own offset
     valid = jnp.asarray([[0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]], bool)
-    cache = einsum.init_cache(2, 6)
-    _, cache = jax.jit(einsum.apply)(
+    cache = reference.init_cache(2, 6)
+    _, cache = jax.jit(reference.apply)(
         params, prompt, positions_from_mask(valid[:, :4]), valid[:, :4], cache, 0
     )
     offsets = jnp.asarray([3, 4], jnp.int32)
     step_valid = valid.at[jnp.arange(2), offsets].set(True)
     step = (jnp.asarray([[9], [10]], jnp.int32), jnp.asarray([[2], [4]], jnp.int32), step_valid)
-    logits = [jax.jit(model.apply)(params, *step, cache, offsets)[0] for model in (einsum, pallas)]
+    logits = [jax.jit(m.apply)(params, *step, cache, offsets)[0] for m in (reference, kernel)]
     np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(logits[0]), atol=TOL)
+
+
+def test_pallas_decode_attention_decodes_as_the_einsum_one(plain):
+    """With `decode_attention=pallas` every decode step attends through the Pallas kernel
+    (its interpreter here), and decodes as the einsum model (`assert_decodes_alike`)."""
+    *_, params = plain
+    einsum = abstract_model(PLAIN)[0]
+    assert_decodes_alike(einsum, abstract_model(execution(decode_attention="pallas"))[0], params)
+
+
+def test_pallas_decode_mlp_decodes_as_the_xla_one(monkeypatch):
+    """With `decode_mlp=pallas` every decode step's gated hidden layer comes from the Pallas
+    kernel (its interpreter here), with `decode_mlp_kernel`'s settings, and prefill's does
+    not; the model decodes as the plain one (`assert_decodes_alike`). (d_ff 32: the kernel
+    tiles widths in blocks of 16.)"""
+    plain_cfg = execution(d_ff=32)
+    _, params = init_model(plain_cfg, SEED)
+    pallas_cfg = dataclasses.replace(
+        plain_cfg, decode_mlp="pallas", decode_mlp_kernel="16:16:16:2:2"
+    )
+    row_counts = []
+
+    def recording(x, *args, settings):
+        row_counts.append(x.shape[0])
+        assert settings == MlpKernelSettings(16, 16, 16, 2, 2)
+        return real(x, *args, settings=settings)
+
+    real = transformer.gated_hidden
+    monkeypatch.setattr(transformer, "gated_hidden", recording)
+    assert_decodes_alike(abstract_model(plain_cfg)[0], abstract_model(pallas_cfg)[0], params)
+    # the decode loop's and the one step's 2 rows, never a prefill's 2 × 4
+    assert row_counts and set(row_counts) == {2}
 
 
 @pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded
@@ -503,7 +536,11 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
     plain = PLAIN.to_dict()
     assert not set(EXECUTION_FIELDS) & set(plain) and "scan_layers" not in plain
     tuned = execution(
-        remat="dots_saveable", attention="dot_product", decode_attention="pallas", logprob_chunk=4
+        remat="dots_saveable",
+        attention="dot_product",
+        decode_attention="pallas",
+        decode_mlp_kernel="32:32:32:4:3",
+        logprob_chunk=4,
     )
     assert tuned.to_dict() == plain  # a resumed run may change these
     # and the params' layout: each checkpoint records it, and a resume converts it
@@ -524,6 +561,11 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(decode_kernel="2:96:4:2"), "decode_kernel: .*block_k must be a power of two"),
         (dict(decode_kernel="fast"), "decode_kernel: 'fast' is not k_splits:block_k"),
         (dict(decode_attention="pallas", num_heads=34, num_kv_heads=2, head_dim=4), "up to 16"),
+        (dict(decode_mlp="triton"), "model.decode_mlp"),
+        (dict(decode_mlp="pallas"), "d_ff=24 is no multiple of it"),
+        (dict(decode_mlp="pallas", d_ff=32, mlp="dense"), "gated MLPs without biases"),
+        (dict(decode_mlp="pallas", d_ff=32, mlp_bias=True), "this model's is 'gated' with bias"),
+        (dict(decode_mlp_kernel="64:64:64:4"), "decode_mlp_kernel: .*is not block_m:block_n"),
     ],
 )
 def test_bad_execution_fields_are_refused(fields, match):
@@ -551,6 +593,10 @@ def test_the_config_checks_the_knobs():
         refused = rf"decode_attention=pallas .*is {backend}"
         with pytest.raises(config_lib.ConfigError, match=refused):
             config_lib.check_attention(config, backend=backend)
+    config.model.decode_attention, config.model.decode_mlp = "same", "pallas"
+    config_lib.check_attention(config, backend="gpu")
+    with pytest.raises(config_lib.ConfigError, match=r"decode_mlp=pallas is a GPU kernel.*is cpu"):
+        config_lib.check_attention(config, backend="cpu")
     config.model.remat = "everything"
     with pytest.raises(config_lib.ConfigError, match="remat"):
         config_lib.check_ranges(config, config_lib.RANGES)

@@ -51,6 +51,10 @@ DECODE_ATTENTIONS = ("same", "pallas")
 # (Triton's matmuls take at least 16 on each side, and power-of-two array sizes only).
 PALLAS_DECODE_TILE = 16
 MIN_BLOCK_K = 16  # cache slots the kernel reads at once, at least (Triton's matmuls)
+# A decode step's gated MLP hidden layer: "same" as every other pass (XLA's matmuls), or
+# "pallas" (`models.gated_mlp`: both products and the activation in one kernel).
+DECODE_MLPS = ("same", "pallas")
+MIN_MLP_BLOCK = 16  # the Pallas MLP kernel's tiles, at least, on each side (Triton's matmuls)
 
 
 class KernelSettings(NamedTuple):
@@ -89,18 +93,67 @@ def check_kernel_settings(settings: KernelSettings) -> None:
         raise ValueError(f"{settings}: block_k must be at least {MIN_BLOCK_K}.")
 
 
+class MlpKernelSettings(NamedTuple):
+    """How the Pallas MLP kernel (`models.gated_mlp`) tiles its work (the results are the
+    same to float rounding):
+
+    - block_m, block_n: rows and hidden units a program computes (powers of two >=
+      `MIN_MLP_BLOCK`; fewer where that tiles the axis: rows are padded up to a block,
+      hidden units take the largest power of two dividing d_ff);
+    - block_k: model-width entries a program reads at once (the same rule, over d_model);
+    - num_warps, num_stages: Triton's launch settings (ignored by the interpreter).
+
+    `model.decode_mlp_kernel` sets them as "block_m:block_n:block_k:num_warps:num_stages",
+    and `benchmarks/gated_mlp_kernel.py --settings` times a grid of them on a GPU.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def spec(self) -> str:
+        """e.g. "64:64:64:4:3", as `model.decode_mlp_kernel` takes it."""
+        return ":".join(str(value) for value in self)
+
+
+def check_mlp_kernel_settings(settings: MlpKernelSettings) -> None:
+    """ValueError for settings the MLP kernel cannot run with."""
+    if settings.num_stages < 1:
+        raise ValueError(f"{settings}: num_stages must be at least 1.")
+    for name in ("block_m", "block_n", "block_k", "num_warps"):
+        value = getattr(settings, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{settings}: {name} must be a power of two.")
+    for name in ("block_m", "block_n", "block_k"):
+        if getattr(settings, name) < MIN_MLP_BLOCK:
+            raise ValueError(f"{settings}: {name} must be at least {MIN_MLP_BLOCK}.")
+
+
+def _settings_from_spec(spec: str, settings_type, check, example: str):
+    """`settings_type` (a NamedTuple of whole numbers) from its fields' values joined by
+    ":", checked by `check` (ValueError naming the spec and an `example`)."""
+    parts, fields = spec.split(":"), settings_type._fields
+    if len(parts) != len(fields) or not all(part.isdigit() for part in parts):
+        raise ValueError(
+            f"{spec!r} is not {':'.join(fields)} ({len(fields)} whole numbers, e.g. {example})."
+        )
+    settings = settings_type(*map(int, parts))
+    check(settings)
+    return settings
+
+
 def parse_kernel_settings(spec: str) -> KernelSettings:
     """KernelSettings from "k_splits:block_k:num_warps:num_stages" (e.g. "4:64:4:3"),
     checked (ValueError naming the spec)."""
-    parts = spec.split(":")
-    if len(parts) != 4 or not all(part.isdigit() for part in parts):
-        raise ValueError(
-            f"{spec!r} is not k_splits:block_k:num_warps:num_stages (four whole numbers, "
-            "e.g. 2:128:4:2)."
-        )
-    settings = KernelSettings(*map(int, parts))
-    check_kernel_settings(settings)
-    return settings
+    return _settings_from_spec(spec, KernelSettings, check_kernel_settings, "2:128:4:2")
+
+
+def parse_mlp_kernel_settings(spec: str) -> MlpKernelSettings:
+    """MlpKernelSettings from "block_m:block_n:block_k:num_warps:num_stages" (e.g.
+    "64:128:64:4:3"), checked (ValueError naming the spec)."""
+    return _settings_from_spec(spec, MlpKernelSettings, check_mlp_kernel_settings, "64:64:64:4:3")
 
 
 HALF_DTYPES = ("bfloat16", "float16")
@@ -109,6 +162,7 @@ HALF_DTYPES = ("bfloat16", "float16")
 PLATFORM_EXECUTION = {
     ("attention", "cudnn"): ("gpu", "dot_product"),
     ("decode_attention", "pallas"): ("gpu", "same"),
+    ("decode_mlp", "pallas"): ("gpu", "same"),
     ("attention", "splash"): ("tpu", "dot_product"),
 }
 
@@ -129,6 +183,8 @@ EXECUTION_FIELDS = (
     "attention",
     "decode_attention",
     "decode_kernel",
+    "decode_mlp",
+    "decode_mlp_kernel",
     "logprob_chunk",
 )
 
@@ -217,6 +273,14 @@ class ModelConfig:
     - `decode_kernel`: the Pallas kernel's `KernelSettings` as
       "k_splits:block_k:num_warps:num_stages" ("": its defaults, `KernelSettings()`), for
       tuning it to a GPU; read only with `decode_attention="pallas"`.
+    - `decode_mlp`: a decode step's gated MLP hidden layer, act(x W_gate) * (x W_up):
+      "same" as every other pass (XLA's matmuls), or "pallas", both products and the
+      activation in one Pallas kernel that writes only the hidden layer
+      (`models.gated_mlp`: Triton on a GPU, Pallas' interpreter, slow, elsewhere). Gated
+      MLPs without biases, d_model and d_ff multiples of `MIN_MLP_BLOCK`.
+    - `decode_mlp_kernel`: that kernel's `MlpKernelSettings` as
+      "block_m:block_n:block_k:num_warps:num_stages" ("": its defaults); read only with
+      `decode_mlp="pallas"`.
     - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
       and normalise this many response slots at a time, so [rows, length, vocab] float32
       logits never exist at once (0: all slots in one go).
@@ -263,6 +327,8 @@ class ModelConfig:
     attention: str = "einsum"
     decode_attention: str = "same"
     decode_kernel: str = ""
+    decode_mlp: str = "same"
+    decode_mlp_kernel: str = ""
     logprob_chunk: int = 0
 
     def __post_init__(self):
@@ -343,6 +409,23 @@ class ModelConfig:
                 f"per KV head, and this model has {groups}; use decode_attention='same'."
             )
 
+    def _check_pallas_mlp_shape(self):
+        """ValueError for an MLP the Pallas MLP kernel does not compute: a dense one, one
+        with biases, or widths it cannot tile."""
+        if self.mlp != "gated" or self.mlp_bias:
+            raise ValueError(
+                "model.decode_mlp='pallas' computes gated MLPs without biases (llama, qwen2), "
+                f"and this model's is {self.mlp!r}{' with biases' if self.mlp_bias else ''}; "
+                "use decode_mlp='same'."
+            )
+        for name in ("d_model", "d_ff"):
+            if getattr(self, name) % MIN_MLP_BLOCK:
+                raise ValueError(
+                    f"model.decode_mlp='pallas' tiles the MLP in blocks of {MIN_MLP_BLOCK}, and "
+                    f"model.{name}={getattr(self, name)} is no multiple of it; use "
+                    "decode_mlp='same'."
+                )
+
     def _check_execution(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
@@ -365,6 +448,18 @@ class ModelConfig:
                 parse_kernel_settings(self.decode_kernel)
             except ValueError as error:
                 raise ValueError(f"model.decode_kernel: {error}") from None
+        if self.decode_mlp not in DECODE_MLPS:
+            raise ValueError(
+                f"model.decode_mlp={self.decode_mlp!r} is not one of {list(DECODE_MLPS)} "
+                "('same': XLA's matmuls, as every other pass)."
+            )
+        if self.decode_mlp == "pallas":
+            self._check_pallas_mlp_shape()
+        if self.decode_mlp_kernel:
+            try:
+                parse_mlp_kernel_settings(self.decode_mlp_kernel)
+            except ValueError as error:
+                raise ValueError(f"model.decode_mlp_kernel: {error}") from None
         if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
             raise ValueError(
                 "model.attention='cudnn' needs a half-precision compute dtype "
@@ -386,6 +481,12 @@ class ModelConfig:
     def decode_kernel_settings(self) -> KernelSettings:
         """The Pallas decode kernel's settings (`decode_kernel`, parsed)."""
         return parse_kernel_settings(self.decode_kernel) if self.decode_kernel else KernelSettings()
+
+    @property
+    def decode_mlp_kernel_settings(self) -> MlpKernelSettings:
+        """The Pallas MLP kernel's settings (`decode_mlp_kernel`, parsed)."""
+        spec = self.decode_mlp_kernel
+        return parse_mlp_kernel_settings(spec) if spec else MlpKernelSettings()
 
     @property
     def resolved_head_dim(self) -> int:

@@ -28,7 +28,8 @@ each step reads and whose new keys it writes in place (`cache_batch_axis` says w
 cache's rows are). `cfg.remat` wraps each block of the cache-free pass in
 `jax.checkpoint`, and `cfg.attention` picks that pass's attention kernel (and, unless
 `cfg.decode_attention="pallas"` gives them `models.decode_attention`'s kernel, every pass
-with a cache's).
+with a cache's); `cfg.decode_mlp="pallas"` gives a decode step's gated MLP
+`models.gated_mlp`'s kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from flax import nnx
 from tba_jax.models import splash_attention
 from tba_jax.models.config import REMAT_POLICIES, ModelConfig
 from tba_jax.models.decode_attention import decode_attention
+from tba_jax.models.gated_mlp import gated_hidden
 
 # per layer {"k", "v"}, or with scan_decode one {"k", "v"} of stacked [L, ...] arrays
 KVCache = tuple[dict[str, jax.Array], ...] | dict[str, jax.Array]
@@ -447,9 +449,20 @@ class MLP(nnx.Module):
         out = dense(x, getattr(self, f"w_{name}")[...].astype(dt))
         return _add_bias(out, getattr(self, f"b_{name}") if self.cfg.mlp_bias else None)
 
-    def __call__(self, x):
-        activation = ACTIVATION_FNS[self.cfg.activation]
-        if self.cfg.mlp == "gated":
+    def __call__(self, x, decode_step: bool = False):
+        """x [B, S, D] -> [B, S, D]. `decode_step` (one query slot over a KV cache) with
+        `cfg.decode_mlp="pallas"` computes the gated hidden layer with
+        `models.gated_mlp`'s kernel."""
+        cfg = self.cfg
+        activation = ACTIVATION_FNS[cfg.activation]
+        if decode_step and cfg.decode_mlp == "pallas":
+            dt = cfg.compute_dtype
+            rows = x.reshape(-1, x.shape[-1]).astype(dt)
+            weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt))
+            settings = cfg.decode_mlp_kernel_settings
+            hidden = gated_hidden(rows, *weights, activation, settings=settings)
+            hidden = hidden.reshape(*x.shape[:-1], cfg.d_ff)
+        elif cfg.mlp == "gated":
             hidden = activation(self._linear(x, "gate")) * self._linear(x, "up")
         else:
             hidden = activation(self._linear(x, "up"))
@@ -468,10 +481,11 @@ class Block(nnx.Module):
         attn_out, cache_layer = self.attn(
             self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer
         )
+        decode_step = cache_layer is not None and x.shape[1] == 1
         if self.parallel_residual:  # GPT-NeoX: both branches read the block's input.
-            return x + attn_out + self.mlp(self.mlp_norm(x)), cache_layer
+            return x + attn_out + self.mlp(self.mlp_norm(x), decode_step), cache_layer
         x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x)), cache_layer
+        return x + self.mlp(self.mlp_norm(x), decode_step), cache_layer
 
 
 def stack_blocks(blocks: list[Block]) -> Block:

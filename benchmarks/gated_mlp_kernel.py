@@ -1,0 +1,141 @@
+r"""The Pallas MLP kernel (`model.decode_mlp=pallas`) on this machine's backend: its output
+against act(x W_gate) * (x W_up) in float64 NumPy, and its time beside XLA's, one decode
+step's layer at a time.
+
+    python benchmarks/gated_mlp_kernel.py                        # qwen2.5-0.5b's layer, 256 rows
+    python benchmarks/gated_mlp_kernel.py --shape=qwen2.5-1.5b --rows=64,256
+    python benchmarks/gated_mlp_kernel.py --settings=64:64:64:4:3,128:64:64:4:3   # a grid
+
+On a GPU the kernel is Triton's; elsewhere Pallas' interpreter runs it (slow: a check of
+the script, not a timing). One JSON line per row count: `max_abs_error` (against float64,
+on the inputs rounded to `--dtype`, the worst over `--settings`, with `xla_max_abs_error`
+beside it: XLA's path rounds each product to `--dtype` first), `kernel_us` (one figure per
+`--settings` entry `block_m:block_n:block_k:num_warps:num_stages`,
+`models.config.MlpKernelSettings`, keyed so; `fastest`: the key of the least, a
+`model.decode_mlp_kernel` value; `model_settings`: the kernel's defaults,
+`gated_mlp.SETTINGS`) and `xla_us` (the model's own gated hidden layer, as XLA compiles
+it), each the median of `--repeats` timed calls after a compiling one. `bytes` is what the
+layer must move (both weights, the rows in and the hidden layer out) and `hbm_bound_us`
+its time at the HBM bandwidth of `peaks` (the device's datasheet figure;
+`roofline.peaks_for`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from decode_attention_kernel import median_us, parse_settings
+
+from tba_jax import cli, roofline
+from tba_jax.models import preset, transformer
+from tba_jax.models.config import parse_mlp_kernel_settings
+from tba_jax.models.gated_mlp import SETTINGS, gated_hidden
+
+# block_m:block_n:block_k:num_warps:num_stages. The model's settings first, then wider
+# and narrower tiles of hidden units, taller row tiles, longer walks, more warps/stages.
+DEFAULT_SETTINGS = (
+    "64:64:64:4:3,64:128:64:4:3,64:32:64:4:3,128:64:64:4:3,128:128:64:8:3,"
+    "32:64:128:4:3,64:64:128:4:4,256:32:64:8:3,64:64:32:4:4,128:32:128:4:3"
+)
+
+
+def reference(x, w_gate, w_up, activation) -> np.ndarray:
+    """act(x W_gate) * (x W_up) in float64 (`activation` applied through JAX in float64
+    would need x64: silu and the gelus are written out here)."""
+    x, w_gate, w_up = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w_gate, w_up))
+    gate, up = x @ w_gate, x @ w_up
+    if activation == "silu":
+        return gate / (1.0 + np.exp(-gate)) * up
+    from scipy.special import erf
+
+    if activation == "gelu":
+        return 0.5 * gate * (1.0 + erf(gate / np.sqrt(2.0))) * up
+    inner = np.sqrt(2.0 / np.pi) * (gate + 0.044715 * gate**3)  # gelu_new (tanh)
+    return 0.5 * gate * (1.0 + np.tanh(inner)) * up
+
+
+def xla_hidden(activation):
+    """The model's gated hidden layer as `transformer.MLP` computes it outside the kernel:
+    each product rounded to the compute dtype, then act(gate) * up."""
+    act = transformer.ACTIVATION_FNS[activation]
+
+    def hidden(x, w_gate, w_up):
+        return act(transformer.dense(x, w_gate)) * transformer.dense(x, w_up)
+
+    return jax.jit(hidden)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen2.5-0.5b", help="model preset (its widths)")
+    parser.add_argument("--rows", default="256", help="comma-separated decode batch sizes")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--settings",
+        default=DEFAULT_SETTINGS,
+        help="block_m:block_n:block_k:num_warps:num_stages,...",
+    )
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        row_counts = [int(item) for item in args.rows.split(",")]
+        settings = parse_settings(args.settings, parse_mlp_kernel_settings)
+        # the preset's widths and activation, with the kernel's checks; no vocabulary needed
+        cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, decode_mlp="pallas")
+        if args.repeats < 1 or min(row_counts) < 1:
+            raise ValueError("--repeats and every --rows entry must be >= 1.")
+    except ValueError as error:
+        cli.exit_with_error(str(error))
+    rng = np.random.default_rng(args.seed)
+    act = transformer.ACTIVATION_FNS[cfg.activation]
+    kernels = {
+        each.spec(): jax.jit(functools.partial(gated_hidden, activation=act, settings=each))
+        for each in settings
+    }
+    xla = xla_hidden(cfg.activation)
+    scale = 1.0 / np.sqrt(cfg.d_model)  # unit-variance products, as a trained layer's
+    w_gate, w_up = (
+        jnp.asarray(rng.normal(size=(cfg.d_model, cfg.d_ff)) * scale, args.dtype) for _ in "gu"
+    )
+    peaks = roofline.peaks_for(jax.devices()[0].device_kind)
+    item_bytes = jnp.dtype(args.dtype).itemsize
+    for rows in row_counts:
+        x = jnp.asarray(rng.normal(size=(rows, cfg.d_model)), args.dtype)
+        inputs = (x, w_gate, w_up)
+        expected = reference(*inputs, cfg.activation)
+        outs = [np.asarray(kernel(*inputs).astype(jnp.float32)) for kernel in kernels.values()]
+        moved = item_bytes * (2 * cfg.d_model * cfg.d_ff + rows * (cfg.d_model + cfg.d_ff))
+        line = {
+            "bench": "gated_mlp_kernel",
+            "backend": jax.default_backend(),
+            "shape": args.shape,
+            "rows": rows,
+            "d_model": cfg.d_model,
+            "d_ff": cfg.d_ff,
+            "dtype": args.dtype,
+            "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
+            "xla_max_abs_error": float(
+                np.abs(np.asarray(xla(*inputs).astype(jnp.float32)) - expected).max()
+            ),
+            "kernel_us": {
+                label: round(median_us(kernel, inputs, args.repeats), 1)
+                for label, kernel in kernels.items()
+            },
+            "model_settings": SETTINGS.spec(),
+            "xla_us": round(median_us(xla, inputs, args.repeats), 1),
+            "bytes": moved,
+            "peaks": peaks.name,
+            "hbm_bound_us": round(1e6 * moved / peaks.hbm_bytes_per_s, 1),
+        }
+        line["fastest"] = min(line["kernel_us"], key=line["kernel_us"].get)
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
