@@ -192,9 +192,9 @@ def runnable_execution_fields(
     config: ml_collections.ConfigDict, backend: str | None = None
 ) -> dict:
     """`execution_fields` for reading a run on this process's platform (`backend`, default
-    JAX's): a kernel of another platform (cuDNN's attention or the Pallas decode kernel off
-    a GPU, splash attention off a TPU) becomes the kernel that computes the same attention
-    here, with a warning, so a run's checkpoint is evaluated, exported or viewed on any
+    JAX's): a kernel of another platform (cuDNN's attention or the Pallas decode kernels
+    off a GPU, splash attention off a TPU) becomes the kernel that computes the same here,
+    with a warning, so a run's checkpoint is evaluated, exported or viewed on any
     machine."""
     fields = execution_fields(config)
     backend = backend or jax.default_backend()

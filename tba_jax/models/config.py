@@ -158,7 +158,7 @@ def parse_mlp_kernel_settings(spec: str) -> MlpKernelSettings:
 
 HALF_DTYPES = ("bfloat16", "float16")
 # Execution field values only one platform (JAX's name for it) runs, and the value that
-# computes the same attention elsewhere: what a run's checkpoint is read with there.
+# computes the same elsewhere: what a run's checkpoint is read with there.
 PLATFORM_EXECUTION = {
     ("attention", "cudnn"): ("gpu", "dot_product"),
     ("decode_attention", "pallas"): ("gpu", "same"),
@@ -168,7 +168,7 @@ PLATFORM_EXECUTION = {
 
 
 def off_platform(key: str, value: Any, backend: str) -> tuple[str, str] | None:
-    """(the platform it runs on, the value that computes the same attention elsewhere)
+    """(the platform it runs on, the value that computes the same elsewhere)
     when `value` of execution field `key` is a kernel of another platform than `backend`
     (JAX's name for this run's); None when `backend` runs it."""
     platform, instead = PLATFORM_EXECUTION.get((key, value), (backend, value))
