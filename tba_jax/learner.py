@@ -344,7 +344,7 @@ def make_train_step(
         metrics["beta"] = beta
         return state, metrics
 
-    return jax.jit(
+    return mesh_lib.jit_on_mesh(
         train_step,
         in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
         out_shardings=(state_sharding, mesh_lib.replicated(mesh)),

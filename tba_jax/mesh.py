@@ -11,6 +11,7 @@ other axes say.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
@@ -22,9 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tba_jax.batching import pad_rows
-
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+from tba_jax.models.kernel_mesh import BATCH_AXES, MESH_AXES  # the kernels split over them too
 
 Rules = Sequence[tuple[str, str | None]]
 
@@ -179,6 +178,56 @@ def row_axes(mesh: Mesh) -> tuple[str, ...]:
 def row_shards(mesh: Mesh) -> int:
     """How many parts a batch's rows are split into on `mesh` (its `row_axes`)."""
     return int(np.prod([mesh.shape[axis] for axis in row_axes(mesh)]))
+
+
+def argument_mesh(tree: Any) -> Mesh | None:
+    """The mesh of several devices the first array (or abstract array) in `tree` lies on;
+    None where it lies on one device, has no mesh, or is being traced (a program called
+    inside another: the outer program's mesh holds)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.core.Tracer):
+            return None
+        if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+            sharding = leaf.sharding
+            if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+                return sharding.mesh
+            return None
+    return None
+
+
+class MeshJit:
+    """`jax.jit(fun, **jit_kwargs)` traced under the mesh its arguments lie on
+    (`argument_mesh`, entered with `jax.set_mesh`), so the model's Pallas kernels split
+    themselves over it (`models.kernel_mesh.per_shard`). Calls, `lower` and `trace` enter
+    it; everything else is the jitted function's."""
+
+    def __init__(self, fun: Callable, **jit_kwargs):
+        self._jitted = jax.jit(fun, **jit_kwargs)
+        functools.update_wrapper(self, fun)
+
+    def _on_mesh(self, args: tuple, kwargs: dict):
+        mesh = argument_mesh((args, kwargs))
+        return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+    def __call__(self, *args, **kwargs):
+        with self._on_mesh(args, kwargs):
+            return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with self._on_mesh(args, kwargs):
+            return self._jitted.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with self._on_mesh(args, kwargs):
+            return self._jitted.trace(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._jitted, name)
+
+
+def jit_on_mesh(fun: Callable, **jit_kwargs) -> MeshJit:
+    """`jax.jit` for programs that run the model: see `MeshJit`."""
+    return MeshJit(fun, **jit_kwargs)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -371,7 +371,7 @@ def make_train_step(
         return new_state, {**metrics, **update_metrics}
 
     if options.fused_step or critic.kind == "shared":
-        return jax.jit(
+        return mesh_lib.jit_on_mesh(
             fused_step,
             in_shardings=(state_sharding, batch_sharding),
             out_shardings=(state_sharding, replicated),
@@ -380,7 +380,7 @@ def make_train_step(
 
     actor_sharding = state_sharding._replace(critic=None)
     prepared_sharding = {name: batch_sharding for name in fields}
-    jit_prepare = jax.jit(
+    jit_prepare = mesh_lib.jit_on_mesh(
         prepare_step,
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(prepared_sharding, replicated),
@@ -394,13 +394,13 @@ def make_train_step(
         grad_fn = jax.value_and_grad(critic_loss, has_aux=True)
         return updates(critic_state, prepared, step, grad_fn, critic_optimizer)
 
-    jit_actor = jax.jit(
+    jit_actor = mesh_lib.jit_on_mesh(
         actor_updates,
         in_shardings=(actor_sharding, prepared_sharding),
         out_shardings=(actor_sharding, replicated),
         donate_argnums=(0,),
     )
-    jit_critic = jax.jit(
+    jit_critic = mesh_lib.jit_on_mesh(
         critic_updates,
         in_shardings=(state_sharding.critic, prepared_sharding, replicated),
         out_shardings=(state_sharding.critic, replicated),

@@ -152,7 +152,7 @@ def make_train_step(
             state, micro_batches, grad_fn, optimizer, num_microbatches
         )
 
-    return jax.jit(
+    return mesh_lib.jit_on_mesh(
         train_step,
         in_shardings=(state_sharding, mesh_lib.batch_sharding(mesh)),
         out_shardings=(state_sharding, mesh_lib.replicated(mesh)),
@@ -377,7 +377,7 @@ def batch_indices(num_pairs: int, batch_size: int, steps: int, seed: int) -> lis
 
 def make_eval_fn(model: Model, mesh: jax.sharding.Mesh, param_shardings):
     """Jitted `(params, batch) -> (chosen [N], rejected [N])` scores."""
-    return jax.jit(
+    return mesh_lib.jit_on_mesh(
         lambda params, batch: pair_scores(model, params, batch),
         in_shardings=(param_shardings, mesh_lib.batch_sharding(mesh)),
     )

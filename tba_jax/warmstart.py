@@ -126,7 +126,7 @@ def make_supervised_step(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(
+    return mesh_lib.jit_on_mesh(
         step,
         in_shardings=(shardings.params, shardings.opt_state, mesh_lib.batch_sharding(mesh)),
         out_shardings=(shardings.params, shardings.opt_state, mesh_lib.replicated(mesh)),

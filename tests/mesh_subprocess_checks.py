@@ -18,7 +18,6 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from configs.arithmetic import get_config
@@ -31,6 +30,12 @@ RESULT_PREFIX = "MESH_CHECK_RESULT "
 
 def _abstract(params):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def _max_diff(tree, reference) -> float:
+    """The largest absolute difference between two trees' matching leaves."""
+    leaves = zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True)
+    return max(float(np.max(np.abs(jax.device_get(a) - jax.device_get(r)))) for a, r in leaves)
 
 
 def _device_ids(array) -> list[int]:
@@ -129,7 +134,8 @@ def _random_batch(rng: np.random.Generator, b: int, k: int, p: int, t: int, voca
 
 
 def _run_train_step(model, params, batch, mesh, rules, k):
-    """One train step of the real learner on `mesh`; returns (state, metrics, placed batch)."""
+    """One train step of the real learner on `mesh`; returns the new state, its metrics, the
+    placed batch, the state before and the jitted step."""
     optimizer = learner.make_optimizer(
         learner.OptimConfig(learning_rate=1e-2, total_steps=10, grad_clip_norm=1.0)
     )
@@ -150,7 +156,7 @@ def _run_train_step(model, params, batch, mesh, rules, k):
     )
     device_batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh))
     new_state, metrics = step(state, device_batch)
-    return new_state, jax.device_get(metrics), device_batch, state
+    return new_state, jax.device_get(metrics), device_batch, state, step
 
 
 def check_fsdp() -> dict:
@@ -176,18 +182,13 @@ def check_fsdp() -> dict:
 
     b, k, p, t = 2, 4, 5, 6
     batch = _random_batch(np.random.default_rng(0), b, k, p, t, vocab=16)
-    new_state, metrics, device_batch, old_state = _run_train_step(
+    new_state, metrics, device_batch, old_state, _ = _run_train_step(
         model, params, batch, lmesh, rules, k
     )
     # The same step on a single device is the reference.
     single = mesh_lib.make_mesh(jax.devices()[:1], {})
-    ref_state, ref_metrics, _, _ = _run_train_step(model, params, batch, single, rules, k)
-    max_param_diff = max(
-        float(jnp.max(jnp.abs(jax.device_get(a) - jax.device_get(r))))
-        for a, r in zip(
-            jax.tree.leaves(new_state.params), jax.tree.leaves(ref_state.params), strict=True
-        )
-    )
+    ref_state, ref_metrics, *_ = _run_train_step(model, params, batch, single, rules, k)
+    max_param_diff = _max_diff(new_state.params, ref_state.params)
     return {
         "learner_mesh_shape": dict(lmesh.shape),
         "learner_mesh_devices": sorted(d.id for d in lmesh.devices.flat),
@@ -597,10 +598,111 @@ def check_roles() -> dict:
     return out
 
 
+def _kernel_calls(traced) -> dict:
+    """How many Pallas kernels a traced program runs, and how many of them inside a
+    shard_map (run per shard), found by walking its jaxpr and every jaxpr nested in it."""
+    counts = {"pallas": 0, "in_shard_map": 0}
+
+    def nested(value):
+        if isinstance(value, jax.extend.core.ClosedJaxpr):
+            yield value.jaxpr
+        elif isinstance(value, jax.extend.core.Jaxpr):
+            yield value
+        elif isinstance(value, tuple | list):
+            for item in value:
+                yield from nested(item)
+
+    def walk(jaxpr, under_shard_map: bool) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "pallas_call":
+                counts["pallas"] += 1
+                counts["in_shard_map"] += under_shard_map
+                continue
+            for value in eqn.params.values():
+                for inner in nested(value):
+                    walk(inner, under_shard_map or name == "shard_map")
+
+    walk(traced.jaxpr.jaxpr, False)
+    return counts
+
+
+def check_kernels() -> dict:
+    """4 devices: the model's Pallas kernels split over a mesh (`models.kernel_mesh`). A
+    (data 2, tensor 2) sampler mesh decodes greedily through the decode attention and
+    gated MLP kernels as the plain model does on one device; a (fsdp 2, tensor 2) learner
+    mesh takes a TB step through splash attention as the plain model does on one device.
+    Each kernel runs under a shard_map on the mesh (XLA refuses to split a Mosaic kernel,
+    and gathers a Triton one's inputs onto every device) and as it is on one device."""
+    import dataclasses
+
+    from tba_jax.models import ModelConfig
+    from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
+
+    assert jax.device_count() == 4, jax.devices()
+    config = get_config()
+    plain = ModelConfig(
+        vocab_size=16, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
+        max_seq_len=32, init_std=0.5,
+    )  # fmt: skip
+    kernels = dataclasses.replace(
+        plain, decode_attention="pallas", decode_mlp="pallas", decode_mlp_kernel="16:16:16:2:2"
+    )
+    model, params = init_model(plain, 0)
+    kernel_model, _ = init_model(kernels, 0)
+    one_device = mesh_lib.make_mesh(jax.devices()[:1], {})
+    sampler = mesh_lib.make_mesh(jax.devices(), {"data": 2, "tensor": 2})
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, 16, size=(5, 4)).astype(np.int32)  # 5 rows: padded to 6
+    mask = np.arange(4)[None] >= np.asarray([[0], [2], [1], [0], [3]])
+    prompts = np.where(mask, prompts, 0).astype(np.int32)
+    greedy = SamplingConfig(max_new_tokens=6, greedy=True)
+
+    def on(mesh, tree, m=model, rules=config.mesh.sampler_rules):
+        shardings = mesh_lib.param_shardings(m.logical_axes, _abstract(tree), mesh, rules)
+        return jax.device_put(tree, shardings)
+
+    def decode(m, mesh):
+        generate = make_generate_fn(m, greedy, eos_id=2, pad_id=0)
+        args = (on(mesh, params, m), *mesh_lib.split_rows(mesh, prompts, mask))
+        out = jax.device_get(generate(*args, jax.random.key(0)))
+        return out, _kernel_calls(generate.trace(*args, jax.random.key(0)))
+
+    reference, _ = decode(model, one_device)
+    split, split_calls = decode(kernel_model, sampler)
+    _, one_device_calls = decode(kernel_model, one_device)
+    rows = len(prompts)
+    sampler_result = {
+        "same_tokens": bool((split.tokens[:rows] == reference.tokens).all()),
+        "max_logp_diff": float(np.max(np.abs(split.token_logp[:rows] - reference.token_logp))),
+        "calls": split_calls,
+        "one_device_calls": one_device_calls,
+    }
+
+    splash = dataclasses.replace(plain, attention="splash")
+    splash_model, _ = init_model(splash, 0)
+    learner_mesh = mesh_lib.make_mesh(jax.devices(), {"fsdp": 2, "tensor": 2})
+    batch = _random_batch(np.random.default_rng(1), 2, 4, 5, 6, vocab=16)
+    rules = config.mesh.learner_rules
+    ref_state, ref_metrics, *_ = _run_train_step(model, params, batch, one_device, rules, 4)
+    state, metrics, placed, _, step = _run_train_step(
+        splash_model, params, batch, learner_mesh, rules, 4
+    )
+    return {
+        "sampler": sampler_result,
+        "learner": {
+            "max_param_diff": _max_diff(state.params, ref_state.params),
+            "loss_ratio": float(metrics["loss"]) / float(ref_metrics["loss"]),
+            "grad_norm_ratio": float(metrics["grad_norm"]) / float(ref_metrics["grad_norm"]),
+            "calls": _kernel_calls(step.trace(state, placed)),
+        },
+    }
+
+
 def check_fsdp_and_roles() -> dict:
-    """4 devices: check_fsdp's observations, and check_roles's under "roles" (one process
-    start for both)."""
-    return {**check_fsdp(), "roles": check_roles()}
+    """4 devices: check_fsdp's observations, check_roles's under "roles" and
+    check_kernels's under "kernels" (one process start for all three)."""
+    return {**check_fsdp(), "roles": check_roles(), "kernels": check_kernels()}
 
 
 def check_publish_and_engine() -> dict:

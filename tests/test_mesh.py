@@ -388,6 +388,24 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
         assert "mesh.sampler_rules, mesh.sampler_axes" in r[key]
 
 
+def test_pallas_kernels_run_per_shard_on_a_mesh_and_match_one_device(fsdp_result):
+    """On a (data 2, tensor 2) sampler mesh the decode attention and gated MLP kernels, and
+    on a (fsdp 2, tensor 2) learner mesh splash attention, run inside a shard_map (each
+    device on its rows and heads; XLA refuses to split a TPU kernel and gathers a GPU
+    kernel's inputs), and decode and train as the plain model does on one device; on one
+    device the kernels are called as they are."""
+    sampler, learner = fsdp_result["kernels"]["sampler"], fsdp_result["kernels"]["learner"]
+    assert sampler["calls"]["pallas"] > 0
+    assert sampler["calls"]["in_shard_map"] == sampler["calls"]["pallas"]
+    assert sampler["one_device_calls"] == {"pallas": sampler["calls"]["pallas"], "in_shard_map": 0}
+    assert sampler["same_tokens"] and sampler["max_logp_diff"] < 1e-4
+    assert learner["calls"]["pallas"] > 0
+    assert learner["calls"]["in_shard_map"] == learner["calls"]["pallas"]
+    assert abs(learner["loss_ratio"] - 1) < 1e-6 and abs(learner["grad_norm_ratio"] - 1) < 1e-5
+    # Adam's first step is about ±lr (1e-2) per weight: float rounding moves it a little
+    assert learner["max_param_diff"] < 1e-4
+
+
 def test_async_run_on_two_devices_end_to_end(train_result):
     s = train_result
     assert s["num_devices"] == 2

@@ -31,6 +31,7 @@ from tba_jax.models.config import (
     KernelSettings,
     check_kernel_settings,
 )
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, per_shard
 
 # Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
 # masked: Triton's matmuls need at least 16 on each side (`ModelConfig` checks a model's
@@ -162,15 +163,28 @@ def decode_attention(
     machine without one gets the kernel), and the interpreter for a cache shorter than
     `MIN_BLOCK_K` slots or heads narrower than that, which Triton's matmuls do not take (a
     toy model's; its cost is nothing beside the rest of the step). A head width that is no
-    power of two has no Triton kernel (`ModelConfig` refuses it for the model).
+    power of two has no Triton kernel (`ModelConfig` refuses it for the model). On a mesh
+    of several devices each runs it on its rows and KV heads (`kernel_mesh.per_shard`).
     """
     if interpret is None and min(k.shape[1], k.shape[3]) < MIN_BLOCK_K:
         interpret = True
     if interpret is None:
         run = functools.partial(_decode_attention, settings=settings, interpret=True)
         on_gpu = functools.partial(_decode_attention, settings=settings, interpret=False)
-        return jax.lax.platform_dependent(q, k, v, visible, cuda=on_gpu, default=run)
-    return _decode_attention(q, k, v, visible, settings=settings, interpret=interpret)
+
+        def kernel(*args):
+            return jax.lax.platform_dependent(*args, cuda=on_gpu, default=run)
+    else:
+        kernel = functools.partial(_decode_attention, settings=settings, interpret=interpret)
+    cache_dims = (ROWS, None, SPLIT, None)
+    return per_shard(
+        kernel,
+        (q, k, v, visible),
+        ((ROWS, SPLIT, None), cache_dims, cache_dims, (ROWS, None)),
+        (ROWS, SPLIT, None),
+        rows=q.shape[0],
+        split=k.shape[2],
+    )
 
 
 def _decode_attention(

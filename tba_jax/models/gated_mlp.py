@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tba_jax.models.config import MIN_MLP_BLOCK, MlpKernelSettings, check_mlp_kernel_settings
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, per_shard
 
 # What the model runs with unless `model.decode_mlp_kernel` says otherwise.
 SETTINGS = MlpKernelSettings()
@@ -77,12 +78,25 @@ def gated_hidden(
     [M, F]. `settings`: the kernel's tiles and launch (`MlpKernelSettings`; blocks shrink
     to the largest power of two that tiles each axis). `interpret`: None runs the Triton
     kernel where the program is lowered for a CUDA GPU and Pallas' interpreter elsewhere
-    (chosen as the program is lowered, as `decode_attention`)."""
+    (chosen as the program is lowered, as `decode_attention`). On a mesh of several devices
+    each runs it on its rows and hidden units (`kernel_mesh.per_shard`)."""
     run = functools.partial(_gated_hidden, activation=activation, settings=settings)
     if interpret is None:
         on_gpu, elsewhere = (functools.partial(run, interpret=flag) for flag in (False, True))
-        return jax.lax.platform_dependent(x, w_gate, w_up, cuda=on_gpu, default=elsewhere)
-    return run(x, w_gate, w_up, interpret=interpret)
+
+        def kernel(*args):
+            return jax.lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
+    else:
+        kernel = functools.partial(run, interpret=interpret)
+    # the tensor axis splits the hidden units into parts of whole blocks of the least size
+    return per_shard(
+        kernel,
+        (x, w_gate, w_up),
+        ((ROWS, None), (None, SPLIT), (None, SPLIT)),
+        (ROWS, SPLIT),
+        rows=x.shape[0],
+        split=w_gate.shape[1] // MIN_MLP_BLOCK,
+    )
 
 
 def _gated_hidden(

@@ -23,28 +23,31 @@ import math
 import jax
 import jax.numpy as jnp
 
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, per_shard
+
 # The kernel's query and key blocks (`splash.BlockSizes.get_default()`): a pass's sequence
 # is padded to a multiple of this (`transformer.FUSED_SEQ_MULTIPLE`).
 BLOCK = 128
 
 
-@functools.cache
 def _kernel(seq_len: int, groups: int, interpret: bool):
-    """The MQA kernel for `groups` query heads over `seq_len` slots, causal (its block
-    tables made as concrete arrays, whatever is being traced when it is first asked for).
-    The kernel's modules are imported here: most programs never ask for one."""
+    """The MQA kernel for `groups` query heads over `seq_len` slots, causal. Made anew in
+    each program that asks for it: its block tables become the program's constants (the
+    library caches the tables themselves, `mask_info._process_mask`). Made once as
+    concrete arrays, under a mesh in context they would be put on the mesh's devices
+    while the program is traced. The kernel's modules are imported here: most programs
+    never ask for one."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len))] * groups)
-    with jax.ensure_compile_time_eval():
-        return splash.make_splash_mqa(
-            mask,
-            block_sizes=splash.BlockSizes.get_default(),
-            head_shards=1,
-            q_seq_shards=1,
-            interpret=interpret,
-        )
+    return splash.make_splash_mqa(
+        mask,
+        block_sizes=splash.BlockSizes.get_default(),
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
 
 
 def causal_attention(
@@ -54,12 +57,26 @@ def causal_attention(
     `BLOCK`. Softmax attention of each query over the real keys at or before its slot,
     in q's dtype: [B, S, H, hd] (a padding query's output is its attention over the
     padding before it: callers drop it). `interpret`: None runs the TPU kernel where the
-    program is lowered for a TPU and Pallas' interpreter elsewhere."""
+    program is lowered for a TPU and Pallas' interpreter elsewhere. On a mesh of several
+    devices each runs it on its rows and KV heads (`kernel_mesh.per_shard`: XLA refuses to
+    split a Mosaic kernel itself)."""
     if interpret is None:
         on_tpu = functools.partial(_causal_attention, interpret=False)
         elsewhere = functools.partial(_causal_attention, interpret=True)
-        return jax.lax.platform_dependent(q, k, v, key_valid, tpu=on_tpu, default=elsewhere)
-    return _causal_attention(q, k, v, key_valid, interpret=interpret)
+
+        def kernel(*args):
+            return jax.lax.platform_dependent(*args, tpu=on_tpu, default=elsewhere)
+    else:
+        kernel = functools.partial(_causal_attention, interpret=interpret)
+    heads_dims = (ROWS, None, SPLIT, None)
+    return per_shard(
+        kernel,
+        (q, k, v, key_valid),
+        (heads_dims, heads_dims, heads_dims, (ROWS, None)),
+        heads_dims,
+        rows=q.shape[0],
+        split=k.shape[2],
+    )
 
 
 def _causal_attention(q, k, v, key_valid, *, interpret: bool) -> jax.Array:

@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 
 from tba_jax.batching import fixed_batches
+from tba_jax.mesh import jit_on_mesh
 from tba_jax.models import FAMILIES, Model, Params, positions_from_mask, sequence_scores
 from tba_jax.models.frozen import FrozenModel, Placement, load_frozen_model
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
@@ -110,7 +111,7 @@ class ScoreHeadClassifier:
         self.batch_size = batch_size
         self.id2label = dict(id2label)
         self.num_labels = frozen.model.config.num_labels
-        self._scores = jax.jit(functools.partial(sequence_scores, frozen.model))
+        self._scores = jit_on_mesh(functools.partial(sequence_scores, frozen.model))
 
     def logits(self, template: str, fields: Sequence[Mapping[str, str]]) -> np.ndarray:
         tokenizer = self.frozen.tokenizer
@@ -232,7 +233,7 @@ class GenerativeJudge:
             self.candidate_tokens[row, : len(ids)] = ids
             self.candidate_mask[row, : len(ids)] = 1.0
         self.prompt_ids("", "")  # the template alone must fit: ValueError now, not mid-run
-        self._score = jax.jit(functools.partial(continuation_logprobs, frozen.model))
+        self._score = jit_on_mesh(functools.partial(continuation_logprobs, frozen.model))
 
     def prompt_ids(self, attack: str, response: str) -> list[int]:
         return encode_filled(

@@ -31,10 +31,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import jax
 import ml_collections
 import numpy as np
 
+from tba_jax.mesh import jit_on_mesh
 from tba_jax.models import Model, sequence_scores
 from tba_jax.models.frozen import (
     FrozenModel,
@@ -100,7 +100,9 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
 
 def make_scalar_score_fn(model: Model):
     """Jitted `(params, tokens [B, S], mask [B, S]) -> scores [B]` (label 0 at the last token)."""
-    return jax.jit(lambda params, tokens, mask: sequence_scores(model, params, tokens, mask)[:, 0])
+    return jit_on_mesh(
+        lambda params, tokens, mask: sequence_scores(model, params, tokens, mask)[:, 0]
+    )
 
 
 # ------------------------------------------------------------------------------- the model

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tba_jax.mesh import publish, replicated, row_axes, row_shards
+from tba_jax.mesh import jit_on_mesh, publish, replicated, row_axes, row_shards
 from tba_jax.models import KVCache, Model, Params, positions_from_mask
 from tba_jax.models.transformer import compute_dtype_cast, has_params_to_cast
 from tba_jax.sampling.generate import Generation, SamplingConfig, make_generate_fn, sample_token
@@ -586,7 +586,7 @@ def _slot_programs(model: Model, prompt_len: int, max_new: int, pad_id: int):
         static_argnums=0,
     )
     # the slot state is donated: each call updates it in place instead of copying it
-    prefill = jax.jit(functools.partial(prefill_slots, model, pad_id=pad_id), donate_argnums=1)
+    prefill = jit_on_mesh(functools.partial(prefill_slots, model, pad_id=pad_id), donate_argnums=1)
     take = jax.jit(take_rows)
     compact_slots = jax.jit(functools.partial(compact, cache_batch_axis=model.cache_batch_axis))
     return init, prefill, take, compact_slots
@@ -596,7 +596,7 @@ def _slot_programs(model: Model, prompt_len: int, max_new: int, pad_id: int):
 def decode_program(model: Model, sampling: SamplingConfig, eos_id: int, pad_id: int):
     """The jitted decode chunk for `sampling` (the slot state donated); engines on the same
     model and sampling share it."""
-    return jax.jit(
+    return jit_on_mesh(
         functools.partial(decode_chunk, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id),
         donate_argnums=1,
     )

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tba_jax.batching import fixed_batches
-from tba_jax.mesh import split_rows_like
+from tba_jax.mesh import jit_on_mesh, split_rows_like
 from tba_jax.models import Model, Params, positions_from_mask
 from tba_jax.models.tokenizers import Tokenizer
 
@@ -381,7 +381,7 @@ def generate(
 
 def make_generate_fn(model: Model, sampling: SamplingConfig, *, eos_id: int, pad_id: int):
     """A jitted `(params, prompt_tokens, prompt_mask, rng) -> Generation`."""
-    return jax.jit(
+    return jit_on_mesh(
         functools.partial(generate, model, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
     )
 

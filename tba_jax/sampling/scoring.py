@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from tba_jax.mesh import jit_on_mesh
 from tba_jax.models import Model, Params, params_in_compute_dtype, positions_from_mask
 from tba_jax.models.transformer import dense
 
@@ -267,7 +268,7 @@ def make_score_fn(model: Model, *, temperature: float, rows_per_chunk: int = 0):
     vocabulary's [N, P + T, V] logits can outgrow the device); 0: the whole batch at once.
     """
     if rows_per_chunk > 0:
-        return jax.jit(
+        return jit_on_mesh(
             functools.partial(
                 chunked_token_logprobs,
                 model,
@@ -275,4 +276,4 @@ def make_score_fn(model: Model, *, temperature: float, rows_per_chunk: int = 0):
                 rows_per_chunk=rows_per_chunk,
             )
         )
-    return jax.jit(functools.partial(token_logprobs, model, temperature=temperature))
+    return jit_on_mesh(functools.partial(token_logprobs, model, temperature=temperature))

@@ -1,0 +1,89 @@
+"""The model's Pallas kernels on a mesh of several devices: one kernel call per shard.
+
+XLA cannot split a Pallas kernel between devices. In a program sharded over several
+devices, a Mosaic kernel (TPU: splash attention) is refused as it is lowered ("Mosaic
+kernels cannot be automatically partitioned"), and a Triton kernel (GPU: the decode
+attention and gated MLP kernels) has its inputs gathered and runs whole on every device.
+So the model calls its kernels through `per_shard`, which runs the kernel under
+`jax.shard_map` on the mesh the program is traced under: each device runs it on its own
+rows (the mesh's data and fsdp axes) and its own heads or hidden units (the tensor axis).
+An axis that does not divide them is left out: every device on it computes that part
+whole, as XLA would have. Without a mesh, or on one device, the kernel is called as it is.
+
+The mesh is the one `jax.set_mesh` puts in context while the program is traced. The
+programs that run the model (`tba_jax.mesh.jit_on_mesh`) enter the mesh their arguments
+lie on, so every role's programs split their kernels over that role's own mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+from jax.sharding import AbstractMesh, PartitionSpec
+
+# Every mesh's axes (`tba_jax.mesh` builds them): a batch's rows are split over the data and
+# fsdp axes, heads and hidden units over the tensor axis.
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+SPLIT_AXIS = "tensor"
+
+# What each dimension of a kernel's operand is, for `per_shard`.
+ROWS = "rows"  # the batch's rows: over the mesh's data and fsdp axes
+SPLIT = "split"  # heads or hidden units: over its tensor axis
+
+Dims = Sequence[str | None]
+
+
+def shard_axes(mesh: AbstractMesh, rows: int, split: int) -> dict[str, tuple[str, ...]]:
+    """The mesh axes each kind of dimension is split over: ROWS over the batch axes whose
+    sizes, multiplied, divide `rows` (taken in order, an axis that would not divide left
+    out), SPLIT over the tensor axis where its size divides `split`. Axes of size 1 are
+    left out."""
+    row_axes: list[str] = []
+    row_shards = 1
+    for axis in BATCH_AXES:
+        size = mesh.shape.get(axis, 1)
+        if size > 1 and rows % (row_shards * size) == 0:
+            row_axes.append(axis)
+            row_shards *= size
+    split_size = mesh.shape.get(SPLIT_AXIS, 1)
+    split_axes = (SPLIT_AXIS,) if split_size > 1 and split % split_size == 0 else ()
+    return {ROWS: tuple(row_axes), SPLIT: split_axes}
+
+
+def spec(dims: Dims, axes: dict[str, tuple[str, ...]]) -> PartitionSpec:
+    """The PartitionSpec of an operand whose dimensions are `dims` (ROWS, SPLIT or None)."""
+    return PartitionSpec(*(axes[dim] or None if dim else None for dim in dims))
+
+
+def per_shard(
+    kernel: Callable[..., jax.Array],
+    args: Sequence[jax.Array],
+    dims: Sequence[Dims],
+    out_dims: Dims,
+    *,
+    rows: int,
+    split: int,
+) -> jax.Array:
+    """kernel(*args), one call per shard of the mesh in context (`jax.set_mesh`; none, or
+    one device: the call as it is). `dims`: each argument's dimensions (ROWS, SPLIT or
+    None, replicated), `out_dims` the output's. `rows`: the size of every ROWS dimension;
+    `split`: how many equal parts the SPLIT dimensions may be cut into (KV heads; for
+    hidden units, the kernel's least blocks), which the tensor axis must divide.
+
+    The shard_map does not check which outputs vary over which axes (`check_vma=False`):
+    Pallas' kernels do not declare it. The outputs are exact per shard either way, and
+    gradients through it (splash attention in the learner) are the unsplit call's
+    (`tests/mesh_subprocess_checks.py`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(*args)
+    axes = shard_axes(mesh, rows, split)
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=tuple(spec(d, axes) for d in dims),
+        out_specs=spec(out_dims, axes),
+        check_vma=False,
+    )(*args)
