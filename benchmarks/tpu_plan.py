@@ -20,8 +20,9 @@ The chips are split between the roles as a run splits its devices (`mesh.sampler
   sampler mesh's row shards, as a run pads them) with the weights in the compute dtype, as
   a publish leaves them. π_ref's params, which the sampler's chips hold beside them for
   scoring (in `model.param_dtype`), are counted apart (`reference_bytes`); the scoring
-  pass and the task's reward are not compiled. One searcher: each more searcher thread
-  keeps its own KV cache.
+  pass and the task's reward are not compiled, and the task's role models (reward
+  models, a red-team victim and judge) are not counted. One searcher: each more searcher
+  thread keeps its own KV cache.
 
 Each prints XLA's plan for one chip: arguments (params, state, inputs), scratch and new
 outputs (bytes), and their sum `device_gib`; `chip_gib` adds π_ref to a search call's, and
@@ -32,9 +33,9 @@ an async run's searcher decodes while the learner steps, so `colocated_gib` is t
 
 The policy is a random one of the config's shape: `model.hf_path`'s config.json, or
 `model.preset` with `model.vocab_size` rows (nothing is loaded). Another TPU generation
-or size: `--slice` (`SLICES`). `--slice=local` plans for this process's own devices
-(e.g. fake CPU devices: `XLA_FLAGS=--xla_force_host_platform_device_count=4`), without an
-HBM figure.
+or size: `--slice` (`SLICES`: slices of one host). `--slice=local` plans for this
+process's own devices (e.g. fake CPU devices:
+`XLA_FLAGS=--xla_force_host_platform_device_count=4`), without an HBM figure.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ class Slice(NamedTuple):
     hbm_gib: float  # per chip (Cloud TPU's system architecture pages)
 
 
+# Slices of one host: a run over several hosts splits each host's chips between the roles
+# (`topology.py`), which this plan's one split of all the chips does not model.
 SLICES = {
     "v5e-4": Slice("v5e:2x2", 16),
     "v5e-8": Slice("v5e:2x4", 16),
-    "v5e-16": Slice("v5e:4x4", 16),
     "v5p-8": Slice("v5p:2x2x1", 95),
     "v6e-4": Slice("v6e:2x2", 32),
     "v6e-8": Slice("v6e:2x4", 32),
