@@ -59,17 +59,18 @@ from tba_jax.sampling.generate import make_generate_fn
 
 class Slice(NamedTuple):
     topology: str  # jax.experimental.topologies' name for it
+    accelerator_type: str  # Cloud TPU's name, which libtpu asks a TPU VM for
     hbm_gib: float  # per chip (Cloud TPU's system architecture pages)
 
 
 # Slices of one host: a run over several hosts splits each host's chips between the roles
 # (`topology.py`), which this plan's one split of all the chips does not model.
 SLICES = {
-    "v5e-4": Slice("v5e:2x2", 16),
-    "v5e-8": Slice("v5e:2x4", 16),
-    "v5p-8": Slice("v5p:2x2x1", 95),
-    "v6e-4": Slice("v6e:2x2", 32),
-    "v6e-8": Slice("v6e:2x4", 32),
+    "v5e-4": Slice("v5e:2x2", "v5litepod-4", 16),
+    "v5e-8": Slice("v5e:2x4", "v5litepod-8", 16),
+    "v5p-8": Slice("v5p:2x2x1", "v5p-8", 95),
+    "v6e-4": Slice("v6e:2x2", "v6e-4", 32),
+    "v6e-8": Slice("v6e:2x4", "v6e-8", 32),
 }
 LIBTPU_HINT = (
     "compiling for a TPU slice without one needs libtpu at JAX's version: "
@@ -92,6 +93,9 @@ def slice_devices(name: str) -> list:
         return jax.devices()
     from jax.experimental import topologies
 
+    # what libtpu would ask a TPU VM's metadata for (without them it logs an error for each)
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", SLICES[name].accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         return list(topologies.get_topology_desc(SLICES[name].topology, "tpu").devices)
     except Exception as error:  # libtpu missing or too old: one line that says what to install
@@ -128,6 +132,10 @@ def memory_plan(compiled) -> dict:
         "new_output_bytes": stats.output_size_in_bytes - stats.alias_size_in_bytes,
     }
     return {**parts, "device_gib": gib(sum(parts.values()))}
+
+
+def param_count(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
 def gib(size: float) -> float:
@@ -251,7 +259,7 @@ def main(argv: list[str]) -> None:
     print(
         f"{_SLICE.value}: {len(devices)} {devices[0].device_kind} chips"
         + (f", {hbm_gib:g} GiB each" if hbm_gib else "")
-        + f"; JAX {jax.__version__}; {model.config.num_params() / 1e9:.2f}B params",
+        + f"; JAX {jax.__version__}; {param_count(model.config.num_params())} params",
         flush=True,
     )
     compilers = {
