@@ -23,7 +23,7 @@ from support import BACKEND_COMPILE_EVENT, fake_cpu_devices_env, recorded_durati
 from configs.arithmetic import get_config
 from tba_jax import mesh as mesh_lib
 from tba_jax import runtime
-from tba_jax.models import compute_dtype_cast, init_model, preset
+from tba_jax.models import compute_dtype_cast, init_model, kernel_mesh, preset
 from tba_jax.placement import over_all_devices
 
 EVALUATE_SCRIPT = os.path.join(
@@ -255,6 +255,34 @@ def test_a_publish_after_the_first_compiles_nothing(cast):
     expected = newer if cast is None else cast(newer)
     for got, want in zip(jax.tree.leaves(published), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "sizes, rows, split, row_axes, split_axes",
+    [
+        ((2, 2, 2), 8, 4, ("data", "fsdp"), ("tensor",)),
+        ((2, 2, 2), 6, 3, ("data",), ()),  # 6 rows over data only; 3 heads not over tensor 2
+        ((3, 2, 1), 4, 1, ("fsdp",), ()),  # data 3 does not divide 4 rows, fsdp 2 does
+        ((1, 4, 1), 6, 2, (), ()),
+    ],
+)
+def test_kernels_split_over_the_mesh_axes_that_divide_their_rows_and_heads(
+    sizes, rows, split, row_axes, split_axes
+):
+    mesh = AbstractMesh(sizes, mesh_lib.MESH_AXES)
+    axes = kernel_mesh.shard_axes(mesh, rows, split)
+    assert axes == {kernel_mesh.ROWS: row_axes, kernel_mesh.SPLIT: split_axes}
+    dims = (kernel_mesh.ROWS, None, kernel_mesh.SPLIT)
+    assert kernel_mesh.spec(dims, axes) == PartitionSpec(row_axes or None, None, split_axes or None)
+
+
+def test_a_kernel_outside_any_mesh_is_called_as_it_is():
+    calls = []
+    out = kernel_mesh.per_shard(
+        lambda x: calls.append(x) or x + 1, (np.zeros(3),), ((kernel_mesh.ROWS,),), (None,),
+        rows=3, split=1,
+    )  # fmt: skip
+    assert len(calls) == 1 and np.array_equal(out, np.ones(3))
 
 
 # --- several fake devices, in subprocesses ---------------------------------------------------

@@ -8,7 +8,7 @@ So the model calls its kernels through `per_shard`, which runs the kernel under
 `jax.shard_map` on the mesh the program is traced under: each device runs it on its own
 rows (the mesh's data and fsdp axes) and its own heads or hidden units (the tensor axis).
 An axis that does not divide them is left out: every device on it computes that part
-whole, as XLA would have. Without a mesh, or on one device, the kernel is called as it is.
+whole. Without a mesh, or on one device, the kernel is called as it is.
 
 The mesh is the one `jax.set_mesh` puts in context while the program is traced. The
 programs that run the model (`tba_jax.mesh.jit_on_mesh`) enter the mesh their arguments
