@@ -397,23 +397,6 @@ def print_kernels(loop: hlo_traffic.Loop, title: str) -> list[hlo_traffic.Access
     return largest
 
 
-def device_memory(compiled) -> dict:
-    """XLA's memory plan of the program: its arguments (params, state, inputs), its
-    scratch, and the outputs that do not reuse a donated argument; their sum is what the
-    program needs on the device while it runs."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return {}
-    new_outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
-    needed = stats.argument_size_in_bytes + stats.temp_size_in_bytes + new_outputs
-    return {
-        "argument_bytes": stats.argument_size_in_bytes,
-        "temp_bytes": stats.temp_size_in_bytes,
-        "new_output_bytes": new_outputs,
-        "device_gib": round(needed / 2**30, 2),
-    }
-
-
 def segment_steps(sampling: SamplingConfig) -> list[int]:
     """Decode steps each of generate's loops runs when every row runs to the limit."""
     ends = sampling.segment_ends()
@@ -441,7 +424,7 @@ def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) 
         "kernels_per_step": loop.kernels_per_iteration(),
         "by_kind": hlo_traffic.bytes_by_kind(loop),
         "largest": [dataclasses.asdict(group) for group in largest],
-        **device_memory(compiled),
+        **hlo_traffic.memory_plan(compiled),
     }
 
 
@@ -498,7 +481,7 @@ def kernel_profile(compiled, device: jax.Device, what: str, model_flops: float) 
         "by_kind": hlo_traffic.bytes_by_kind(program),
         "seconds_by_kind": hlo_traffic.seconds_by_kind(program, hbm, peak),
         "largest": [dataclasses.asdict(group) for group in largest],
-        **device_memory(compiled),
+        **hlo_traffic.memory_plan(compiled),
     }
 
 

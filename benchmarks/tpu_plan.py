@@ -51,7 +51,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from tba_jax import cli, config_lib, learner, runs, sources, train
+from tba_jax import cli, config_lib, hlo_traffic, learner, runs, sources, train
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model
 from tba_jax.sampling.generate import make_generate_fn
@@ -77,7 +77,6 @@ LIBTPU_HINT = (
     'pip install "jax[tpu]=={version}" (no TPU needed)'
 )
 PROGRAMS = ("learner", "search")
-PLAN_PARTS = ("argument_bytes", "temp_bytes", "new_output_bytes")
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status when a program's plan exceeds the HBM
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
@@ -113,33 +112,8 @@ def policy_model(config: ml_collections.ConfigDict):
     return abstract_model(runs.model_config(config, vocab_size=0))
 
 
-def on_mesh(tree, shardings):
-    """Abstract arrays of `tree`'s shapes and dtypes on `shardings`."""
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        tree,
-        shardings,
-    )
-
-
-def memory_plan(compiled) -> dict:
-    """XLA's plan for one chip: arguments, scratch and new outputs (bytes), their sum in
-    GiB."""
-    stats = compiled.memory_analysis()
-    parts = {
-        "argument_bytes": stats.argument_size_in_bytes,
-        "temp_bytes": stats.temp_size_in_bytes,
-        "new_output_bytes": stats.output_size_in_bytes - stats.alias_size_in_bytes,
-    }
-    return {**parts, "device_gib": gib(sum(parts.values()))}
-
-
 def param_count(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
-
-
-def gib(size: float) -> float:
-    return round(size / 2**30, 2)
 
 
 def compile_learner(config, model, abstract, mesh) -> tuple:
@@ -179,12 +153,12 @@ def compile_search(config, model, abstract, mesh) -> tuple:
     prompts = (rows, config.max_prompt_len)
     key = jax.eval_shape(lambda: jax.random.key(0))
     lowered = generate.trace(
-        on_mesh(compute, shardings),
+        mesh_lib.abstract_on(compute, shardings),
         jax.ShapeDtypeStruct(prompts, np.int32, sharding=row_sharding),
         jax.ShapeDtypeStruct(prompts, np.bool_, sharding=row_sharding),
         jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=mesh_lib.replicated(mesh)),
     ).lower(lowering_platforms=platforms(mesh))
-    reference = on_mesh(
+    reference = mesh_lib.abstract_on(
         abstract, mesh_lib.param_shardings(model.logical_axes, abstract, mesh, rules)
     )
     shape = {
@@ -224,13 +198,14 @@ def plan(program: str, compile_program, config, model, abstract, mesh, hbm_gib) 
         return {**figures, "fits": False, "compile_error": cli.one_line(str(error))}
     figures.update(
         **shape,
-        **memory_plan(compiled),
+        **hlo_traffic.memory_plan(compiled),
         pallas_kernels=compiled.as_text().count('custom_call_target="tpu_custom_call"'),
         compile_s=round(time.time() - began, 1),
     )
     # the chip's whole need: the program's plan, and π_ref beside a search call
-    needed = sum(figures[part] for part in PLAN_PARTS) + figures.get("reference_bytes", 0)
-    figures["chip_gib"] = gib(needed)
+    needed = sum(figures[part] for part in hlo_traffic.MEMORY_PLAN_PARTS)
+    needed += figures.get("reference_bytes", 0)
+    figures["chip_gib"] = round(needed / 2**30, 2)
     figures["fits"] = None if hbm_gib is None else figures["chip_gib"] <= hbm_gib
     return figures
 

@@ -22,6 +22,8 @@ computation it calls.
 This is what the compiler's program moves, not what the hardware achieves: comparing it
 with `roofline.decode_step_bytes` says how much of the gap to the memory roofline is
 extra traffic, and the rest is time lost to small kernels, launches and latency.
+
+`memory_plan` reads what a compiled program needs on its device from XLA's own plan.
 """
 
 from __future__ import annotations
@@ -489,3 +491,23 @@ def largest_groups(loop: Loop, count: int) -> list[AccessGroup]:
         groups[access.kind, access.shape] = (kernels + times, moved + access.bytes * times)
     ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:count]
     return [AccessGroup(kind, shape, kernels, moved) for (kind, shape), (kernels, moved) in ranked]
+
+
+# The parts of `memory_plan` that add up to what a program needs on its device.
+MEMORY_PLAN_PARTS = ("argument_bytes", "temp_bytes", "new_output_bytes")
+
+
+def memory_plan(compiled) -> dict:
+    """XLA's memory plan of a compiled program on one device: its arguments (params,
+    state, inputs), its scratch, and the outputs that do not reuse a donated argument
+    (bytes, `MEMORY_PLAN_PARTS`); their sum, what the program needs on the device while it
+    runs, as `device_gib`. Empty where the backend makes no plan."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    parts = {
+        "argument_bytes": stats.argument_size_in_bytes,
+        "temp_bytes": stats.temp_size_in_bytes,
+        "new_output_bytes": stats.output_size_in_bytes - stats.alias_size_in_bytes,
+    }
+    return {**parts, "device_gib": round(sum(parts.values()) / 2**30, 2)}

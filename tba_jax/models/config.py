@@ -81,14 +81,20 @@ class KernelSettings(NamedTuple):
         return ":".join(str(value) for value in self)
 
 
-def check_kernel_settings(settings: KernelSettings) -> None:
-    """ValueError for settings the kernel cannot run with."""
-    k_splits, block_k, num_warps, num_stages = settings
-    if k_splits < 1 or num_stages < 1:
-        raise ValueError(f"{settings}: k_splits and num_stages must be at least 1.")
-    for name, value in (("block_k", block_k), ("num_warps", num_warps)):
+def _check_powers_of_two(settings: NamedTuple, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of `settings`' fields `names` that is no power of two."""
+    for name in names:
+        value = getattr(settings, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{settings}: {name} must be a power of two.")
+
+
+def check_kernel_settings(settings: KernelSettings) -> None:
+    """ValueError for settings the kernel cannot run with."""
+    k_splits, block_k, _, num_stages = settings
+    if k_splits < 1 or num_stages < 1:
+        raise ValueError(f"{settings}: k_splits and num_stages must be at least 1.")
+    _check_powers_of_two(settings, ("block_k", "num_warps"))
     if block_k < MIN_BLOCK_K:
         raise ValueError(f"{settings}: block_k must be at least {MIN_BLOCK_K}.")
 
@@ -122,10 +128,7 @@ def check_mlp_kernel_settings(settings: MlpKernelSettings) -> None:
     """ValueError for settings the MLP kernel cannot run with."""
     if settings.num_stages < 1:
         raise ValueError(f"{settings}: num_stages must be at least 1.")
-    for name in ("block_m", "block_n", "block_k", "num_warps"):
-        value = getattr(settings, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{settings}: {name} must be a power of two.")
+    _check_powers_of_two(settings, ("block_m", "block_n", "block_k", "num_warps"))
     for name in ("block_m", "block_n", "block_k"):
         if getattr(settings, name) < MIN_MLP_BLOCK:
             raise ValueError(f"{settings}: {name} must be at least {MIN_MLP_BLOCK}.")

@@ -31,7 +31,7 @@ from tba_jax.models.config import (
     KernelSettings,
     check_kernel_settings,
 )
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, per_shard
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
 
 # Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
 # masked: Triton's matmuls need at least 16 on each side (`ModelConfig` checks a model's
@@ -168,14 +168,7 @@ def decode_attention(
     """
     if interpret is None and min(k.shape[1], k.shape[3]) < MIN_BLOCK_K:
         interpret = True
-    if interpret is None:
-        run = functools.partial(_decode_attention, settings=settings, interpret=True)
-        on_gpu = functools.partial(_decode_attention, settings=settings, interpret=False)
-
-        def kernel(*args):
-            return jax.lax.platform_dependent(*args, cuda=on_gpu, default=run)
-    else:
-        kernel = functools.partial(_decode_attention, settings=settings, interpret=interpret)
+    kernel = on_platform(functools.partial(_decode_attention, settings=settings), "cuda", interpret)
     cache_dims = (ROWS, None, SPLIT, None)
     return per_shard(
         kernel,

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tba_jax.models.config import MIN_MLP_BLOCK, MlpKernelSettings, check_mlp_kernel_settings
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, per_shard
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
 
 # What the model runs with unless `model.decode_mlp_kernel` says otherwise.
 SETTINGS = MlpKernelSettings()
@@ -81,13 +81,7 @@ def gated_hidden(
     (chosen as the program is lowered, as `decode_attention`). On a mesh of several devices
     each runs it on its rows and hidden units (`kernel_mesh.per_shard`)."""
     run = functools.partial(_gated_hidden, activation=activation, settings=settings)
-    if interpret is None:
-        on_gpu, elsewhere = (functools.partial(run, interpret=flag) for flag in (False, True))
-
-        def kernel(*args):
-            return jax.lax.platform_dependent(*args, cuda=on_gpu, default=elsewhere)
-    else:
-        kernel = functools.partial(run, interpret=interpret)
+    kernel = on_platform(run, "cuda", interpret)
     # the tensor axis splits the hidden units into parts of whole blocks of the least size
     return per_shard(
         kernel,

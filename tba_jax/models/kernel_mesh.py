@@ -1,4 +1,6 @@
-"""The model's Pallas kernels on a mesh of several devices: one kernel call per shard.
+"""How the model calls its Pallas kernels: compiled on their platform or in Pallas'
+interpreter (`on_platform`), and on a mesh of several devices one call per shard
+(`per_shard`).
 
 XLA cannot split a Pallas kernel between devices. In a program sharded over several
 devices, a Mosaic kernel (TPU: splash attention) is refused as it is lowered ("Mosaic
@@ -17,6 +19,7 @@ lie on, so every role's programs split their kernels over that role's own mesh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -33,6 +36,24 @@ ROWS = "rows"  # the batch's rows: over the mesh's data and fsdp axes
 SPLIT = "split"  # heads or hidden units: over its tensor axis
 
 Dims = Sequence[str | None]
+
+
+def on_platform(
+    kernel: Callable[..., jax.Array], platform: str, interpret: bool | None
+) -> Callable[..., jax.Array]:
+    """`kernel(*args, interpret=...)` as a function of its arrays. `interpret` None: the
+    compiled kernel where the program is lowered for `platform` (JAX's lowering name,
+    "cuda" or "tpu") and Pallas' interpreter elsewhere, chosen as the program is lowered
+    (`jax.lax.platform_dependent`: a program compiled for a GPU or TPU on a machine
+    without one gets the kernel); else as `interpret` says."""
+    if interpret is not None:
+        return functools.partial(kernel, interpret=interpret)
+    compiled, interpreted = (functools.partial(kernel, interpret=flag) for flag in (False, True))
+
+    def chosen(*args):
+        return jax.lax.platform_dependent(*args, default=interpreted, **{platform: compiled})
+
+    return chosen
 
 
 def shard_axes(mesh: AbstractMesh, rows: int, split: int) -> dict[str, tuple[str, ...]]:

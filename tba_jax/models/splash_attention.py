@@ -17,13 +17,12 @@ on a CPU; a run is refused off a TPU, `config_lib.check_attention`).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, per_shard
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
 
 # The kernel's query and key blocks (`splash.BlockSizes.get_default()`): a pass's sequence
 # is padded to a multiple of this (`transformer.FUSED_SEQ_MULTIPLE`).
@@ -60,14 +59,7 @@ def causal_attention(
     program is lowered for a TPU and Pallas' interpreter elsewhere. On a mesh of several
     devices each runs it on its rows and KV heads (`kernel_mesh.per_shard`: XLA refuses to
     split a Mosaic kernel itself)."""
-    if interpret is None:
-        on_tpu = functools.partial(_causal_attention, interpret=False)
-        elsewhere = functools.partial(_causal_attention, interpret=True)
-
-        def kernel(*args):
-            return jax.lax.platform_dependent(*args, tpu=on_tpu, default=elsewhere)
-    else:
-        kernel = functools.partial(_causal_attention, interpret=interpret)
+    kernel = on_platform(_causal_attention, "tpu", interpret)
     heads_dims = (ROWS, None, SPLIT, None)
     return per_shard(
         kernel,
