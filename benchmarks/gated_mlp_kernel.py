@@ -14,7 +14,9 @@ beside it: XLA's path rounds each product to `--dtype` first), `kernel_us` (one 
 `models.config.MlpKernelSettings`, keyed so; `fastest`: the key of the least, a
 `model.decode_mlp_kernel` value; `model_settings`: the kernel's defaults,
 `gated_mlp.SETTINGS`) and `xla_us` (the model's own gated hidden layer, as XLA compiles
-it), each the median of `--repeats` timed calls after a compiling one. `bytes` is what the
+it), each one call's time after a compiling one (`timing`: on an accelerator the mean of
+its kernels' device time over `--repeats` traced calls, on a CPU the median of `--repeats`
+timed calls; `decode_attention_kernel.call_us`). `bytes` is what the
 layer must move (both weights, the rows in and the hidden layer out) and `hbm_bound_us`
 its time at the HBM bandwidth of `peaks` (the device's datasheet figure;
 `roofline.peaks_for`).
@@ -29,7 +31,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode_attention_kernel import median_us, parse_settings
+from decode_attention_kernel import call_us, parse_settings, timing
 
 from tba_jax import cli, roofline
 from tba_jax.models import preset, transformer
@@ -124,11 +126,12 @@ def main() -> None:
                 np.abs(np.asarray(xla(*inputs).astype(jnp.float32)) - expected).max()
             ),
             "kernel_us": {
-                label: round(median_us(kernel, inputs, args.repeats), 1)
+                label: round(call_us(kernel, inputs, args.repeats), 1)
                 for label, kernel in kernels.items()
             },
             "model_settings": SETTINGS.spec(),
-            "xla_us": round(median_us(xla, inputs, args.repeats), 1),
+            "xla_us": round(call_us(xla, inputs, args.repeats), 1),
+            "timing": timing(),
             "bytes": moved,
             "peaks": peaks.name,
             "hbm_bound_us": round(1e6 * moved / peaks.hbm_bytes_per_s, 1),
