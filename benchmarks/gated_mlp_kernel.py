@@ -72,28 +72,62 @@ def xla_hidden(activation):
     return jax.jit(hidden)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def measured(
+    kernels: dict, xla, inputs, expected: np.ndarray, repeats: int, moved: int, model_settings
+):
+    """The fields a row-kernel benchmark prints after its own: each kernel's and XLA's
+    worst error against `expected` (float64), their times (`call_us`), the `fastest`
+    kernel, and the `moved` bytes with their time at this device's HBM bandwidth."""
+    outs = [np.asarray(kernel(*inputs).astype(jnp.float32)) for kernel in kernels.values()]
+    xla_out = np.asarray(xla(*inputs).astype(jnp.float32))
+    peaks = roofline.peaks_for(jax.devices()[0].device_kind)
+    fields = {
+        "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
+        "xla_max_abs_error": float(np.abs(xla_out - expected).max()),
+        "kernel_us": {
+            label: round(call_us(kernel, inputs, repeats), 1) for label, kernel in kernels.items()
+        },
+        "model_settings": model_settings.spec(),
+        "xla_us": round(call_us(xla, inputs, repeats), 1),
+        "timing": timing(),
+        "bytes": moved,
+        "peaks": peaks.name,
+        "hbm_bound_us": round(1e6 * moved / peaks.hbm_bytes_per_s, 1),
+    }
+    fields["fastest"] = min(fields["kernel_us"], key=fields["kernel_us"].get)
+    return fields
+
+
+def row_kernel_command_line(description: str, default_settings: str, parse, knob: str):
+    """The command line of a benchmark of a kernel over decode rows (this one, and
+    `decode_projection_kernel.py`): (args, row counts, settings parsed by `parse`, the
+    preset's `ModelConfig` with `knob`="pallas", so with that kernel's checks). A bad
+    value exits with one error line."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--shape", default="qwen2.5-0.5b", help="model preset (its widths)")
     parser.add_argument("--rows", default="256", help="comma-separated decode batch sizes")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument(
-        "--settings",
-        default=DEFAULT_SETTINGS,
-        help="block_m:block_n:block_k:num_warps:num_stages,...",
-    )
+    fields = ":".join(parse(default_settings.split(",")[0])._fields)
+    parser.add_argument("--settings", default=default_settings, help=f"{fields},...")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
         row_counts = [int(item) for item in args.rows.split(",")]
-        settings = parse_settings(args.settings, parse_mlp_kernel_settings)
+        settings = parse_settings(args.settings, parse)
         # the preset's widths and activation, with the kernel's checks; no vocabulary needed
-        cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, decode_mlp="pallas")
+        cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, **{knob: "pallas"})
         if args.repeats < 1 or min(row_counts) < 1:
             raise ValueError("--repeats and every --rows entry must be >= 1.")
     except ValueError as error:
         cli.exit_with_error(str(error))
+    return args, row_counts, settings, cfg
+
+
+def main() -> None:
+    args, row_counts, settings, cfg = row_kernel_command_line(
+        __doc__.splitlines()[0], DEFAULT_SETTINGS, parse_mlp_kernel_settings, "decode_mlp"
+    )
     rng = np.random.default_rng(args.seed)
     act = transformer.ACTIVATION_FNS[cfg.activation]
     kernels = {
@@ -105,13 +139,11 @@ def main() -> None:
     w_gate, w_up = (
         jnp.asarray(rng.normal(size=(cfg.d_model, cfg.d_ff)) * scale, args.dtype) for _ in "gu"
     )
-    peaks = roofline.peaks_for(jax.devices()[0].device_kind)
     item_bytes = jnp.dtype(args.dtype).itemsize
     for rows in row_counts:
         x = jnp.asarray(rng.normal(size=(rows, cfg.d_model)), args.dtype)
         inputs = (x, w_gate, w_up)
         expected = reference(*inputs, cfg.activation)
-        outs = [np.asarray(kernel(*inputs).astype(jnp.float32)) for kernel in kernels.values()]
         moved = item_bytes * (2 * cfg.d_model * cfg.d_ff + rows * (cfg.d_model + cfg.d_ff))
         line = {
             "bench": "gated_mlp_kernel",
@@ -121,22 +153,8 @@ def main() -> None:
             "d_model": cfg.d_model,
             "d_ff": cfg.d_ff,
             "dtype": args.dtype,
-            "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
-            "xla_max_abs_error": float(
-                np.abs(np.asarray(xla(*inputs).astype(jnp.float32)) - expected).max()
-            ),
-            "kernel_us": {
-                label: round(call_us(kernel, inputs, args.repeats), 1)
-                for label, kernel in kernels.items()
-            },
-            "model_settings": SETTINGS.spec(),
-            "xla_us": round(call_us(xla, inputs, args.repeats), 1),
-            "timing": timing(),
-            "bytes": moved,
-            "peaks": peaks.name,
-            "hbm_bound_us": round(1e6 * moved / peaks.hbm_bytes_per_s, 1),
+            **measured(kernels, xla, inputs, expected, args.repeats, moved, SETTINGS),
         }
-        line["fastest"] = min(line["kernel_us"], key=line["kernel_us"].get)
         print(json.dumps(line), flush=True)
 
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in nine parts that each fit a 10-minute command:
+# in ten parts that each fit a 10-minute command:
 #
 #   bash benchmarks/gpu_report.sh mlp            # the Pallas MLP kernel alone under a grid of
 #                                                # settings beside XLA's, then decode with it
 #                                                # (at its fastest) beside decode without it
+#   bash benchmarks/gpu_report.sh projection     # the Pallas output-projection kernel alone
+#                                                # under a grid of settings beside XLA's
+#                                                # matmul, then decode with it (at the down
+#                                                # projection's fastest) beside without it
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
 #                                                # shapes (cudnn; the kernel at its fastest
@@ -31,7 +35,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="mlp | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
+PARTS="mlp | projection | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -64,6 +68,27 @@ case "$part" in
         run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
           --attention=cudnn --decode_attention=pallas --decode_mlp=$mlp \
           --decode_mlp_kernel="$([ $mlp = pallas ] && echo "${fastest:-}")"
+      done
+    done
+    ;;
+  projection)
+    # a decode step's output projections (attention's W_o, the MLP's W_down) as one Pallas
+    # kernel that splits the contraction between programs, beside XLA's matmul (on an H200
+    # at 0.5b, batch 256, the down projection took 17.4 us a layer where its 8.7 MB of
+    # weights take 1.8 us); decode then takes the down projection's fastest settings at 256
+    # rows, beside decode without the kernel (both with the other two decode kernels)
+    for shape in qwen2.5-0.5b qwen2.5-1.5b; do
+      kernel_lines=$(mktemp)
+      run python3 benchmarks/decode_projection_kernel.py --shape=$shape --rows=64,256 \
+        | tee "$kernel_lines"
+      fastest=$(grep '"projection": "mlp_down", "rows": 256' "$kernel_lines" | python3 -c \
+        'import json, sys; print(json.loads(sys.stdin.readline())["fastest"])' 2>/dev/null)
+      rm -f "$kernel_lines"
+      for projection in same pallas; do
+        run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
+          --attention=cudnn --decode_attention=pallas --decode_mlp=pallas \
+          --decode_projection=$projection \
+          --decode_projection_kernel="$([ $projection = pallas ] && echo "${fastest:-}")"
       done
     done
     ;;

@@ -22,8 +22,8 @@ bf16), with the FLOPs per token written out. Unset, both are the device's datash
 figures (`roofline.DEVICE_PEAKS`: H100, H200, A100, TPU v4-v6e; an H100 SXM's for another
 device), named in the first line's `peaks`. `--layers` changes the preset's depth, and
 `--scan_layers`, `--scan_decode`, `--remat`, `--attention`, `--decode_attention`,
-`--decode_kernel`, `--decode_mlp`, `--decode_mlp_kernel` and `--logprob_chunk` set those
-execution knobs
+`--decode_kernel`, `--decode_mlp`, `--decode_mlp_kernel`, `--decode_projection`,
+`--decode_projection_kernel` and `--logprob_chunk` set those execution knobs
 (`benchmarks/static_profile.py` gives each one's MFU ceiling; decode reports its compile
 seconds, `compile_s`, lowered and compiled ahead of the first run).
 """
@@ -43,7 +43,13 @@ import numpy as np
 from tba_jax import cli, device_trace, learner, roofline, run_totals, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import compute_dtype_cast, init_model, preset
-from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, DECODE_MLPS, REMAT_POLICIES
+from tba_jax.models.config import (
+    ATTENTIONS,
+    DECODE_ATTENTIONS,
+    DECODE_MLPS,
+    DECODE_PROJECTIONS,
+    REMAT_POLICIES,
+)
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
@@ -157,6 +163,17 @@ def main() -> None:
         default="",
         help="model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)",
     )
+    parser.add_argument(
+        "--decode_projection",
+        default="same",
+        choices=DECODE_PROJECTIONS,
+        help="model.decode_projection",
+    )
+    parser.add_argument(
+        "--decode_projection_kernel",
+        default="",
+        help="model.decode_projection_kernel (block_m:block_n:block_k:k_splits:warps:stages)",
+    )
     parser.add_argument("--logprob_chunk", type=int, default=0, help="model.logprob_chunk")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")
@@ -231,6 +248,8 @@ def main() -> None:
             decode_kernel=decoder.decode_kernel_settings.spec(),
             decode_mlp=decoder.decode_mlp,
             decode_mlp_kernel=decoder.decode_mlp_kernel_settings.spec(),
+            decode_projection=decoder.decode_projection,
+            decode_projection_kernel=decoder.decode_projection_kernel_settings.spec(),
             param_dtype=param_dtype,
             batch=args.batch,
             prompt=args.prompt,

@@ -77,7 +77,13 @@ from absl import flags
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
-from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, DECODE_MLPS, REMAT_POLICIES
+from tba_jax.models.config import (
+    ATTENTIONS,
+    DECODE_ATTENTIONS,
+    DECODE_MLPS,
+    DECODE_PROJECTIONS,
+    REMAT_POLICIES,
+)
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
@@ -145,6 +151,14 @@ _DECODE_KERNEL = flags.DEFINE_string(
 _DECODE_MLP = flags.DEFINE_enum("decode_mlp", "same", list(DECODE_MLPS), "model.decode_mlp.")
 _DECODE_MLP_KERNEL = flags.DEFINE_string(
     "decode_mlp_kernel", "", "model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)."
+)
+_DECODE_PROJECTION = flags.DEFINE_enum(
+    "decode_projection", "same", list(DECODE_PROJECTIONS), "model.decode_projection."
+)
+_DECODE_PROJECTION_KERNEL = flags.DEFINE_string(
+    "decode_projection_kernel",
+    "",
+    "model.decode_projection_kernel (block_m:block_n:block_k:k_splits:warps:stages).",
 )
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
 _HBM_TB_S = flags.DEFINE_float("hbm_tb_s", None, "HBM TB/s (unset: the target device's).")

@@ -158,6 +158,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # benchmarks/gated_mlp_kernel.py times others on a GPU)
     config.model.decode_mlp = "same"
     config.model.decode_mlp_kernel = ""
+    # a decode step's output projections, attention's W_o and the MLP's W_down (same: XLA's
+    # matmuls; pallas: one kernel that splits the contraction between programs, GPU) and
+    # that kernel's settings, block_m:block_n:block_k:k_splits:num_warps:num_stages ("":
+    # its defaults; benchmarks/decode_projection_kernel.py times others on a GPU)
+    config.model.decode_projection = "same"
+    config.model.decode_projection_kernel = ""
     config.model.logprob_chunk = 0
 
     # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the

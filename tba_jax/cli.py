@@ -193,6 +193,8 @@ def execution_flags(flag: Callable[[str], Any]) -> dict:
         decode_kernel=flag("decode_kernel"),
         decode_mlp=flag("decode_mlp"),
         decode_mlp_kernel=flag("decode_mlp_kernel"),
+        decode_projection=flag("decode_projection"),
+        decode_projection_kernel=flag("decode_projection_kernel"),
         logprob_chunk=flag("logprob_chunk"),
     )
 

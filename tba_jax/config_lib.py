@@ -32,12 +32,14 @@ from tba_jax.models.config import (
     ATTENTIONS,
     DECODE_ATTENTIONS,
     DECODE_MLPS,
+    DECODE_PROJECTIONS,
     DTYPES,
     HALF_DTYPES,
     REMAT_POLICIES,
     off_platform,
     parse_kernel_settings,
     parse_mlp_kernel_settings,
+    parse_projection_kernel_settings,
 )
 from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
@@ -231,6 +233,13 @@ MLP_KERNEL_SPEC = Allowed(
     "'' or block_m:block_n:block_k:num_warps:num_stages (powers of two, the blocks >= 16, "
     "e.g. 64:64:64:4:3)",
 )
+# '' or block_m:block_n:block_k:k_splits:num_warps:num_stages that the Pallas projection
+# kernel runs with
+PROJECTION_KERNEL_SPEC = Allowed(
+    lambda v: isinstance(v, str) and (v == "" or _parses(parse_projection_kernel_settings, v)),
+    "'' or block_m:block_n:block_k:k_splits:num_warps:num_stages (powers of two, the blocks "
+    ">= 16, e.g. 64:64:64:4:4:3)",
+)
 
 # The compile cache's (configs/common.py's `compile_cache()`, in the training and the
 # reward-model configs).
@@ -257,6 +266,8 @@ RANGES: dict[str, Allowed] = {
     "model.decode_kernel": KERNEL_SPEC,
     "model.decode_mlp": one_of(DECODE_MLPS),
     "model.decode_mlp_kernel": MLP_KERNEL_SPEC,
+    "model.decode_projection": one_of(DECODE_PROJECTIONS),
+    "model.decode_projection_kernel": PROJECTION_KERNEL_SPEC,
     "model.logprob_chunk": integer_at_least(0),
     "model.vocab_size": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),
@@ -533,7 +544,7 @@ def check_attention(config: ml_collections.ConfigDict, backend: str | None = Non
     (`check_platform_kernel`)."""
     model = config.model
     check_half_dtype_for_cudnn("model", model.get("attention"), model.get("dtype"))
-    for key in ("attention", "decode_attention", "decode_mlp"):
+    for key in ("attention", "decode_attention", "decode_mlp", "decode_projection"):
         check_platform_kernel(f"model.{key}", key, model.get(key), backend)
 
 
@@ -676,6 +687,11 @@ def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None
         return "only model.decode_attention=pallas reads it"
     if config.model.get("decode_mlp") != "pallas" and key == "model.decode_mlp_kernel":
         return "only model.decode_mlp=pallas reads it"
+    if (
+        config.model.get("decode_projection") != "pallas"
+        and key == "model.decode_projection_kernel"
+    ):
+        return "only model.decode_projection=pallas reads it"
     if config.search.in_flight_updates and _under(key, "search.restart_on_publish"):
         return "search.in_flight_updates=True never restarts: live samples take the new params"
     return None

@@ -629,9 +629,10 @@ def _kernel_calls(traced) -> dict:
 
 def check_kernels() -> dict:
     """4 devices: the model's Pallas kernels split over a mesh (`models.kernel_mesh`). A
-    (data 2, tensor 2) sampler mesh decodes greedily through the decode attention and
-    gated MLP kernels as the plain model does on one device; a (fsdp 2, tensor 2) learner
-    mesh takes a TB step through splash attention as the plain model does on one device.
+    (data 2, tensor 2) sampler mesh decodes greedily through the decode attention, gated
+    MLP and output projection kernels as the plain model does on one device; a (fsdp 2,
+    tensor 2) learner mesh takes a TB step through splash attention as the plain model
+    does on one device.
     Each kernel runs under a shard_map on the mesh (XLA refuses to split a Mosaic kernel,
     and gathers a Triton one's inputs onto every device) and as it is on one device."""
     import dataclasses
@@ -646,7 +647,12 @@ def check_kernels() -> dict:
         max_seq_len=32, init_std=0.5,
     )  # fmt: skip
     kernels = dataclasses.replace(
-        plain, decode_attention="pallas", decode_mlp="pallas", decode_mlp_kernel="16:16:16:2:2"
+        plain,
+        decode_attention="pallas",
+        decode_mlp="pallas",
+        decode_mlp_kernel="16:16:16:2:2",
+        decode_projection="pallas",  # the down projection's 32 split over tensor: 2 × 16
+        decode_projection_kernel="16:16:16:2:2:2",
     )
     model, params = init_model(plain, 0)
     kernel_model, _ = init_model(kernels, 0)

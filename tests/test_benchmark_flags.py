@@ -18,7 +18,11 @@ def error_lines(done: subprocess.CompletedProcess) -> list[str]:
 @pytest.mark.parametrize(
     "args, problem",
     [
-        ((), "error: name the part to run; usage: bash benchmarks/gpu_report.sh mlp | decode PEER"),
+        (
+            (),
+            "error: name the part to run; usage: bash benchmarks/gpu_report.sh mlp | projection "
+            "| decode PEER",
+        ),
         (("foo",), "error: unknown part 'foo'; usage: "),
         (("decode",), "error: decode needs the peer script's path (PEER); usage: "),
         (("smoke_gsm8k",), "error: smoke_gsm8k needs a GSM8K folder (GSM8K_DIR); usage: "),

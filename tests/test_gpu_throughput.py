@@ -26,6 +26,8 @@ ARGS = [
     "--attention=dot_product",
     "--decode_mlp=pallas",  # Pallas' interpreter here, inside the scanned decode
     "--decode_mlp_kernel=16:32:16:4:2",
+    "--decode_projection=pallas",
+    "--decode_projection_kernel=16:16:16:2:4:2",
     "--logprob_chunk=2",
     "--train_prompts=2",
     "--train_k=2",
@@ -62,6 +64,8 @@ def test_micro_run_prints_decode_score_and_learner_lines():
     assert decode["compile_s"] > 0 and decode["tokens_per_s"] > 0
     assert decode["param_dtype"] == lines["score"]["param_dtype"] == "bfloat16"
     assert (decode["decode_mlp"], decode["decode_mlp_kernel"]) == ("pallas", "16:32:16:4:2")
+    projection = (decode["decode_projection"], decode["decode_projection_kernel"])
+    assert projection == ("pallas", "16:16:16:2:4:2")
     cfg = preset("micro", vocab_size=64, num_layers=2, max_seq_len=8)
     ceiling = roofline.decode_roofline_tokens_per_s(cfg, *SHAPE.values(), 4, 4)
     assert decode["roofline_tokens_per_s"] == pytest.approx(ceiling, rel=1e-3)
@@ -100,6 +104,10 @@ def test_micro_run_prints_decode_score_and_learner_lines():
         (["--logprob_chunk=-2"], "error: --logprob_chunk=-2 must be >= 0."),
         (["--profile=-1"], "error: --profile=-1 must be >= 0."),
         (["--decode_mlp_kernel=64:64"], "error: model.decode_mlp_kernel: '64:64' is not block_m"),
+        (
+            ["--decode_projection_kernel=64:64:64:4:3"],
+            "error: model.decode_projection_kernel: '64:64:64:4:3' is not block_m",
+        ),
         (
             ["--attention=cudnn", "--dtype=float32"],
             "error: model.attention='cudnn' needs a half-precision compute dtype",

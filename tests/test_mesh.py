@@ -417,7 +417,9 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
 
 
 def test_pallas_kernels_run_per_shard_on_a_mesh_and_match_one_device(fsdp_result):
-    """On a (data 2, tensor 2) sampler mesh the decode attention and gated MLP kernels, and
+    """On a (data 2, tensor 2) sampler mesh the decode attention, gated MLP and projection
+    kernels (the down projection's contraction split over tensor, its sums added across
+    devices), and
     on a (fsdp 2, tensor 2) learner mesh splash attention, run inside a shard_map (each
     device on its rows and heads; XLA refuses to split a TPU kernel and gathers a GPU
     kernel's inputs), and decode and train as the plain model does on one device; on one

@@ -37,6 +37,7 @@ from tba_jax.models.config import (
     EXECUTION_FIELDS,
     KernelSettings,
     MlpKernelSettings,
+    ProjectionKernelSettings,
 )
 from tba_jax.sampling import engine, scoring
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
@@ -316,6 +317,38 @@ def test_pallas_decode_mlp_decodes_as_the_xla_one(monkeypatch):
     assert row_counts and set(row_counts) == {2}
 
 
+@pytest.mark.parametrize("biases", [False, True], ids=["qwen2", "with_output_biases"])
+def test_pallas_decode_projections_decode_as_the_xla_ones(monkeypatch, biases):
+    """With `decode_projection=pallas` every decode step's attention output and MLP down
+    projections come from the Pallas kernel (its interpreter here), with
+    `decode_projection_kernel`'s settings, the down projection's contraction in 2 parts,
+    and prefill's do not; the model decodes as the plain one (`assert_decodes_alike`),
+    biases added after the kernel. (d_ff 32: the kernel tiles widths in blocks of 16.)"""
+    plain_cfg = execution(d_ff=32, mlp_bias=biases, attn_out_bias=biases)
+    _, params = init_model(plain_cfg, SEED)
+    if biases:  # nonzero, so a bias the kernel path dropped would show
+        params = jax.tree.map_with_path(
+            lambda path, x: x + 0.5 if "b_down" in str(path) or "bo" in str(path) else x, params
+        )
+    pallas_cfg = dataclasses.replace(
+        plain_cfg, decode_projection="pallas", decode_projection_kernel="16:16:16:2:2:2"
+    )
+    calls = []
+
+    def recording(x, w, *, split, settings):
+        calls.append((x.shape, w.shape, split))
+        assert settings == ProjectionKernelSettings(16, 16, 16, 2, 2, 2)
+        return real(x, w, split=split, settings=settings)
+
+    real = transformer.project
+    monkeypatch.setattr(transformer, "project", recording)
+    assert_decodes_alike(abstract_model(plain_cfg)[0], abstract_model(pallas_cfg)[0], params)
+    # 2 rows each: the decode loop's and the one step's, never a prefill's 2 × 4; attention's
+    # output [2, 4 heads × 4] (a mesh may not split its 16: one block of 16), the MLP's
+    # [2, 32] (in whole blocks of 16: 2 parts)
+    assert calls and set(calls) == {((2, 16), (16, 16), 1), ((2, 32), (32, 16), 2)}
+
+
 @pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded
 def test_chunked_logprobs_and_their_gradient_match(plain, chunk):
     logp, grads, params = plain
@@ -566,6 +599,10 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(decode_mlp="pallas", d_ff=32, mlp="dense"), "gated MLPs without biases"),
         (dict(decode_mlp="pallas", d_ff=32, mlp_bias=True), "this model's is 'gated' with bias"),
         (dict(decode_mlp_kernel="64:64:64:4"), "decode_mlp_kernel: .*is not block_m:block_n"),
+        (dict(decode_projection="triton"), "model.decode_projection"),
+        (dict(decode_projection="pallas", d_ff=40), "d_ff is 40, no multiple of it"),
+        (dict(decode_projection_kernel="64:64:64:3:4:3"), "k_splits must be a power of two"),
+        (dict(decode_projection_kernel="64:64:64:4:3"), "is not block_m:block_n:block_k:k_sp"),
     ],
 )
 def test_bad_execution_fields_are_refused(fields, match):

@@ -255,21 +255,19 @@ def test_a_restored_policy_computes_with_its_runs_execution_knobs(finished_run):
 def test_another_platforms_kernels_are_read_here_as_the_same_attention(finished_run, caplog):
     config = runs.load_config(finished_run)
     config.model.attention, config.model.decode_attention = "cudnn", "pallas"
-    config.model.decode_mlp = "pallas"
+    config.model.decode_mlp = config.model.decode_projection = "pallas"
     gpu = runs.runnable_execution_fields(config, backend="gpu")
-    assert (gpu["attention"], gpu["decode_attention"], gpu["decode_mlp"]) == (
-        "cudnn",
-        "pallas",
-        "pallas",
-    )
+    kernel_keys = ("attention", "decode_attention", "decode_mlp", "decode_projection")
+    assert tuple(gpu[key] for key in kernel_keys) == ("cudnn", "pallas", "pallas", "pallas")
     with caplog.at_level("WARNING"):
         model_cfg = runs.restore_run(config, finished_run).model.config
-    kernels = (model_cfg.attention, model_cfg.decode_attention, model_cfg.decode_mlp)
-    assert kernels == ("dot_product", "same", "same")
+    kernels = tuple(getattr(model_cfg, key) for key in kernel_keys)
+    assert kernels == ("dot_product", "same", "same", "same")
     assert "model.attention=cudnn, which needs a GPU; reading it on cpu" in caplog.text
     assert "model.decode_attention=pallas, which needs a GPU" in caplog.text
     assert "model.decode_mlp=pallas, which needs a GPU" in caplog.text
-    config.model.decode_mlp = "same"
+    assert "model.decode_projection=pallas, which needs a GPU" in caplog.text
+    config.model.decode_mlp = config.model.decode_projection = "same"
     # a TPU run's splash attention, read on a GPU
     config.model.attention, config.model.decode_attention = "splash", "same"
     assert runs.runnable_execution_fields(config, backend="tpu")["attention"] == "splash"

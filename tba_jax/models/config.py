@@ -55,6 +55,10 @@ MIN_BLOCK_K = 16  # cache slots the kernel reads at once, at least (Triton's mat
 # "pallas" (`models.gated_mlp`: both products and the activation in one kernel).
 DECODE_MLPS = ("same", "pallas")
 MIN_MLP_BLOCK = 16  # the Pallas MLP kernel's tiles, at least, on each side (Triton's matmuls)
+# A decode step's output projections (attention's W_o, the MLP's W_down): "same" as every
+# other pass (XLA's matmuls), or "pallas" (`models.decode_projection`: the contraction split
+# between programs). Its tiles take MIN_MLP_BLOCK too.
+DECODE_PROJECTIONS = ("same", "pallas")
 
 
 class KernelSettings(NamedTuple):
@@ -124,6 +128,46 @@ class MlpKernelSettings(NamedTuple):
         return ":".join(str(value) for value in self)
 
 
+class ProjectionKernelSettings(NamedTuple):
+    """How the Pallas projection kernel (`models.decode_projection`) tiles its work (the
+    results are the same to float rounding):
+
+    - block_m, block_n: rows and outputs a program computes (powers of two >=
+      `MIN_MLP_BLOCK`; rows are padded up to a block, outputs take the largest power of
+      two dividing the width);
+    - block_k: contraction entries a program reads at once (the same rule, over its part);
+    - k_splits: parts the contraction is split into, one program each, whose float32 sums
+      are added after the kernel (a power of two; fewer where a part would not be a whole
+      multiple of `MIN_MLP_BLOCK`);
+    - num_warps, num_stages: Triton's launch settings (ignored by the interpreter).
+
+    `model.decode_projection_kernel` sets them as
+    "block_m:block_n:block_k:k_splits:num_warps:num_stages", and
+    `benchmarks/decode_projection_kernel.py --settings` times a grid of them on a GPU.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    k_splits: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def spec(self) -> str:
+        """e.g. "64:64:64:4:4:3", as `model.decode_projection_kernel` takes it."""
+        return ":".join(str(value) for value in self)
+
+
+def check_projection_kernel_settings(settings: ProjectionKernelSettings) -> None:
+    """ValueError for settings the projection kernel cannot run with."""
+    if settings.num_stages < 1:
+        raise ValueError(f"{settings}: num_stages must be at least 1.")
+    _check_powers_of_two(settings, ("block_m", "block_n", "block_k", "k_splits", "num_warps"))
+    for name in ("block_m", "block_n", "block_k"):
+        if getattr(settings, name) < MIN_MLP_BLOCK:
+            raise ValueError(f"{settings}: {name} must be at least {MIN_MLP_BLOCK}.")
+
+
 def check_mlp_kernel_settings(settings: MlpKernelSettings) -> None:
     """ValueError for settings the MLP kernel cannot run with."""
     if settings.num_stages < 1:
@@ -159,6 +203,14 @@ def parse_mlp_kernel_settings(spec: str) -> MlpKernelSettings:
     return _settings_from_spec(spec, MlpKernelSettings, check_mlp_kernel_settings, "64:64:64:4:3")
 
 
+def parse_projection_kernel_settings(spec: str) -> ProjectionKernelSettings:
+    """ProjectionKernelSettings from "block_m:block_n:block_k:k_splits:num_warps:num_stages"
+    (e.g. "64:64:64:4:4:3"), checked (ValueError naming the spec)."""
+    return _settings_from_spec(
+        spec, ProjectionKernelSettings, check_projection_kernel_settings, "64:64:64:4:4:3"
+    )
+
+
 HALF_DTYPES = ("bfloat16", "float16")
 # Execution field values only one platform (JAX's name for it) runs, and the value that
 # computes the same elsewhere: what a run's checkpoint is read with there.
@@ -166,6 +218,7 @@ PLATFORM_EXECUTION = {
     ("attention", "cudnn"): ("gpu", "dot_product"),
     ("decode_attention", "pallas"): ("gpu", "same"),
     ("decode_mlp", "pallas"): ("gpu", "same"),
+    ("decode_projection", "pallas"): ("gpu", "same"),
     ("attention", "splash"): ("tpu", "dot_product"),
 }
 
@@ -188,6 +241,8 @@ EXECUTION_FIELDS = (
     "decode_kernel",
     "decode_mlp",
     "decode_mlp_kernel",
+    "decode_projection",
+    "decode_projection_kernel",
     "logprob_chunk",
 )
 
@@ -284,6 +339,15 @@ class ModelConfig:
     - `decode_mlp_kernel`: that kernel's `MlpKernelSettings` as
       "block_m:block_n:block_k:num_warps:num_stages" ("": its defaults); read only with
       `decode_mlp="pallas"`.
+    - `decode_projection`: a decode step's output projections, attention's W_o and the
+      MLP's W_down: "same" as every other pass (XLA's matmuls), or "pallas", one Pallas
+      kernel that splits the contraction between programs and adds their float32 sums
+      after it (`models.decode_projection`: Triton on a GPU, Pallas' interpreter, slow,
+      elsewhere). Their widths (heads x head width, d_ff, d_model) multiples of
+      `MIN_MLP_BLOCK`.
+    - `decode_projection_kernel`: that kernel's `ProjectionKernelSettings` as
+      "block_m:block_n:block_k:k_splits:num_warps:num_stages" ("": its defaults); read
+      only with `decode_projection="pallas"`.
     - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
       and normalise this many response slots at a time, so [rows, length, vocab] float32
       logits never exist at once (0: all slots in one go).
@@ -332,6 +396,8 @@ class ModelConfig:
     decode_kernel: str = ""
     decode_mlp: str = "same"
     decode_mlp_kernel: str = ""
+    decode_projection: str = "same"
+    decode_projection_kernel: str = ""
     logprob_chunk: int = 0
 
     def __post_init__(self):
@@ -429,6 +495,21 @@ class ModelConfig:
                     "decode_mlp='same'."
                 )
 
+    def _check_pallas_projection_shape(self):
+        """ValueError for output projections the Pallas projection kernel cannot tile."""
+        widths = {
+            "num_heads x head width": self.num_heads * self.resolved_head_dim,
+            "d_ff": self.d_ff,
+            "d_model": self.d_model,
+        }
+        for name, width in widths.items():
+            if width % MIN_MLP_BLOCK:
+                raise ValueError(
+                    f"model.decode_projection='pallas' tiles the projections in blocks of "
+                    f"{MIN_MLP_BLOCK}, and this model's {name} is {width}, no multiple of it; "
+                    "use decode_projection='same'."
+                )
+
     def _check_execution(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
@@ -439,30 +520,27 @@ class ModelConfig:
             raise ValueError(
                 f"model.attention={self.attention!r} is not one of {list(ATTENTIONS)}."
             )
-        if self.decode_attention not in DECODE_ATTENTIONS:
-            raise ValueError(
-                f"model.decode_attention={self.decode_attention!r} is not one of "
-                f"{list(DECODE_ATTENTIONS)} ('same': as model.attention)."
-            )
-        if self.decode_attention == "pallas":
-            self._check_pallas_decode_shape()
-        if self.decode_kernel:
-            try:
-                parse_kernel_settings(self.decode_kernel)
-            except ValueError as error:
-                raise ValueError(f"model.decode_kernel: {error}") from None
-        if self.decode_mlp not in DECODE_MLPS:
-            raise ValueError(
-                f"model.decode_mlp={self.decode_mlp!r} is not one of {list(DECODE_MLPS)} "
-                "('same': XLA's matmuls, as every other pass)."
-            )
-        if self.decode_mlp == "pallas":
-            self._check_pallas_mlp_shape()
-        if self.decode_mlp_kernel:
-            try:
-                parse_mlp_kernel_settings(self.decode_mlp_kernel)
-            except ValueError as error:
-                raise ValueError(f"model.decode_mlp_kernel: {error}") from None
+        xla = "('same': XLA's matmuls, as every other pass)"
+        decode_kernels = (
+            # knob, its choices, what "same" means, its shape check, settings key and parser
+            ("decode_attention", DECODE_ATTENTIONS, "('same': as model.attention)",
+             self._check_pallas_decode_shape, "decode_kernel", parse_kernel_settings),
+            ("decode_mlp", DECODE_MLPS, xla,
+             self._check_pallas_mlp_shape, "decode_mlp_kernel", parse_mlp_kernel_settings),
+            ("decode_projection", DECODE_PROJECTIONS, xla, self._check_pallas_projection_shape,
+             "decode_projection_kernel", parse_projection_kernel_settings),
+        )  # fmt: skip
+        for knob, choices, same, check_shape, settings_key, parse in decode_kernels:
+            value = getattr(self, knob)
+            if value not in choices:
+                raise ValueError(f"model.{knob}={value!r} is not one of {list(choices)} {same}.")
+            if value == "pallas":
+                check_shape()
+            if getattr(self, settings_key):
+                try:
+                    parse(getattr(self, settings_key))
+                except ValueError as error:
+                    raise ValueError(f"model.{settings_key}: {error}") from None
         if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
             raise ValueError(
                 "model.attention='cudnn' needs a half-precision compute dtype "
@@ -490,6 +568,12 @@ class ModelConfig:
         """The Pallas MLP kernel's settings (`decode_mlp_kernel`, parsed)."""
         spec = self.decode_mlp_kernel
         return parse_mlp_kernel_settings(spec) if spec else MlpKernelSettings()
+
+    @property
+    def decode_projection_kernel_settings(self) -> ProjectionKernelSettings:
+        """The Pallas projection kernel's settings (`decode_projection_kernel`, parsed)."""
+        spec = self.decode_projection_kernel
+        return parse_projection_kernel_settings(spec) if spec else ProjectionKernelSettings()
 
     @property
     def resolved_head_dim(self) -> int:

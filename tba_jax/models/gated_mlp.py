@@ -44,6 +44,27 @@ def block_for(size: int, block: int) -> int:
     return fitted
 
 
+def pad_rows(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
+    """(x [M, ...] padded with zero rows to a whole number of row blocks, the block): the
+    block is `block_m`, or for fewer rows the least power of two >= M and
+    `MIN_MLP_BLOCK` (a decode batch is usually a whole number of blocks already)."""
+    rows = x.shape[0]
+    block_m = min(block_m, max(MIN_MLP_BLOCK, 1 << (rows - 1).bit_length()))
+    padded_rows = -(-rows // block_m) * block_m
+    if padded_rows != rows:
+        x = jnp.pad(x, ((0, padded_rows - rows),) + ((0, 0),) * (x.ndim - 1))
+    return x, block_m
+
+
+def triton_launch(settings, interpret: bool) -> dict:
+    """`pallas_call`'s keyword for Triton's num_warps and num_stages from `settings`
+    (none for the interpreter, which takes no compiler params)."""
+    if interpret:
+        return {}
+    params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
+    return {"compiler_params": params}
+
+
 def _kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, activation: Callable):
     """One (block of rows, block of hidden units): x_ref [block_m, d]; gate_ref, up_ref
     [d, block_n]; out_ref [block_m, block_n]."""
@@ -108,16 +129,8 @@ def _gated_hidden(
     hidden = w_gate.shape[1]
     block_k = block_for(width, settings.block_k)
     block_n = block_for(hidden, settings.block_n)
-    # rows are padded to a whole block (a decode batch is usually one already)
-    block_m = min(settings.block_m, max(MIN_MLP_BLOCK, 1 << (rows - 1).bit_length()))
-    padded_rows = -(-rows // block_m) * block_m
-    if padded_rows != rows:
-        x = jnp.pad(x, ((0, padded_rows - rows), (0, 0)))
-    extra = {}
-    if not interpret:
-        extra["compiler_params"] = plgpu.CompilerParams(
-            num_warps=settings.num_warps, num_stages=settings.num_stages
-        )
+    x, block_m = pad_rows(x, settings.block_m)
+    padded_rows = x.shape[0]
     weight_spec = pl.BlockSpec((width, block_n), lambda i, j: (0, j))
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k, activation=activation),
@@ -127,6 +140,6 @@ def _gated_hidden(
         out_shape=jax.ShapeDtypeStruct((padded_rows, hidden), x.dtype),
         interpret=interpret,
         name="gated_mlp",
-        **extra,
+        **triton_launch(settings, interpret),
     )(x, w_gate, w_up)
     return out[:rows]

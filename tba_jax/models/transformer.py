@@ -29,7 +29,8 @@ cache's rows are). `cfg.remat` wraps each block of the cache-free pass in
 `jax.checkpoint`, and `cfg.attention` picks that pass's attention kernel (and, unless
 `cfg.decode_attention="pallas"` gives them `models.decode_attention`'s kernel, every pass
 with a cache's); `cfg.decode_mlp="pallas"` gives a decode step's gated MLP
-`models.gated_mlp`'s kernel.
+`models.gated_mlp`'s kernel, and `cfg.decode_projection="pallas"` its output projections
+(attention's W_o, the MLP's W_down) `models.decode_projection`'s.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ import numpy as np
 from flax import nnx
 
 from tba_jax.models import splash_attention
-from tba_jax.models.config import REMAT_POLICIES, ModelConfig
+from tba_jax.models.config import MIN_MLP_BLOCK, REMAT_POLICIES, ModelConfig
 from tba_jax.models.decode_attention import decode_attention
+from tba_jax.models.decode_projection import project
 from tba_jax.models.gated_mlp import gated_hidden
 
 # per layer {"k", "v"}, or with scan_decode one {"k", "v"} of stacked [L, ...] arrays
@@ -153,6 +155,26 @@ def dense(x: jax.Array, weight: jax.Array, in_dims: int = 1) -> jax.Array:
     lead = x.shape[: x.ndim - in_dims]
     flat = x.reshape(-1, math.prod(in_shape)) @ weight.reshape(math.prod(in_shape), -1)
     return flat.reshape(*lead, *out_shape)
+
+
+def output_projection(
+    x: jax.Array,
+    weight: jax.Array,
+    cfg: ModelConfig,
+    *,
+    decode_step: bool,
+    split: int,
+    in_dims: int = 1,
+) -> jax.Array:
+    """`dense(x, weight, in_dims)`; in a decode step with `cfg.decode_projection="pallas"`
+    through `models.decode_projection`'s kernel (`split`: how many equal parts a mesh's
+    tensor axis may cut the contraction into)."""
+    if not (decode_step and cfg.decode_projection == "pallas"):
+        return dense(x, weight, in_dims)
+    width = math.prod(weight.shape[:in_dims])
+    settings = cfg.decode_projection_kernel_settings
+    flat = project(x.reshape(-1, width), weight.reshape(width, -1), split=split, settings=settings)
+    return flat.reshape(*x.shape[: x.ndim - in_dims], *weight.shape[in_dims:])
 
 
 def _add_bias(x: jax.Array, bias: nnx.Param | None) -> jax.Array:
@@ -265,11 +287,10 @@ class Attention(nnx.Module):
         kernel reads the whole cache).
         """
         cfg = self.cfg
+        decode_step = cache_layer is not None and x.shape[1] == 1
         # a decode step (one query slot over a cache) through the Pallas kernel reads the
         # whole cache as the fused kernels do (its loop stops at the last visible slot)
-        pallas_step = (
-            cache_layer is not None and x.shape[1] == 1 and cfg.decode_attention == "pallas"
-        )
+        pallas_step = decode_step and cfg.decode_attention == "pallas"
         fused = cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS or pallas_step
         q = self._rotate(self._project(x, self.wq, "bq"), positions)
         k = self._rotate(self._project(x, self.wk, "bk"), positions)
@@ -312,7 +333,15 @@ class Attention(nnx.Module):
                 out = fused_cached_attention(q, k, v, visible, cfg)
             else:
                 out = einsum_attention(q, k, v, visible, cfg)
-        out = dense(out, self.wo[...].astype(cfg.compute_dtype), in_dims=2)
+        out = output_projection(
+            out,
+            self.wo[...].astype(cfg.compute_dtype),
+            cfg,
+            decode_step=decode_step,
+            # whole heads, in parts that are whole blocks of the kernel's least tile
+            split=math.gcd(cfg.num_heads, cfg.num_heads * cfg.resolved_head_dim // MIN_MLP_BLOCK),
+            in_dims=2,
+        )
         return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
 
 
@@ -452,7 +481,8 @@ class MLP(nnx.Module):
     def __call__(self, x, decode_step: bool = False):
         """x [B, S, D] -> [B, S, D]. `decode_step` (one query slot over a KV cache) with
         `cfg.decode_mlp="pallas"` computes the gated hidden layer with
-        `models.gated_mlp`'s kernel."""
+        `models.gated_mlp`'s kernel, and with `cfg.decode_projection="pallas"` the down
+        projection with `models.decode_projection`'s."""
         cfg = self.cfg
         activation = ACTIVATION_FNS[cfg.activation]
         if decode_step and cfg.decode_mlp == "pallas":
@@ -466,7 +496,14 @@ class MLP(nnx.Module):
             hidden = activation(self._linear(x, "gate")) * self._linear(x, "up")
         else:
             hidden = activation(self._linear(x, "up"))
-        return self._linear(hidden, "down")
+        down = output_projection(
+            hidden,
+            self.w_down[...].astype(cfg.compute_dtype),
+            cfg,
+            decode_step=decode_step,
+            split=cfg.d_ff // MIN_MLP_BLOCK,
+        )
+        return _add_bias(down, self.b_down if cfg.mlp_bias else None)
 
 
 class Block(nnx.Module):

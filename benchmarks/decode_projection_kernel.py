@@ -1,0 +1,98 @@
+r"""The Pallas projection kernel (`model.decode_projection=pallas`) on this machine's
+backend: a decode step's two output projections (attention's W_o, the MLP's W_down) at a
+model's widths, against x W in float64 NumPy, and their time beside XLA's matmul.
+
+    python benchmarks/decode_projection_kernel.py                  # qwen2.5-0.5b, 256 rows
+    python benchmarks/decode_projection_kernel.py --shape=qwen2.5-1.5b --rows=64,256
+    python benchmarks/decode_projection_kernel.py --settings=64:64:64:4:4:3,64:32:64:8:4:3
+
+On a GPU the kernel is Triton's; elsewhere Pallas' interpreter runs it (slow: a check of
+the script, not a timing). One JSON line per row count and projection (`projection`:
+"attention_out", [rows, heads x head width] x [.., d_model], or "mlp_down", [rows, d_ff]
+x [d_ff, d_model]): `max_abs_error` (against float64, on the inputs rounded to
+`--dtype`, the worst over `--settings`, with `xla_max_abs_error` beside it), `kernel_us`
+(one figure per `--settings` entry
+`block_m:block_n:block_k:k_splits:num_warps:num_stages`,
+`models.config.ProjectionKernelSettings`, keyed so, the adding of the parts and the
+cast included; `fastest`: the key of the least, a `model.decode_projection_kernel`
+value; `model_settings`: the kernel's defaults, `decode_projection.SETTINGS`) and
+`xla_us` (XLA's matmul, as the model computes it without the kernel), each one call's
+time after a compiling one (`timing`: on an accelerator the mean of its kernels' device
+time over `--repeats` traced calls, on a CPU the median of `--repeats` timed calls;
+`decode_attention_kernel.call_us`). `bytes` is what the product must move (the weight,
+the rows in and the outputs out) and `hbm_bound_us` its time at the HBM bandwidth of
+`peaks` (the device's datasheet figure; `roofline.peaks_for`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gated_mlp_kernel import measured, row_kernel_command_line
+
+from tba_jax.models import transformer
+from tba_jax.models.config import MIN_MLP_BLOCK, parse_projection_kernel_settings
+from tba_jax.models.decode_projection import SETTINGS, project
+
+# block_m:block_n:block_k:k_splits:num_warps:num_stages. The model's settings first, then
+# no split and more parts, wider and narrower output tiles, shorter and longer walks, more
+# warps and stages.
+DEFAULT_SETTINGS = (
+    "64:64:64:4:4:3,64:64:64:1:4:3,64:64:64:2:4:3,64:64:64:8:4:3,64:32:64:8:4:3,"
+    "64:128:64:4:4:3,128:64:64:4:8:3,64:64:128:4:4:3,64:64:32:8:4:4,32:64:64:8:4:3"
+)
+
+
+def xla_projection():
+    """The product as the model computes it without the kernel (`transformer.dense`)."""
+    return jax.jit(transformer.dense)
+
+
+def main() -> None:
+    args, row_counts, settings, cfg = row_kernel_command_line(
+        __doc__.splitlines()[0],
+        DEFAULT_SETTINGS,
+        parse_projection_kernel_settings,
+        "decode_projection",
+    )
+    rng = np.random.default_rng(args.seed)
+    xla = xla_projection()
+    item_bytes = jnp.dtype(args.dtype).itemsize
+    # name, contraction width, and the parts a mesh's tensor axis may cut it into
+    projections = (
+        ("attention_out", cfg.num_heads * cfg.resolved_head_dim, cfg.num_heads),
+        ("mlp_down", cfg.d_ff, cfg.d_ff // MIN_MLP_BLOCK),
+    )
+    for name, width, split in projections:
+        kernels = {
+            each.spec(): jax.jit(functools.partial(project, split=split, settings=each))
+            for each in settings
+        }
+        w = jnp.asarray(rng.normal(size=(width, cfg.d_model)) / np.sqrt(width), args.dtype)
+        for rows in row_counts:
+            x = jnp.asarray(rng.normal(size=(rows, width)), args.dtype)
+            inputs = (x, w)
+            expected = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(
+                w.astype(jnp.float32), np.float64
+            )
+            moved = item_bytes * (width * cfg.d_model + rows * (width + cfg.d_model))
+            line = {
+                "bench": "decode_projection_kernel",
+                "backend": jax.default_backend(),
+                "shape": args.shape,
+                "projection": name,
+                "rows": rows,
+                "width": width,
+                "d_model": cfg.d_model,
+                "dtype": args.dtype,
+                **measured(kernels, xla, inputs, expected, args.repeats, moved, SETTINGS),
+            }
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

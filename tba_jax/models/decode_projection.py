@@ -1,0 +1,118 @@
+"""A decode step's output projections (attention's W_o, the MLP's W_down) as one Pallas
+kernel that splits the contraction.
+
+In a decode step these products have a few hundred rows, a narrow output and a long
+contraction: the MLP's down projection at qwen2.5-0.5b is [256, 4,864] x [4,864, 896].
+In output tiles of 128 x 128 that is 14 programs for an H200's 132 multiprocessors, each
+walking the whole contraction one block after another, so the product is latency-bound:
+17.4 µs a layer on an H200, where its 8.7 MB of weights take 1.8 µs at the HBM
+bandwidth (README, "On an H200"). This kernel splits the contraction into `k_splits`
+parts: one program per (block of rows, block of outputs, part) walks its part in blocks
+of `block_k`, accumulating in float32, and writes its partial sum. XLA adds the parts
+(a reduce over [k_splits, rows, outputs] float32 that fuses with the cast) and rounds the
+sum to the compute dtype once, as XLA's own matmul rounds its float32 accumulator.
+
+On a GPU it lowers through Triton; elsewhere it runs in Pallas' interpreter (slow: for
+tests on a CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from tba_jax.models.config import (
+    MIN_MLP_BLOCK,
+    ProjectionKernelSettings,
+    check_projection_kernel_settings,
+)
+from tba_jax.models.gated_mlp import block_for, pad_rows, triton_launch
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
+
+# What the model runs with unless `model.decode_projection_kernel` says otherwise.
+SETTINGS = ProjectionKernelSettings()
+
+
+def parts_for(width: int, k_splits: int) -> int:
+    """How many parts a contraction of `width` is split into: at most `k_splits` (a power
+    of two), fewer where the parts would not be whole multiples of `MIN_MLP_BLOCK`."""
+    blocks = width // MIN_MLP_BLOCK
+    # blocks & -blocks: its largest power-of-two factor (a width under one block: one part,
+    # which `block_for` refuses by name)
+    return max(1, min(k_splits, blocks & -blocks))
+
+
+def _kernel(x_ref, w_ref, out_ref, *, block_k: int):
+    """One (block of rows, block of outputs, part of the contraction): x_ref [block_m,
+    part]; w_ref [part, block_n]; out_ref [block_m, block_n], the part's float32 sum."""
+    part = x_ref.shape[1]
+
+    def body(step, total):
+        cols = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
+        return total + jnp.dot(x_ref[:, cols], w_ref[cols, :], preferred_element_type=jnp.float32)
+
+    zeros = jnp.zeros(out_ref.shape, jnp.float32)
+    out_ref[...] = jax.lax.fori_loop(0, part // block_k, body, zeros)
+
+
+def project(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    split: int,
+    settings: ProjectionKernelSettings = SETTINGS,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """x w: x [M, K]; w [K, N] in x's dtype (K and N multiples of `MIN_MLP_BLOCK`).
+    Accumulated in float32 over parts of the contraction, the parts added in float32 and
+    the sum cast to x's dtype once. Returns [M, N].
+
+    `split`: how many equal parts a mesh's tensor axis may cut K into (the heads of
+    attention's output, the MLP's least blocks of hidden units): on a mesh of several
+    devices each runs the kernel on its rows and its share of K (`kernel_mesh.per_shard`),
+    and XLA adds the devices' partial sums with the parts. `settings`: the kernel's tiles,
+    parts and launch (`ProjectionKernelSettings`). `interpret`: None runs the Triton kernel
+    where the program is lowered for a CUDA GPU and Pallas' interpreter elsewhere (as
+    `gated_mlp`)."""
+    kernel = on_platform(functools.partial(_partial_sums, settings=settings), "cuda", interpret)
+    partials = per_shard(
+        kernel,
+        (x, w),
+        ((ROWS, SPLIT), (SPLIT, None)),
+        (SPLIT, ROWS, None),
+        rows=x.shape[0],
+        split=split,
+    )
+    return partials.sum(axis=0).astype(x.dtype)
+
+
+def _partial_sums(
+    x: jax.Array, w: jax.Array, *, settings: ProjectionKernelSettings, interpret: bool
+) -> jax.Array:
+    """[parts, M, N] float32: each part's sum of x w over its share of K."""
+    check_projection_kernel_settings(settings)
+    rows, width = x.shape
+    outputs = w.shape[1]
+    parts = parts_for(width, settings.k_splits)
+    part = width // parts
+    block_k = block_for(part, settings.block_k)
+    block_n = block_for(outputs, settings.block_n)
+    x, block_m = pad_rows(x, settings.block_m)
+    padded_rows = x.shape[0]
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k),
+        grid=(padded_rows // block_m, outputs // block_n, parts),
+        in_specs=[
+            pl.BlockSpec((block_m, part), lambda i, j, p: (i, p)),
+            pl.BlockSpec((part, block_n), lambda i, j, p: (p, j)),
+        ],
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, p: (p, i, j)),
+        out_shape=jax.ShapeDtypeStruct((parts, padded_rows, outputs), jnp.float32),
+        interpret=interpret,
+        name="decode_projection",
+        **triton_launch(settings, interpret),
+    )(x, w)
+    return out[:, :rows]
