@@ -62,9 +62,10 @@ what scoring is left bounds
 the speed-up where the device cannot run it alongside decoding, as on a CPU, whose cores
 do both.
 
-`--attention` and `--decode_attention` set the model's kernels for both paths (e.g.
-`--attention=cudnn --decode_attention=pallas` on a GPU: the Pallas kernel stops at each
-slot's last visible cache slot, where cuDNN's reads the whole cache).
+`--attention`, `--decode_attention`, `--decode_mlp` and `--decode_projection` (and their
+kernels' settings) set the model's kernels for both paths (e.g. `--attention=cudnn
+--decode_attention=pallas` on a GPU: the Pallas kernel stops at each slot's last visible
+cache slot, where cuDNN's reads the whole cache).
 
 The last stdout line is JSON: {"benchmark": "engine_speed", "mixes": {mix: {"batch": {...},
 "fused": {...}, "fused_over_batch", ...}}, then the settings and the device}. Run it on a
@@ -89,7 +90,7 @@ from tba_jax import cli
 from tba_jax.fused import FusedSearchWorker
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models import PRESETS, init_model, preset
-from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS
+from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, DECODE_MLPS, DECODE_PROJECTIONS
 from tba_jax.models.tokenizers import PRINTABLE_ASCII, CharTokenizer
 from tba_jax.runtime import SearchWorker
 from tba_jax.sampling.engine import EngineConfig, EngineCounters, SlotEngine
@@ -141,6 +142,18 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
 )
 _DECODE_KERNEL = flags.DEFINE_string(
     "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
+)
+_DECODE_MLP = flags.DEFINE_enum("decode_mlp", "same", list(DECODE_MLPS), "model.decode_mlp.")
+_DECODE_MLP_KERNEL = flags.DEFINE_string(
+    "decode_mlp_kernel", "", "model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)."
+)
+_DECODE_PROJECTION = flags.DEFINE_enum(
+    "decode_projection", "same", list(DECODE_PROJECTIONS), "model.decode_projection."
+)
+_DECODE_PROJECTION_KERNEL = flags.DEFINE_string(
+    "decode_projection_kernel",
+    "",
+    "model.decode_projection_kernel (block_m:block_n:block_k:k_splits:warps:stages).",
 )
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
@@ -211,6 +224,10 @@ class Settings:
     attention: str
     decode_attention: str
     decode_kernel: str
+    decode_mlp: str
+    decode_mlp_kernel: str
+    decode_projection: str
+    decode_projection_kernel: str
     max_prompt_len: int
     max_new_tokens: int
     width: int
@@ -250,6 +267,10 @@ def read_settings() -> Settings:
             "attention",
             "decode_attention",
             "decode_kernel",
+            "decode_mlp",
+            "decode_mlp_kernel",
+            "decode_projection",
+            "decode_projection_kernel",
             "max_prompt_len",
             "max_new_tokens",
             "width",
@@ -316,6 +337,10 @@ def model_config(settings: Settings, vocab_size: int):
             attention=settings.attention,
             decode_attention=settings.decode_attention,
             decode_kernel=settings.decode_kernel,
+            decode_mlp=settings.decode_mlp,
+            decode_mlp_kernel=settings.decode_mlp_kernel,
+            decode_projection=settings.decode_projection,
+            decode_projection_kernel=settings.decode_projection_kernel,
             vocab_size=vocab_size,
             max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
         )

@@ -22,7 +22,8 @@
 #                                                # scanned (a GPU of >= 120 GB: an H200)
 #   bash benchmarks/gpu_report.sh engine [FLAGS] # batch-then-score vs the slot engine (FLAGS:
 #                                                # more engine_speed.py flags, e.g.
-#                                                # --attention=cudnn --decode_attention=pallas)
+#                                                # --attention=cudnn --decode_attention=pallas
+#                                                # --decode_mlp=pallas --decode_projection=pallas)
 #   bash benchmarks/gpu_report.sh reward_model   # reward-model steps: time, MFU, peak memory
 #   bash benchmarks/gpu_report.sh smoke_tldr     # the paper-scale smoke runs, one a part
 #   bash benchmarks/gpu_report.sh smoke_gsm8k GSM8K [SET]  # (GSM8K: a folder with GSM8K's

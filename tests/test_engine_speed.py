@@ -38,10 +38,16 @@ def run_benchmark(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_smoke_run_reports_both_paths_on_both_mixes():
-    """In bfloat16 on float32 params, as a run's searchers decode on a GPU, with the Pallas
-    decode-attention kernel (its interpreter here): the EOS bias still sets the lengths."""
+    """In bfloat16 on float32 params, as a run's searchers decode on a GPU, with the three
+    Pallas decode kernels (their interpreter here): the EOS bias still sets the lengths."""
     result = run_benchmark(
-        "--smoke", "--dtype=bfloat16", "--param_dtype=float32", "--decode_attention=pallas"
+        "--smoke",
+        "--dtype=bfloat16",
+        "--param_dtype=float32",
+        "--decode_attention=pallas",
+        "--decode_mlp=pallas",
+        "--decode_projection=pallas",
+        "--decode_projection_kernel=16:16:16:2:4:2",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     line = json.loads(result.stdout.strip().splitlines()[-1])
@@ -49,6 +55,8 @@ def test_smoke_run_reports_both_paths_on_both_mixes():
     assert line["smoke"] is True and line["repeats"] == 1 and line["dtype"] == "bfloat16"
     assert line["param_dtype"] == "float32"
     assert (line["attention"], line["decode_attention"]) == ("einsum", "pallas")
+    assert (line["decode_mlp"], line["decode_projection"]) == ("pallas", "pallas")
+    assert line["decode_projection_kernel"] == "16:16:16:2:4:2"
     samples = line["prompts"] * line["samples_per_prompt"]
     assert line["samples_per_measurement"] == samples
     assert list(line["mixes"]) == ["long_tailed", "uniform"]
