@@ -98,6 +98,14 @@ PLUGIN_HINT = (
     "compiling for {target} without its GPU needs JAX's CUDA plugin at JAX's version: "
     "pip install jax-cuda12-plugin=={version} (no GPU needed)"
 )
+# JAX's CUDA plugin loaded as a backend on a machine without a GPU fails to start, and then
+# offers no compile-only topology either
+BACKEND_HINT = (
+    "compiling for {target} without its GPU needs JAX's backends kept to the CPU: JAX's "
+    "CUDA plugin is installed, and JAX started it as a backend (jax_platforms={platforms!r}), "
+    "which fails without a GPU; set JAX_PLATFORMS=cpu (or "
+    "jax.config.update('jax_platforms', 'cpu')) before JAX's first use, as this script does"
+)
 LIBDEVICE = Path("nvvm", "libdevice", "libdevice.10.bc")  # under a CUDA root
 LIBDEVICE_SINCE = (0, 11)  # the first JAX whose compile-only GPU programs link it
 LIBDEVICE_HINT = (
@@ -180,11 +188,22 @@ def target_device(target: str) -> jax.Device:
             target, "cuda", target_config=TARGETS[target].read_text(), topology="1x1x1"
         )
     except (NotImplementedError, RuntimeError) as error:
-        hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
+        platforms = jax.config.jax_platforms
+        if cuda_plugin_installed() and platforms != "cpu":
+            hint = BACKEND_HINT.format(target=target, platforms=platforms)
+        else:
+            hint = PLUGIN_HINT.format(target=target, version=jax.__version__)
         raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
     if jax.__version_info__ >= LIBDEVICE_SINCE and not cuda_roots_with_libdevice():
         raise cli.UsageError(LIBDEVICE_HINT.format(target=target, version=jax.__version__))
     return topology.devices[0]
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether a JAX CUDA plugin (jax-cuda12-plugin or jax-cuda13-plugin) is importable."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
 
 
 def cuda_roots_with_libdevice() -> list[Path]:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from support import run_repo_script
+from support import REPO_ROOT, run_repo_script
 
 from tba_jax import hlo_traffic, roofline
 from tba_jax.models import preset
@@ -367,9 +370,11 @@ def test_score_profile_at_micro_size_counts_a_forward_pass():
 
 
 def cuda_plugin_installed() -> bool:
-    return importlib.util.find_spec("jax_plugins") is not None and (
-        importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    )
+    """As `static_profile.cuda_plugin_installed` (not imported here: the skip marks are read
+    as this module is collected)."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
 
 
 @pytest.mark.skipif(
@@ -402,9 +407,41 @@ def test_compiling_for_this_machines_device_sets_no_abstract_mesh():
 
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
 def test_compiling_for_a_compile_only_gpu_makes_it_the_abstract_meshs_device():
-    from benchmarks import static_profile
+    """In a fresh process with JAX's backends kept to the CPU (as the script's main keeps
+    them): a process that started the plugin as a backend first has no compile-only CUDA
+    topology, which the next test covers."""
+    snippet = (
+        "import jax; from benchmarks import static_profile as s; "
+        "d = s.target_device('h100'); c = s.compiling_for(d); c.__enter__(); "
+        "print(jax.sharding.get_abstract_mesh().abstract_device.device_kind, '|', d.device_kind)"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", snippet],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "NVIDIA H100 80GB HBM3 | NVIDIA H100 80GB HBM3"
 
-    device = static_profile.target_device("h100")
-    with static_profile.compiling_for(device):
-        abstract_device = jax.sharding.get_abstract_mesh().abstract_device
-    assert abstract_device.device_kind == device.device_kind == "NVIDIA H100 80GB HBM3"
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_a_process_whose_backends_started_the_cuda_plugin_is_told_to_keep_them_to_the_cpu():
+    snippet = (
+        "import jax; jax.devices(); from benchmarks import static_profile as s; "
+        "s.target_device('h100')"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    done = subprocess.run(
+        [sys.executable, "-c", snippet],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "set JAX_PLATFORMS=cpu" in done.stderr and "CUDA plugin is installed" in done.stderr
