@@ -31,6 +31,12 @@ outputs (bytes), and their sum `device_gib`; `chip_gib` adds π_ref to a search 
 an async run's searcher decodes while the learner steps, so `colocated_gib` is the two
 `chip_gib`s together. One JSON line per program, then one with both.
 
+Each program compiles in a child process of its own (`--isolate`, the default): libtpu's
+compiler ends the process on some meshes (JAX 0.10.2, libtpu 0.0.42: a 6-chip search mesh
+of a v5e-8, the GSM8K config's `mesh.sampler_devices=0.7`, aborted with a RET_CHECK,
+"total_device_count % num_participants_per_group == 0"). Such a program is reported
+`compiled: false` with the compiler's fatal line, and the plan goes on.
+
 The policy is a random one of the config's shape: `model.hf_path`'s config.json, or
 `model.preset` with `model.vocab_size` rows (nothing is loaded). Another TPU generation
 or size: `--slice` (`SLICES`: slices of one host). `--slice=local` plans for this
@@ -42,6 +48,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from typing import NamedTuple
 
@@ -82,6 +90,12 @@ OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status when a program's plan excee
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
 _SLICE = flags.DEFINE_enum("slice", "v5e-4", [*SLICES, "local"], "The TPU slice to plan for.")
 _PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), "Which programs: learner, search.")
+_ISOLATE = flags.DEFINE_boolean(
+    "isolate",
+    True,
+    "Compile each program in a child process, so a compiler that ends its process is "
+    "reported (compiled: false) instead of ending the plan.",
+)
 flags.mark_flag_as_required("config")
 flags.adopt_module_key_flags(cli)
 
@@ -185,11 +199,7 @@ def plan(program: str, compile_program, config, model, abstract, mesh, hbm_gib) 
     """One program's figures (see the module's docstring). A program XLA refuses to
     compile for want of HBM does not fit: `fits` false and XLA's message."""
     began = time.time()
-    figures = {
-        "plan": program,
-        "mesh": {axis: size for axis, size in mesh.shape.items() if size > 1} or {"devices": 1},
-        "tokens": config.max_prompt_len + config.max_response_len,
-    }
+    figures = mesh_figures(program, mesh, config)
     try:
         compiled, shape = compile_program(config, model, abstract, mesh)
     except jax.errors.JaxRuntimeError as error:
@@ -208,6 +218,38 @@ def plan(program: str, compile_program, config, model, abstract, mesh, hbm_gib) 
     figures["chip_gib"] = round(needed / 2**30, 2)
     figures["fits"] = None if hbm_gib is None else figures["chip_gib"] <= hbm_gib
     return figures
+
+
+def mesh_figures(program: str, mesh, config) -> dict:
+    """The fields every program's line starts with."""
+    return {
+        "plan": program,
+        "mesh": {axis: size for axis, size in mesh.shape.items() if size > 1} or {"devices": 1},
+        "tokens": config.max_prompt_len + config.max_response_len,
+    }
+
+
+def child_command(program: str) -> list[str]:
+    """This command again for one program, compiled in this process (the later flags
+    override the earlier)."""
+    return [sys.executable, sys.argv[0], *sys.argv[1:], f"--programs={program}", "--noisolate"]
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, with libtpu allowed in the child while this process
+    holds it too (libtpu otherwise refuses a second process: its lockfile)."""
+    return {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def child_result(program: str, done: subprocess.CompletedProcess, figures: dict) -> dict:
+    """A child's line for `program`; where the child ended without one (a compiler that
+    ended its process), `figures` with `compiled` false, how it ended and why
+    (`cli.how_a_child_ended`)."""
+    for line in done.stdout.splitlines():
+        if line.startswith("{") and json.loads(line).get("plan") == program:
+            return json.loads(line)
+    ended, why = cli.how_a_child_ended(done.returncode, done.stderr)
+    return {**figures, "compiled": False, "ended": ended, "compile_error": why}
 
 
 def main(argv: list[str]) -> None:
@@ -244,7 +286,13 @@ def main(argv: list[str]) -> None:
     results = []
     for program in _PROGRAMS.value:
         compile_program, mesh = compilers[program]
-        figures = plan(program, compile_program, config, model, abstract, mesh, hbm_gib)
+        if _ISOLATE.value:
+            done = subprocess.run(
+                child_command(program), capture_output=True, text=True, env=child_env()
+            )
+            figures = child_result(program, done, mesh_figures(program, mesh, config))
+        else:
+            figures = plan(program, compile_program, config, model, abstract, mesh, hbm_gib)
         results.append(figures)
         print(json.dumps(figures), flush=True)
     summary = {"bench": "tpu_plan", "slice": _SLICE.value, "chips": len(devices), "plans": results}

@@ -79,6 +79,22 @@ def one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
+def how_a_child_ended(returncode: int, stderr: str) -> tuple[str, str]:
+    """(how a child process that gave no result ended: "signal SIGABRT" or "exit status N";
+    why: its first fatal log line (glog's "F<mmdd> ..." lines, "Check failed", as a
+    compiler that ends its process writes them), else its last line of stderr). E.g.
+    libtpu's compiler aborting on a mesh it cannot lower (`benchmarks/tpu_plan.py`)."""
+    ended = (
+        f"signal {signal.Signals(-returncode).name}"
+        if returncode < 0
+        else f"exit status {returncode}"
+    )
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    fatal = [line for line in lines if re.match(r"F\d{4} ", line) or "Check failed" in line]
+    why = fatal[0] if fatal else (lines[-1] if lines else "(nothing on stderr)")
+    return ended, one_line(why)
+
+
 def exit_with_error(message: str) -> NoReturn:
     """Prints `error: <message>` on stderr (one line) and exits with status 1; in a run over
     several processes, every other process ends with the same message."""

@@ -435,3 +435,20 @@ def test_library_logs_pass_only_from_warning(tmp_path):
 
 def test_one_line_joins_lines():
     assert cli.one_line("a\n  b\n\nc ") == "a b c"
+
+
+def test_how_a_child_ended_names_the_signal_and_the_fatal_log_line():
+    """libtpu's compiler on a mesh it cannot lower: glog's fatal line, then a stack trace."""
+    stderr = (
+        "W1128 20:59:25.0 1 some_warning.cc:12] a warning\n"
+        "F1128 20:59:25.012871 6311 all_reduce_emitter.cc:1459] Check failed: ring is OK\n"
+        "*** Check failure stack trace: ***\n    @ 0x7f0 (unknown)\n"
+    )
+    ended, why = cli.how_a_child_ended(-6, stderr)
+    assert ended == "signal SIGABRT" and why.startswith("F1128 20:59:25.012871 6311 all_reduce")
+    # no fatal line: the last line of stderr (a Python error), and the exit status
+    assert cli.how_a_child_ended(1, "Traceback ...\nValueError: bad\n") == (
+        "exit status 1",
+        "ValueError: bad",
+    )
+    assert cli.how_a_child_ended(3, "") == ("exit status 3", "(nothing on stderr)")
