@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_report.sh projection     # the Pallas output-projection kernel alone
 #                                                # under a grid of settings beside XLA's
 #                                                # matmul, then decode with it (at the down
-#                                                # projection's fastest) beside without it
+#                                                # projection's fastest) beside without it,
+#                                                # and a profile of decode with all three
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
 #                                                # shapes (cudnn; the kernel at its fastest
@@ -77,7 +78,9 @@ case "$part" in
     # kernel that splits the contraction between programs, beside XLA's matmul (on an H200
     # at 0.5b, batch 256, the down projection took 17.4 us a layer where its 8.7 MB of
     # weights take 1.8 us); decode then takes the down projection's fastest settings at 256
-    # rows, beside decode without the kernel (both with the other two decode kernels)
+    # rows, beside decode without the kernel (both with the other two decode kernels); then
+    # one more 0.5b run with it, profiled kernel by kernel (command buffers off)
+    profile_kernel=""
     for shape in qwen2.5-0.5b qwen2.5-1.5b; do
       kernel_lines=$(mktemp)
       run python3 benchmarks/decode_projection_kernel.py --shape=$shape --rows=64,256 \
@@ -91,7 +94,12 @@ case "$part" in
           --decode_projection=$projection \
           --decode_projection_kernel="$([ $projection = pallas ] && echo "${fastest:-}")"
       done
+      [ $shape = qwen2.5-0.5b ] && profile_kernel=${fastest:-}
     done
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
+      --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
+      --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas \
+      --decode_projection_kernel="$profile_kernel" --profile=30
     ;;
   decode)
     [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"
