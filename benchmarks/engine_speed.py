@@ -90,7 +90,7 @@ from tba_jax import cli
 from tba_jax.fused import FusedSearchWorker
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models import PRESETS, init_model, preset
-from tba_jax.models.config import ATTENTIONS, DECODE_ATTENTIONS, DECODE_MLPS, DECODE_PROJECTIONS
+from tba_jax.models.config import ATTENTIONS
 from tba_jax.models.tokenizers import PRINTABLE_ASCII, CharTokenizer
 from tba_jax.runtime import SearchWorker
 from tba_jax.sampling.engine import EngineConfig, EngineCounters, SlotEngine
@@ -137,24 +137,7 @@ _PARAM_DTYPE = flags.DEFINE_enum(
     "searchers and π_ref hold.",
 )
 _ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
-_DECODE_ATTENTION = flags.DEFINE_enum(
-    "decode_attention", "same", list(DECODE_ATTENTIONS), "model.decode_attention."
-)
-_DECODE_KERNEL = flags.DEFINE_string(
-    "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
-)
-_DECODE_MLP = flags.DEFINE_enum("decode_mlp", "same", list(DECODE_MLPS), "model.decode_mlp.")
-_DECODE_MLP_KERNEL = flags.DEFINE_string(
-    "decode_mlp_kernel", "", "model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)."
-)
-_DECODE_PROJECTION = flags.DEFINE_enum(
-    "decode_projection", "same", list(DECODE_PROJECTIONS), "model.decode_projection."
-)
-_DECODE_PROJECTION_KERNEL = flags.DEFINE_string(
-    "decode_projection_kernel",
-    "",
-    "model.decode_projection_kernel (block_m:block_n:block_k:k_splits:warps:stages).",
-)
+cli.define_decode_kernel_flags()
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", 128, "T: the response length limit.", lower_bound=1

@@ -79,9 +79,6 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
 from tba_jax.models.config import (
     ATTENTIONS,
-    DECODE_ATTENTIONS,
-    DECODE_MLPS,
-    DECODE_PROJECTIONS,
     REMAT_POLICIES,
 )
 from tba_jax.sampling import engine
@@ -150,24 +147,7 @@ _PAIRS = flags.DEFINE_integer(
 )
 _REMAT = flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "model.remat.")
 _ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
-_DECODE_ATTENTION = flags.DEFINE_enum(
-    "decode_attention", "same", list(DECODE_ATTENTIONS), "model.decode_attention."
-)
-_DECODE_KERNEL = flags.DEFINE_string(
-    "decode_kernel", "", "model.decode_kernel (k_splits:block_k:num_warps:num_stages)."
-)
-_DECODE_MLP = flags.DEFINE_enum("decode_mlp", "same", list(DECODE_MLPS), "model.decode_mlp.")
-_DECODE_MLP_KERNEL = flags.DEFINE_string(
-    "decode_mlp_kernel", "", "model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)."
-)
-_DECODE_PROJECTION = flags.DEFINE_enum(
-    "decode_projection", "same", list(DECODE_PROJECTIONS), "model.decode_projection."
-)
-_DECODE_PROJECTION_KERNEL = flags.DEFINE_string(
-    "decode_projection_kernel",
-    "",
-    "model.decode_projection_kernel (block_m:block_n:block_k:k_splits:warps:stages).",
-)
+cli.define_decode_kernel_flags()
 _LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
 _HBM_TB_S = flags.DEFINE_float("hbm_tb_s", None, "HBM TB/s (unset: the target device's).")
 _PEAK_TFLOPS = flags.DEFINE_float(

@@ -46,6 +46,7 @@ from tba_jax import config_keys, config_lib, distributed
 from tba_jax.checkpoint import SIGNAL_EXIT_BASE, RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.models import PRESETS
+from tba_jax.models.config import DECODE_ATTENTIONS, DECODE_MLPS, DECODE_PROJECTIONS
 
 ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
@@ -213,6 +214,26 @@ def execution_flags(flag: Callable[[str], Any]) -> dict:
         decode_projection_kernel=flag("decode_projection_kernel"),
         logprob_chunk=flag("logprob_chunk"),
     )
+
+
+def define_decode_kernel_flags() -> None:
+    """A benchmark's absl flags for the decode kernels' knobs, named as the model's fields
+    (`--decode_attention`, `--decode_kernel`, `--decode_mlp`, `--decode_mlp_kernel`,
+    `--decode_projection`, `--decode_projection_kernel`) and read by those names
+    (`execution_flags`, `flags.FLAGS`)."""
+    kernels = (
+        ("decode_attention", DECODE_ATTENTIONS, "decode_kernel", "k_splits:block_k:warps:stages"),
+        ("decode_mlp", DECODE_MLPS, "decode_mlp_kernel", "block_m:block_n:block_k:warps:stages"),
+        (
+            "decode_projection",
+            DECODE_PROJECTIONS,
+            "decode_projection_kernel",
+            "block_m:block_n:block_k:k_splits:warps:stages",
+        ),
+    )
+    for knob, choices, settings, spec in kernels:
+        flags.DEFINE_enum(knob, "same", list(choices), f"model.{knob}.")
+        flags.DEFINE_string(settings, "", f"model.{settings} ({spec}).")
 
 
 def check_cudnn_backend(flag: str, instead: str) -> None:
