@@ -405,24 +405,32 @@ def test_compiling_for_this_machines_device_sets_no_abstract_mesh():
         assert jax.sharding.get_abstract_mesh().empty
 
 
-@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
-def test_compiling_for_a_compile_only_gpu_makes_it_the_abstract_meshs_device():
-    """In a fresh process with JAX's backends kept to the CPU (as the script's main keeps
-    them): a process that started the plugin as a backend first has no compile-only CUDA
-    topology, which the next test covers."""
-    snippet = (
-        "import jax; from benchmarks import static_profile as s; "
-        "d = s.target_device('h100'); c = s.compiling_for(d); c.__enter__(); "
-        "print(jax.sharding.get_abstract_mesh().abstract_device.device_kind, '|', d.device_kind)"
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
+def run_in_a_fresh_process(snippet: str, jax_platforms: str | None) -> subprocess.CompletedProcess:
+    """`python -c snippet` in the repo, with JAX_PLATFORMS set to `jax_platforms` (None:
+    unset)."""
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    if jax_platforms is not None:
+        env["JAX_PLATFORMS"] = jax_platforms
+    return subprocess.run(
         [sys.executable, "-c", snippet],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
+    )
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_compiling_for_a_compile_only_gpu_makes_it_the_abstract_meshs_device():
+    """In a fresh process with JAX's backends kept to the CPU (as the script's main keeps
+    them): a process that started the plugin as a backend first has no compile-only CUDA
+    topology, which the next test covers."""
+    done = run_in_a_fresh_process(
+        "import jax; from benchmarks import static_profile as s; "
+        "d = s.target_device('h100'); c = s.compiling_for(d); c.__enter__(); "
+        "print(jax.sharding.get_abstract_mesh().abstract_device.device_kind, '|', d.device_kind)",
+        jax_platforms="cpu",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "NVIDIA H100 80GB HBM3 | NVIDIA H100 80GB HBM3"
@@ -430,18 +438,10 @@ def test_compiling_for_a_compile_only_gpu_makes_it_the_abstract_meshs_device():
 
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
 def test_a_process_whose_backends_started_the_cuda_plugin_is_told_to_keep_them_to_the_cpu():
-    snippet = (
+    done = run_in_a_fresh_process(
         "import jax; jax.devices(); from benchmarks import static_profile as s; "
-        "s.target_device('h100')"
-    )
-    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
-    done = subprocess.run(
-        [sys.executable, "-c", snippet],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        "s.target_device('h100')",
+        jax_platforms=None,
     )
     assert done.returncode != 0
     assert "set JAX_PLATFORMS=cpu" in done.stderr and "CUDA plugin is installed" in done.stderr
