@@ -45,9 +45,6 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.models import compute_dtype_cast, init_model, preset
 from tba_jax.models.config import (
     ATTENTIONS,
-    DECODE_ATTENTIONS,
-    DECODE_MLPS,
-    DECODE_PROJECTIONS,
     REMAT_POLICIES,
 )
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
@@ -146,34 +143,7 @@ def main() -> None:
     parser.add_argument("--scan_layers", action="store_true", help="model.scan_layers")
     parser.add_argument("--remat", default="none", choices=REMAT_POLICIES, help="model.remat")
     parser.add_argument("--attention", default="einsum", choices=ATTENTIONS, help="model.attention")
-    parser.add_argument(
-        "--decode_attention",
-        default="same",
-        choices=DECODE_ATTENTIONS,
-        help="model.decode_attention",
-    )
-    parser.add_argument(
-        "--decode_kernel", default="", help="model.decode_kernel (k_splits:block_k:warps:stages)"
-    )
-    parser.add_argument(
-        "--decode_mlp", default="same", choices=DECODE_MLPS, help="model.decode_mlp"
-    )
-    parser.add_argument(
-        "--decode_mlp_kernel",
-        default="",
-        help="model.decode_mlp_kernel (block_m:block_n:block_k:warps:stages)",
-    )
-    parser.add_argument(
-        "--decode_projection",
-        default="same",
-        choices=DECODE_PROJECTIONS,
-        help="model.decode_projection",
-    )
-    parser.add_argument(
-        "--decode_projection_kernel",
-        default="",
-        help="model.decode_projection_kernel (block_m:block_n:block_k:k_splits:warps:stages)",
-    )
+    cli.add_decode_kernel_arguments(parser)
     parser.add_argument("--logprob_chunk", type=int, default=0, help="model.logprob_chunk")
     parser.add_argument("--scan_decode", action="store_true", help="model.scan_decode")
     parser.add_argument("--decode_segments", type=int, default=1, help="sampling.decode_segments")

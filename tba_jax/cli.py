@@ -26,6 +26,7 @@ A launcher adopts these flags in its `--help` with `flags.adopt_module_key_flags
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -46,7 +47,7 @@ from tba_jax import config_keys, config_lib, distributed
 from tba_jax.checkpoint import SIGNAL_EXIT_BASE, RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.models import PRESETS
-from tba_jax.models.config import DECODE_ATTENTIONS, DECODE_MLPS, DECODE_PROJECTIONS
+from tba_jax.models.config import DECODE_KERNEL_KNOBS
 
 ERROR_PREFIX = "error: "
 USER_ERROR_EXIT_STATUS = 1
@@ -217,23 +218,21 @@ def execution_flags(flag: Callable[[str], Any]) -> dict:
 
 
 def define_decode_kernel_flags() -> None:
-    """A benchmark's absl flags for the decode kernels' knobs, named as the model's fields
-    (`--decode_attention`, `--decode_kernel`, `--decode_mlp`, `--decode_mlp_kernel`,
-    `--decode_projection`, `--decode_projection_kernel`) and read by those names
-    (`execution_flags`, `flags.FLAGS`)."""
-    kernels = (
-        ("decode_attention", DECODE_ATTENTIONS, "decode_kernel", "k_splits:block_k:warps:stages"),
-        ("decode_mlp", DECODE_MLPS, "decode_mlp_kernel", "block_m:block_n:block_k:warps:stages"),
-        (
-            "decode_projection",
-            DECODE_PROJECTIONS,
-            "decode_projection_kernel",
-            "block_m:block_n:block_k:k_splits:warps:stages",
-        ),
-    )
-    for knob, choices, settings, spec in kernels:
+    """A benchmark's absl flags for the decode kernels' knobs (`DECODE_KERNEL_KNOBS`),
+    named as the model's fields (`--decode_attention`, `--decode_kernel`, ...) and read by
+    those names (`execution_flags`, `flags.FLAGS`)."""
+    for knob, choices, settings_key, settings_type in DECODE_KERNEL_KNOBS:
         flags.DEFINE_enum(knob, "same", list(choices), f"model.{knob}.")
-        flags.DEFINE_string(settings, "", f"model.{settings} ({spec}).")
+        spec = ":".join(settings_type._fields)
+        flags.DEFINE_string(settings_key, "", f"model.{settings_key} ({spec}).")
+
+
+def add_decode_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    """`define_decode_kernel_flags` for a benchmark that parses with argparse."""
+    for knob, choices, settings_key, settings_type in DECODE_KERNEL_KNOBS:
+        parser.add_argument(f"--{knob}", default="same", choices=choices, help=f"model.{knob}")
+        spec = ":".join(settings_type._fields)
+        parser.add_argument(f"--{settings_key}", default="", help=f"model.{settings_key} ({spec})")
 
 
 def check_cudnn_backend(flag: str, instead: str) -> None:

@@ -31,6 +31,7 @@ from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, reg
 from tba_jax.models.config import (
     ATTENTIONS,
     DECODE_ATTENTIONS,
+    DECODE_KERNEL_KNOBS,
     DECODE_MLPS,
     DECODE_PROJECTIONS,
     DTYPES,
@@ -544,7 +545,7 @@ def check_attention(config: ml_collections.ConfigDict, backend: str | None = Non
     (`check_platform_kernel`)."""
     model = config.model
     check_half_dtype_for_cudnn("model", model.get("attention"), model.get("dtype"))
-    for key in ("attention", "decode_attention", "decode_mlp", "decode_projection"):
+    for key in ("attention", *(knob for knob, *_ in DECODE_KERNEL_KNOBS)):
         check_platform_kernel(f"model.{key}", key, model.get(key), backend)
 
 
@@ -683,15 +684,9 @@ def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None
         return f"only search.engine=slots reads it (this run: search.engine={config.search.engine})"
     if config.mode != "async" and any(_under(key, k) for k in ASYNC_ONLY_KEYS):
         return f"only mode=async reads it (this run: mode={config.mode})"
-    if config.model.get("decode_attention") != "pallas" and key == "model.decode_kernel":
-        return "only model.decode_attention=pallas reads it"
-    if config.model.get("decode_mlp") != "pallas" and key == "model.decode_mlp_kernel":
-        return "only model.decode_mlp=pallas reads it"
-    if (
-        config.model.get("decode_projection") != "pallas"
-        and key == "model.decode_projection_kernel"
-    ):
-        return "only model.decode_projection=pallas reads it"
+    for knob, _, settings_key, _ in DECODE_KERNEL_KNOBS:
+        if config.model.get(knob) != "pallas" and key == f"model.{settings_key}":
+            return f"only model.{knob}=pallas reads it"
     if config.search.in_flight_updates and _under(key, "search.restart_on_publish"):
         return "search.in_flight_updates=True never restarts: live samples take the new params"
     return None

@@ -211,6 +211,14 @@ def parse_projection_kernel_settings(spec: str) -> ProjectionKernelSettings:
     )
 
 
+# Each decode-step kernel's knob, its values, and the key of its settings with their type
+# (the fields a `model.<settings key>` spec gives, joined by ":").
+DECODE_KERNEL_KNOBS = (
+    ("decode_attention", DECODE_ATTENTIONS, "decode_kernel", KernelSettings),
+    ("decode_mlp", DECODE_MLPS, "decode_mlp_kernel", MlpKernelSettings),
+    ("decode_projection", DECODE_PROJECTIONS, "decode_projection_kernel", ProjectionKernelSettings),
+)
+
 HALF_DTYPES = ("bfloat16", "float16")
 # Execution field values only one platform (JAX's name for it) runs, and the value that
 # computes the same elsewhere: what a run's checkpoint is read with there.
