@@ -31,7 +31,7 @@ from tba_jax.models.config import (
     KernelSettings,
     check_kernel_settings,
 )
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard, triton_launch
 
 # Query heads sharing a KV head are loaded as a tile of this many rows, the rows past them
 # masked: Triton's matmuls need at least 16 on each side (`ModelConfig` checks a model's
@@ -229,11 +229,6 @@ def _decode_attention(
             jax.ShapeDtypeStruct((*grouped, head_dim), jnp.float32),
             *[jax.ShapeDtypeStruct(grouped, jnp.float32)] * 2,
         ]
-    extra = {}
-    if not interpret:
-        extra["compiler_params"] = plgpu.CompilerParams(
-            num_warps=settings.num_warps, num_stages=settings.num_stages
-        )
     out = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, splits),
@@ -248,7 +243,7 @@ def _decode_attention(
         out_shape=out_shape,
         interpret=interpret,
         name="decode_attention",
-        **extra,
+        **triton_launch(settings, interpret),
     )(q_groups, k, v, visible.astype(jnp.int32), length[:, None])
     if splits > 1:
         out = _combine(*out).astype(q.dtype)

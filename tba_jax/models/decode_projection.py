@@ -29,8 +29,8 @@ from tba_jax.models.config import (
     ProjectionKernelSettings,
     check_projection_kernel_settings,
 )
-from tba_jax.models.gated_mlp import block_for, pad_rows, triton_launch
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
+from tba_jax.models.gated_mlp import block_for, pad_to_row_blocks
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard, triton_launch
 
 # What the model runs with unless `model.decode_projection_kernel` says otherwise.
 SETTINGS = ProjectionKernelSettings()
@@ -100,7 +100,7 @@ def _partial_sums(
     part = width // parts
     block_k = block_for(part, settings.block_k)
     block_n = block_for(outputs, settings.block_n)
-    x, block_m = pad_rows(x, settings.block_m)
+    x, block_m = pad_to_row_blocks(x, settings.block_m)
     padded_rows = x.shape[0]
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k),

@@ -22,10 +22,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tba_jax.models.config import MIN_MLP_BLOCK, MlpKernelSettings, check_mlp_kernel_settings
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard
+from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard, triton_launch
 
 # What the model runs with unless `model.decode_mlp_kernel` says otherwise.
 SETTINGS = MlpKernelSettings()
@@ -44,7 +43,7 @@ def block_for(size: int, block: int) -> int:
     return fitted
 
 
-def pad_rows(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
+def pad_to_row_blocks(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
     """(x [M, ...] padded with zero rows to a whole number of row blocks, the block): the
     block is `block_m`, or for fewer rows the least power of two >= M and
     `MIN_MLP_BLOCK` (a decode batch is usually a whole number of blocks already)."""
@@ -54,15 +53,6 @@ def pad_rows(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
     if padded_rows != rows:
         x = jnp.pad(x, ((0, padded_rows - rows),) + ((0, 0),) * (x.ndim - 1))
     return x, block_m
-
-
-def triton_launch(settings, interpret: bool) -> dict:
-    """`pallas_call`'s keyword for Triton's num_warps and num_stages from `settings`
-    (none for the interpreter, which takes no compiler params)."""
-    if interpret:
-        return {}
-    params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
-    return {"compiler_params": params}
 
 
 def _kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, activation: Callable):
@@ -129,7 +119,7 @@ def _gated_hidden(
     hidden = w_gate.shape[1]
     block_k = block_for(width, settings.block_k)
     block_n = block_for(hidden, settings.block_n)
-    x, block_m = pad_rows(x, settings.block_m)
+    x, block_m = pad_to_row_blocks(x, settings.block_m)
     padded_rows = x.shape[0]
     weight_spec = pl.BlockSpec((width, block_n), lambda i, j: (0, j))
     out = pl.pallas_call(

@@ -1,6 +1,6 @@
 """How the model calls its Pallas kernels: compiled on their platform or in Pallas'
-interpreter (`on_platform`), and on a mesh of several devices one call per shard
-(`per_shard`).
+interpreter (`on_platform`), with Triton's launch settings on a GPU (`triton_launch`), and
+on a mesh of several devices one call per shard (`per_shard`).
 
 XLA cannot split a Pallas kernel between devices. In a program sharded over several
 devices, a Mosaic kernel (TPU: splash attention) is refused as it is lowered ("Mosaic
@@ -23,6 +23,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
+from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractMesh, PartitionSpec
 
 # Every mesh's axes (`tba_jax.mesh` builds them): a batch's rows are split over the data and
@@ -54,6 +55,16 @@ def on_platform(
         return jax.lax.platform_dependent(*args, default=interpreted, **{platform: compiled})
 
     return chosen
+
+
+def triton_launch(settings, interpret: bool) -> dict:
+    """`pallas_call`'s keyword for Triton's num_warps and num_stages from `settings` (a
+    kernel's settings with those fields; none for the interpreter, which takes no compiler
+    params)."""
+    if interpret:
+        return {}
+    params = plgpu.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
+    return {"compiler_params": params}
 
 
 def shard_axes(mesh: AbstractMesh, rows: int, split: int) -> dict[str, tuple[str, ...]]:
