@@ -244,11 +244,15 @@ def child_env() -> dict[str, str]:
 def child_result(program: str, done: subprocess.CompletedProcess, figures: dict) -> dict:
     """A child's line for `program`; where the child ended without one (a compiler that
     ended its process), `figures` with `compiled` false, how it ended and why
-    (`cli.how_a_child_ended`)."""
+    (`cli.how_a_child_ended`). A child that refused the plan with a user's error (one
+    `error: ...` line, status 1: a method whose step is not planned) is this plan's
+    error, as it would be compiled in this process (`cli.UsageError`)."""
     for line in done.stdout.splitlines():
         if line.startswith("{") and json.loads(line).get("plan") == program:
             return json.loads(line)
     ended, why = cli.how_a_child_ended(done.returncode, done.stderr)
+    if done.returncode == cli.USER_ERROR_EXIT_STATUS and why.startswith(cli.ERROR_PREFIX):
+        raise cli.UsageError(why.removeprefix(cli.ERROR_PREFIX))
     return {**figures, "compiled": False, "ended": ended, "compile_error": why}
 
 

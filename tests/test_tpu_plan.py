@@ -76,6 +76,17 @@ def test_a_plan_without_the_vocabulary_size_is_one_error_line():
     ), done.stderr
 
 
+def test_a_program_a_plan_does_not_build_is_one_error_line_from_its_child_too():
+    """Each program compiles in a child process (`--isolate`): a user's error there ends
+    the plan with its one line, as it does compiled in the plan's own process."""
+    for isolate in ("--isolate", "--noisolate"):
+        done = run_plan(*CONFIG, "--slice=local", "--config.method=ppo", isolate, timeout=120)
+        assert done.returncode == 1, (isolate, done.stdout[-2000:])
+        assert done.stderr.strip().splitlines()[-1] == (
+            "error: a plan of PPO's learner (its critic) is not built; use --programs=search"
+        ), (isolate, done.stderr)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu is here")
 def test_a_tpu_slice_without_libtpu_says_what_to_install():
     done = run_plan(*CONFIG, "--slice=v5e-4", timeout=120)
