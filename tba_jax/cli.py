@@ -110,10 +110,10 @@ def run(
     main: Callable[[list[str]], Any], *, user_errors: Sequence[type[BaseException]] = ()
 ) -> None:
     """`app.run(main)` for a launcher: flags parsed by `parse_flags`, the console set up by
-    `configure_console`, and a `UsageError` or one of `user_errors` from `main` printed as
-    one line. Ctrl-C ends with a one-line notice and status 130; a run that a signal
-    stopped after saving (`RunStopped`) with 128 + the signal."""
-    caught = (UsageError, *user_errors)
+    `configure_console`, and a `UsageError`, a `ConfigError` or one of `user_errors` from
+    `main` printed as one line. Ctrl-C ends with a one-line notice and status 130; a run
+    that a signal stopped after saving (`RunStopped`) with 128 + the signal."""
+    caught = (UsageError, ConfigError, *user_errors)
 
     def main_with_conventions(argv: list[str]) -> Any:
         configure_console()

@@ -27,6 +27,7 @@ import ml_collections
 from tba_jax import config_keys
 from tba_jax import mesh as mesh_lib
 from tba_jax.critic import CRITIC_INITS, CRITIC_KINDS
+from tba_jax.errors import ConfigError  # config_lib.ConfigError: the one users catch
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
 from tba_jax.models.config import (
     ATTENTIONS,
@@ -48,10 +49,6 @@ from tba_jax.sampling.engine import ENGINES
 LR_SCHEDULES = ("constant", "linear", "wsd")
 MAX_LEARNING_RATE = 1.0  # above this an Adam step moves every weight by more than 1
 HF_PATH_KEY = "hf_path"  # a config key naming a Hugging Face folder the run reads
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message says which and what to do."""
 
 
 def parse_variant(arg: str | None) -> tuple[list[str], dict[str, str]]:
@@ -709,13 +706,13 @@ def samples_per_search_call(config: ml_collections.ConfigDict) -> int:
 
 
 def _learner_device_count(config: ml_collections.ConfigDict, num_devices: int) -> int:
-    """How many devices the learner gets, by the same split the run will make."""
-    try:
-        _, learner = mesh_lib.split_devices(
-            range(num_devices), config.mesh.sampler_devices, config.mesh.colocate
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+    """How many devices the learner gets, by the same split the run will make (one
+    process); both roles' `mesh.<role>_axes` are checked against their shares."""
+    sampler, learner = mesh_lib.split_devices(
+        range(num_devices), config.mesh.sampler_devices, config.mesh.colocate
+    )
+    mesh_lib.mesh_shape(len(sampler), config.mesh.sampler_axes, "mesh.sampler_axes", "sampler")
+    mesh_lib.mesh_shape(len(learner), config.mesh.learner_axes, "mesh.learner_axes", "learner")
     return len(learner)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tba_jax.batching import pad_rows
+from tba_jax.errors import ConfigError
 from tba_jax.models.kernel_mesh import BATCH_AXES, MESH_AXES  # the kernels split over them too
 
 Rules = Sequence[tuple[str, str | None]]
@@ -54,45 +55,70 @@ def split_devices(
     elif sampler_devices >= 1 and float(sampler_devices).is_integer():
         count = int(sampler_devices)
     else:
-        raise ValueError(
+        raise ConfigError(
             f"mesh.sampler_devices={sampler_devices} must be a count >= 1 or a fraction in (0, 1)."
         )
     if count >= len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"mesh.sampler_devices={sampler_devices} leaves no device for the learner out of "
             f"{len(devices)}; lower it or set mesh.colocate=True."
         )
     return devices[:count], devices[count:]
 
 
-def make_mesh(devices: Sequence[jax.Device], axis_sizes: Mapping[str, int]) -> Mesh:
-    """A mesh over `devices` with axes data/fsdp/tensor; one size may be -1 (the rest)."""
+def mesh_shape(
+    count: int, axis_sizes: Mapping[str, int], key: str = "mesh axes", role: str | None = None
+) -> list[int]:
+    """The sizes of the axes data/fsdp/tensor (`MESH_AXES`) that `axis_sizes` gives `count`
+    devices; one size may be -1 (the rest). Sizes the devices cannot take are a
+    `ConfigError` naming `key`, the config key that holds `axis_sizes` (e.g.
+    `mesh.learner_axes`), and the run's `role` the devices are for."""
+    given = dict(axis_sizes)
     unknown = set(axis_sizes) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"Unknown mesh axes {sorted(unknown)}; use {MESH_AXES}.")
+        raise ConfigError(f"{key}={given}: unknown mesh axes {sorted(unknown)}; use {MESH_AXES}.")
     sizes = [int(axis_sizes.get(name, 1)) for name in MESH_AXES]
     if any(size < 1 and size != -1 for size in sizes):
-        raise ValueError(f"Mesh axis sizes must be >= 1 or -1 (the rest), got {dict(axis_sizes)}.")
+        raise ConfigError(f"{key}={given}: mesh axis sizes must be >= 1 or -1 (the rest).")
     if sizes.count(-1) > 1:
-        raise ValueError(
-            f"At most one mesh axis may be -1 (the rest), got {dict(axis_sizes)}; give the "
+        raise ConfigError(
+            f"{key}={given}: at most one mesh axis may be -1 (the rest); give the "
             "others a size (e.g. --config.mesh.learner_axes.data=-1 "
             "--config.mesh.learner_axes.fsdp=1 for a data-parallel learner)."
         )
+    whose, has = (f"the {role}'s", f"the {role} has") if role else ("the", "there are")
+    split = " (mesh.sampler_devices and mesh.colocate split the devices)" if role else ""
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(
-                f"{len(devices)} devices do not divide over mesh axes {dict(axis_sizes)}."
+        if count % known:
+            raise ConfigError(
+                f"{key}={given}: {whose} {count} devices do not divide over these axes; give "
+                f"the others sizes whose product divides {count}{split}."
             )
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
-        raise ValueError(
-            f"Mesh axes {dict(zip(MESH_AXES, sizes, strict=True))} need {int(np.prod(sizes))} "
-            "devices, "
-            f"the role has {len(devices)}."
+        sizes[sizes.index(-1)] = count // known
+    if int(np.prod(sizes)) != count:
+        raise ConfigError(
+            f"{key}={given}: these axes need {int(np.prod(sizes))} devices and {has} {count}; "
+            f"make their product {count} or set one to -1 (the rest){split}."
         )
+    return sizes
+
+
+def make_mesh(
+    devices: Sequence[jax.Device],
+    axis_sizes: Mapping[str, int],
+    key: str = "mesh axes",
+    role: str | None = None,
+) -> Mesh:
+    """A mesh over `devices` with axes data/fsdp/tensor, sized by `mesh_shape`."""
+    sizes = mesh_shape(len(devices), axis_sizes, key, role)
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def role_mesh(role: str, devices: Sequence[jax.Device], axis_sizes: Mapping[str, int]) -> Mesh:
+    """`make_mesh` for the `role` ("sampler" or "learner") of a run: its errors name
+    `mesh.<role>_axes` and the keys that gave the role its devices."""
+    return make_mesh(devices, axis_sizes, key=f"mesh.{role}_axes", role=role)
 
 
 def make_role_meshes(
@@ -103,7 +129,9 @@ def make_role_meshes(
     devices: Sequence[jax.Device] | None = None,
 ) -> RoleMeshes:
     sampler, learner = split_devices(devices or jax.devices(), sampler_devices, colocate)
-    return RoleMeshes(make_mesh(sampler, sampler_axes), make_mesh(learner, learner_axes))
+    return RoleMeshes(
+        role_mesh("sampler", sampler, sampler_axes), role_mesh("learner", learner, learner_axes)
+    )
 
 
 def logical_to_spec(logical_axes: Sequence[str], rules: Rules) -> PartitionSpec:
@@ -112,7 +140,7 @@ def logical_to_spec(logical_axes: Sequence[str], rules: Rules) -> PartitionSpec:
     mesh_axes = [table.get(name) for name in logical_axes]
     used = [axis for axis in mesh_axes if axis is not None]
     if len(used) != len(set(used)):
-        raise ValueError(f"Rules {dict(rules)} map two axes of {tuple(logical_axes)} onto one.")
+        raise ConfigError(f"Rules {dict(rules)} map two axes of {tuple(logical_axes)} onto one.")
     return PartitionSpec(*mesh_axes)
 
 
@@ -123,7 +151,7 @@ def param_shardings(logical_axes: Any, abstract_params: Any, mesh: Mesh, rules: 
         spec = logical_to_spec(axes, rules)
         for dim, mesh_axis in zip(param.shape, spec, strict=False):
             if mesh_axis is not None and dim % mesh.shape[mesh_axis]:
-                raise ValueError(
+                raise ConfigError(
                     f"A parameter with axes {axes} and shape {param.shape} cannot be split over "
                     f"mesh axis {mesh_axis!r} of size {mesh.shape[mesh_axis]}; change the rule "
                     f"for {axes[list(spec).index(mesh_axis)]!r} or the mesh."

@@ -72,4 +72,6 @@ def over_all_devices(config: ml_collections.ConfigDict) -> RolePlacement | None:
         )
         return None
     usable = devices[: len(devices) // split * split]
-    return RolePlacement(mesh_lib.make_mesh(usable, axes), config.mesh.sampler_rules)
+    return RolePlacement(
+        mesh_lib.make_mesh(usable, axes, key="mesh.sampler_axes"), config.mesh.sampler_rules
+    )

@@ -190,22 +190,16 @@ def role_meshes(topology: Topology, config: ml_collections.ConfigDict) -> mesh_l
         sampler = working_devices(topology.process_index)
         learner = [d for p in topology.learner_processes for d in working_devices(p)]
     return mesh_lib.RoleMeshes(
-        mesh_lib.make_mesh(sampler, mesh_cfg.sampler_axes),
-        mesh_lib.make_mesh(learner, mesh_cfg.learner_axes),
+        mesh_lib.role_mesh("sampler", sampler, mesh_cfg.sampler_axes),
+        mesh_lib.role_mesh("learner", learner, mesh_cfg.learner_axes),
     )
 
 
 def learner_device_count(topology: Topology, config: ml_collections.ConfigDict) -> int:
-    """How many devices the learner mesh will span (for config checks before any work)."""
-    try:
-        if not topology.multi_process:
-            split = mesh_lib.split_devices(
-                jax.devices(), config.mesh.sampler_devices, config.mesh.colocate
-            )
-            return len(split[1])
-        return len(role_meshes(topology, config).learner.devices.flat)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+    """How many devices the learner mesh will span, for the config checks before any work.
+    Both roles' meshes are made here, so axes their devices cannot take are a
+    `ConfigError` then."""
+    return len(role_meshes(topology, config).learner.devices.flat)
 
 
 class LearnerGroup:

@@ -336,7 +336,9 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
             f"train.batch_size={train.batch_size} must be a positive multiple of "
             f"train.num_microbatches={train.num_microbatches}."
         )
-    shards = mesh_lib.row_shards(mesh_lib.make_mesh(jax.devices()[:num_devices], config.mesh.axes))
+    shards = mesh_lib.row_shards(
+        mesh_lib.make_mesh(jax.devices()[:num_devices], config.mesh.axes, key="mesh.axes")
+    )
     for name, rows in (
         ("train.batch_size / train.num_microbatches", train.batch_size // train.num_microbatches),
         ("train.eval_batch_size", train.eval_batch_size),
@@ -469,7 +471,7 @@ def train_on_pairs(
         workdir, experiment=experiment(config), max_to_keep=config.keep_checkpoints
     )
 
-    mesh = mesh_lib.make_mesh(jax.devices(), config.mesh.axes)
+    mesh = mesh_lib.make_mesh(jax.devices(), config.mesh.axes, key="mesh.axes")
     model, abstract = abstract_model(reward_model_config(config, tokenizer))
     shardings = mesh_lib.param_shardings(model.logical_axes, abstract, mesh, config.mesh.rules)
     optimizer = learner.make_optimizer(

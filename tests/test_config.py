@@ -108,6 +108,13 @@ def test_bad_variants_are_clear_errors(variant, message):
         ("K=3,S=3,batch.prompts_per_batch=3", 4, "does not divide over the learner"),
         ("batch.num_microbatches=3", 1, "does not divide into"),
         ("mesh.sampler_devices=4", 4, "leaves no device for the learner"),
+        (
+            "mesh.learner_axes.fsdp=1,mesh.learner_axes.tensor=4",
+            4,
+            r"mesh\.learner_axes=.*need 4 devices and the learner has 2",
+        ),
+        ("mesh.sampler_axes.tensor=3", 4, r"mesh\.sampler_axes=.*the sampler's 2 devices do not"),
+        ("mesh.learner_axes.data=-1", 1, r"mesh\.learner_axes=.*at most one mesh axis may be -1"),
         ("search.score_rows_per_chunk=7", 1, r"does not divide the 128 rows a search call"),
         ("mode=sync,search.score_rows_per_chunk=48", 1, r"does not divide the 128 rows"),
         ("search.score_rows_per_chunk=-1", 1, "must be an integer >= 0"),

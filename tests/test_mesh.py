@@ -23,6 +23,7 @@ from support import BACKEND_COMPILE_EVENT, fake_cpu_devices_env, recorded_durati
 from configs.arithmetic import get_config
 from tba_jax import mesh as mesh_lib
 from tba_jax import runtime
+from tba_jax.errors import ConfigError
 from tba_jax.models import compute_dtype_cast, init_model, kernel_mesh, preset
 from tba_jax.placement import over_all_devices
 
@@ -90,7 +91,7 @@ def test_split_devices_counts_and_fractions(sampler_devices, colocate, expected)
     ],
 )
 def test_split_devices_rejects_bad_counts(sampler_devices, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         mesh_lib.split_devices([0, 1, 2, 3], sampler_devices, colocate=False)
 
 
@@ -107,17 +108,32 @@ def test_make_mesh_fills_the_minus_one_axis(axes):
 @pytest.mark.parametrize(
     "axes, match",
     [
-        ({"data": 2}, r"need 2 devices, the role has 1"),
+        ({"data": 2}, r"need 2 devices and there are 1"),
         ({"data": 0}, r"must be >= 1 or -1"),
-        ({"fsdp": -1, "tensor": 2}, r"1 devices do not divide over mesh axes"),
-        ({"data": -1, "fsdp": -1}, r"At most one mesh axis may be -1"),
-        ({"model": 1}, r"Unknown mesh axes \['model'\]"),
-        ({"fsdp": -1, "expert": 1}, r"Unknown mesh axes \['expert'\]"),
+        ({"fsdp": -1, "tensor": 2}, r"the 1 devices do not divide over these axes"),
+        ({"data": -1, "fsdp": -1}, r"at most one mesh axis may be -1"),
+        ({"model": 1}, r"unknown mesh axes \['model'\]"),
+        ({"fsdp": -1, "expert": 1}, r"unknown mesh axes \['expert'\]"),
     ],
 )
 def test_make_mesh_rejects_bad_axes(axes, match):
-    with pytest.raises(ValueError, match=match):
+    # A ConfigError: launchers print it as one line, not a traceback.
+    with pytest.raises(ConfigError, match=match):
         mesh_lib.make_mesh(jax.devices()[:1], axes)
+
+
+@pytest.mark.parametrize(
+    "axes, match",
+    [
+        ({"data": 2}, r"mesh.learner_axes=\{'data': 2\}: these axes need 2 devices and the "
+         r"learner has 1; .*mesh.sampler_devices and mesh.colocate"),
+        ({"fsdp": -1, "tensor": 2}, r"mesh.learner_axes=.*: the learner's 1 devices do not "
+         r"divide"),
+    ],
+)  # fmt: skip
+def test_a_role_mesh_error_names_the_roles_key_and_the_split(axes, match):
+    with pytest.raises(ConfigError, match=match):
+        mesh_lib.role_mesh("learner", jax.devices()[:1], axes)
 
 
 def test_make_mesh_rejects_a_zero_axis_beside_minus_one():
