@@ -19,6 +19,12 @@ and one sees none (its output must be zeros). One JSON line per cache length:
 (each one call's time after a compiling one, `timing`: on an accelerator the mean of its
 kernels' device time over `--repeats` traced calls, on a CPU the median of `--repeats`
 timed calls; see `call_us`), `baseline_attention`, and the mean visible length.
+
+Those times read the same buffers at every call, which a GPU's L2 cache (50 MB on an H100
+or H200) may still hold from the call before; inside a decode step no kernel finds its
+layer's weights or cache there. So each is timed cold too (`kernel_cold_us`,
+`baseline_cold_us`, `fastest_cold`): the calls cycle through `cold_copies` copies of the
+inputs in buffers of their own, `--cold_mb` MB of them in all (0: not timed cold).
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,8 +106,26 @@ def baseline_fn(cfg):
     return jax.jit(attend)
 
 
-def call_us(fn, inputs, repeats: int) -> float:
-    """Microseconds one call of `fn(*inputs)` takes on the device, after a compiling call.
+# Megabytes of inputs a cold timing cycles through by default: five times the L2 cache of
+# an H100 or H200 (50 MB), so no call finds its inputs there.
+COLD_MB = 256
+MAX_COLD_COPIES = 64  # however small the inputs (a CPU test's)
+
+
+def cold_copies(inputs: tuple, cold_mb: float) -> list[tuple]:
+    """`inputs`, then copies of them in buffers of their own, as many as make `cold_mb`
+    megabytes in all (at least 2, at most `MAX_COLD_COPIES` sets): timed in turn
+    (`call_us`), no call finds its inputs in a cache the call before filled."""
+    size = sum(array.nbytes for array in inputs)
+    count = min(MAX_COLD_COPIES, max(2, math.ceil(cold_mb * 2**20 / size)))
+    copies = [tuple(jnp.array(array, copy=True) for array in inputs) for _ in range(count - 1)]
+    return [inputs, *copies]
+
+
+def call_us(fn, input_sets: Sequence[tuple], repeats: int) -> float:
+    """Microseconds one call of `fn(*inputs)` takes on the device, after a compiling call,
+    the calls taking the sets of `input_sets` in turn (one set: the same buffers at every
+    call; `cold_copies`: buffers no cache holds from the call before).
 
     On an accelerator: the time of its kernels, summed over `repeats` calls traced by
     `jax.profiler` (`device_trace`), over `repeats`. A wall clock around a call would
@@ -107,21 +133,43 @@ def call_us(fn, inputs, repeats: int) -> float:
     timed every setting of both kernels at 64-74 us at 64 rows that way). On a CPU, whose
     trace has no device plane: the median of `repeats` timed calls.
     """
-    jax.block_until_ready(fn(*inputs))  # compiles
+    calls = [input_sets[i % len(input_sets)] for i in range(repeats)]
+    jax.block_until_ready(fn(*input_sets[-1]))  # compiles
     if jax.default_backend() != "cpu":
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
-                for _ in range(repeats):
+                for inputs in calls:
                     jax.block_until_ready(fn(*inputs))
             summary = device_trace.kernel_summary(trace_dir)
         if summary["kernels"]:
             return 1e3 * summary["kernel_ms"] / repeats
     times = []
-    for _ in range(repeats):
+    for inputs in calls:
         began = time.perf_counter()
         jax.block_until_ready(fn(*inputs))
         times.append(time.perf_counter() - began)
     return 1e6 * statistics.median(times)
+
+
+def timed(kernels: dict, baseline, inputs: tuple, repeats: int, cold_mb: float, name: str):
+    """The timing fields of a kernel benchmark's line: `kernel_us` (each of `kernels`, by
+    its settings' key) and `<name>_us` (the `baseline` it is set beside), `fastest`, and
+    the same timed cold (`kernel_cold_us`, `<name>_cold_us`, `fastest_cold`, with
+    `cold_copies`) unless `cold_mb` is 0; `timing` says what was measured."""
+    fields = {}
+    input_sets = {"": [inputs]}
+    if cold_mb > 0:
+        input_sets["_cold"] = cold_copies(inputs, cold_mb)
+        fields["cold_copies"] = len(input_sets["_cold"])
+    for suffix, sets in input_sets.items():
+        kernel_us = {
+            label: round(call_us(kernel, sets, repeats), 1) for label, kernel in kernels.items()
+        }
+        fields[f"kernel{suffix}_us"] = kernel_us
+        fields[f"{name}{suffix}_us"] = round(call_us(baseline, sets, repeats), 1)
+        fields[f"fastest{suffix}"] = min(kernel_us, key=kernel_us.get)
+    fields["timing"] = timing()
+    return fields
 
 
 def timing() -> str:
@@ -140,6 +188,7 @@ def main() -> None:
         "--settings", default=DEFAULT_SETTINGS, help="k_splits:block_k:num_warps:num_stages,..."
     )
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cold_mb", type=float, default=COLD_MB, help="0: no cold timing")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
@@ -147,8 +196,10 @@ def main() -> None:
         settings = parse_settings(args.settings)
         # the preset's heads; its vocabulary plays no part here
         cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, attention=args.attention)
-        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1:
-            raise ValueError("--batch must be >= 2, --repeats >= 1, and every cache length >= 1.")
+        if args.batch < 2 or args.repeats < 1 or min(cache_lens) < 1 or args.cold_mb < 0:
+            raise ValueError(
+                "--batch must be >= 2, --repeats >= 1, --cold_mb >= 0, and every cache length >= 1."
+            )
         if args.attention == "cudnn":
             cli.check_cudnn_backend(
                 "--attention=cudnn", "pass another --attention (dot_product, einsum)."
@@ -176,16 +227,10 @@ def main() -> None:
             "dtype": args.dtype,
             "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
             "empty_row_zero": all(bool((out[-1] == 0).all()) for out in outs),
-            "kernel_us": {
-                label: round(call_us(kernel, inputs, args.repeats), 1)
-                for label, kernel in kernels.items()
-            },
             "model_settings": SETTINGS.spec(),
             "baseline_attention": args.attention,
-            "baseline_us": round(call_us(baseline, inputs, args.repeats), 1),
-            "timing": timing(),
+            **timed(kernels, baseline, inputs, args.repeats, args.cold_mb, "baseline"),
         }
-        line["fastest"] = min(line["kernel_us"], key=line["kernel_us"].get)
         print(json.dumps(line), flush=True)
 
 

@@ -21,7 +21,10 @@ time after a compiling one (`timing`: on an accelerator the mean of its kernels'
 time over `--repeats` traced calls, on a CPU the median of `--repeats` timed calls;
 `decode_attention_kernel.call_us`). `bytes` is what the product must move (the weight,
 the rows in and the outputs out) and `hbm_bound_us` its time at the HBM bandwidth of
-`peaks` (the device's datasheet figure; `roofline.peaks_for`).
+`peaks` (the device's datasheet figure; `roofline.peaks_for`). Each is timed cold too,
+the calls cycling through copies of the inputs that no cache holds (`kernel_cold_us`,
+`xla_cold_us`, `fastest_cold`, `cold_copies`; `--cold_mb`, 0: not): inside a decode
+step a layer's weights are read once, from device memory.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def main() -> None:
                 "width": width,
                 "d_model": cfg.d_model,
                 "dtype": args.dtype,
-                **measured(kernels, xla, inputs, expected, args.repeats, moved, SETTINGS),
+                **measured(kernels, xla, inputs, expected, args, moved, SETTINGS),
             }
             print(json.dumps(line), flush=True)
 

@@ -19,7 +19,10 @@ its kernels' device time over `--repeats` traced calls, on a CPU the median of `
 timed calls; `decode_attention_kernel.call_us`). `bytes` is what the
 layer must move (both weights, the rows in and the hidden layer out) and `hbm_bound_us`
 its time at the HBM bandwidth of `peaks` (the device's datasheet figure;
-`roofline.peaks_for`).
+`roofline.peaks_for`). Each is timed cold too, the calls cycling through copies of the
+inputs that no cache holds (`kernel_cold_us`, `xla_cold_us`, `fastest_cold`,
+`cold_copies`; `--cold_mb`, 0: not; `decode_attention_kernel.timed`): inside a decode
+step a layer's weights are read once, from device memory.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode_attention_kernel import call_us, parse_settings, timing
+from decode_attention_kernel import COLD_MB, parse_settings, timed
 
 from tba_jax import cli, roofline
 from tba_jax.models import preset, transformer
@@ -72,29 +75,23 @@ def xla_hidden(activation):
     return jax.jit(hidden)
 
 
-def measured(
-    kernels: dict, xla, inputs, expected: np.ndarray, repeats: int, moved: int, model_settings
-):
+def measured(kernels: dict, xla, inputs, expected: np.ndarray, args, moved: int, model_settings):
     """The fields a row-kernel benchmark prints after its own: each kernel's and XLA's
-    worst error against `expected` (float64), their times (`call_us`), the `fastest`
-    kernel, and the `moved` bytes with their time at this device's HBM bandwidth."""
+    worst error against `expected` (float64), their times warm and cold (`timed`, by
+    `args.repeats` and `args.cold_mb`), the `fastest` kernel, and the `moved` bytes with
+    their time at this device's HBM bandwidth."""
     outs = [np.asarray(kernel(*inputs).astype(jnp.float32)) for kernel in kernels.values()]
     xla_out = np.asarray(xla(*inputs).astype(jnp.float32))
     peaks = roofline.peaks_for(jax.devices()[0].device_kind)
     fields = {
         "max_abs_error": max(float(np.abs(out - expected).max()) for out in outs),
         "xla_max_abs_error": float(np.abs(xla_out - expected).max()),
-        "kernel_us": {
-            label: round(call_us(kernel, inputs, repeats), 1) for label, kernel in kernels.items()
-        },
         "model_settings": model_settings.spec(),
-        "xla_us": round(call_us(xla, inputs, repeats), 1),
-        "timing": timing(),
+        **timed(kernels, xla, inputs, args.repeats, args.cold_mb, "xla"),
         "bytes": moved,
         "peaks": peaks.name,
         "hbm_bound_us": round(1e6 * moved / peaks.hbm_bytes_per_s, 1),
     }
-    fields["fastest"] = min(fields["kernel_us"], key=fields["kernel_us"].get)
     return fields
 
 
@@ -110,6 +107,7 @@ def row_kernel_command_line(description: str, default_settings: str, parse, knob
     fields = ":".join(parse(default_settings.split(",")[0])._fields)
     parser.add_argument("--settings", default=default_settings, help=f"{fields},...")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cold_mb", type=float, default=COLD_MB, help="0: no cold timing")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
@@ -117,8 +115,8 @@ def row_kernel_command_line(description: str, default_settings: str, parse, knob
         settings = parse_settings(args.settings, parse)
         # the preset's widths and activation, with the kernel's checks; no vocabulary needed
         cfg = preset(args.shape, vocab_size=16, dtype=args.dtype, **{knob: "pallas"})
-        if args.repeats < 1 or min(row_counts) < 1:
-            raise ValueError("--repeats and every --rows entry must be >= 1.")
+        if args.repeats < 1 or min(row_counts) < 1 or args.cold_mb < 0:
+            raise ValueError("--repeats and every --rows entry must be >= 1, --cold_mb >= 0.")
     except ValueError as error:
         cli.exit_with_error(str(error))
     return args, row_counts, settings, cfg
@@ -153,7 +151,7 @@ def main() -> None:
             "d_model": cfg.d_model,
             "d_ff": cfg.d_ff,
             "dtype": args.dtype,
-            **measured(kernels, xla, inputs, expected, args.repeats, moved, SETTINGS),
+            **measured(kernels, xla, inputs, expected, args, moved, SETTINGS),
         }
         print(json.dumps(line), flush=True)
 

@@ -144,6 +144,10 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         assert line["baseline_us"] > 0
         assert line["baseline_attention"] == "einsum" and line["backend"] == "cpu"
         assert line["timing"] == "wall_clock_median"  # a CPU's trace has no device kernels
+        # and timed cold: 64 sets of inputs (the most; these are far under --cold_mb)
+        assert set(line["kernel_cold_us"]) == set(line["kernel_us"])
+        assert line["fastest_cold"] in line["kernel_cold_us"] and line["baseline_cold_us"] > 0
+        assert line["cold_copies"] == 64
     refused = run_repo_script(
         "benchmarks/decode_attention_kernel.py", "--attention=cudnn", timeout=60
     )
@@ -152,3 +156,30 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         "benchmarks/decode_attention_kernel.py", "--settings=2:128:4", timeout=60
     )
     assert refused.returncode != 0 and "is not k_splits:block_k" in refused.stderr
+
+
+def test_a_cold_timing_cycles_through_copies_of_the_inputs_in_buffers_of_their_own():
+    """Kernel benchmarks time each kernel cold too: inside a decode step no kernel finds its
+    layer's weights in the GPU's L2 cache, as a kernel called on the same buffers may."""
+    from benchmarks import decode_attention_kernel as bench
+
+    x = jnp.arange(256 * 1024, dtype=jnp.float32).reshape(256, 1024)  # 1 MiB
+    sets = bench.cold_copies((x,), cold_mb=4)
+    assert len(sets) == 4 and sets[0][0] is x
+    assert len({inputs[0].unsafe_buffer_pointer() for inputs in sets}) == 4
+    assert all(np.array_equal(inputs[0], x) for inputs in sets)
+    assert len(bench.cold_copies((x,), cold_mb=0.1)) == 2  # a copy at least
+    assert len(bench.cold_copies((x[:1],), cold_mb=256)) == bench.MAX_COLD_COPIES
+    read = []
+
+    def kernel(array):
+        read.append(array.unsafe_buffer_pointer())
+        return array
+
+    bench.call_us(kernel, sets, repeats=6)
+    # a compiling call, then the sets in turn
+    assert read[1:] == [sets[i % 4][0].unsafe_buffer_pointer() for i in range(6)]
+    warm_only = bench.timed({"a": kernel}, kernel, (x,), 1, cold_mb=0, name="xla")
+    assert set(warm_only) == {"kernel_us", "xla_us", "fastest", "timing"}
+    both = bench.timed({"a": kernel}, kernel, (x,), 1, cold_mb=4, name="xla")
+    assert both["cold_copies"] == 4 and both["fastest_cold"] == "a"

@@ -118,6 +118,8 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         assert line["model_settings"] == kernel.SETTINGS.spec()
         assert line["xla_us"] > 0 and line["backend"] == "cpu"
         assert line["timing"] == "wall_clock_median"
+        assert set(line["kernel_cold_us"]) == set(line["kernel_us"]) and line["xla_cold_us"] > 0
+        assert line["fastest_cold"] in line["kernel_cold_us"] and line["cold_copies"] == 64
         width, rows = line["width"], line["rows"]
         assert line["bytes"] == 4 * (width * 128 + rows * (width + 128))
     refused = run_repo_script(

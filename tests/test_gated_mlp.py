@@ -129,6 +129,8 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         assert line["model_settings"] == kernel.SETTINGS.spec()
         assert line["xla_us"] > 0 and line["backend"] == "cpu"
         assert line["timing"] == "wall_clock_median"  # a CPU's trace has no device kernels
+        assert set(line["kernel_cold_us"]) == set(line["kernel_us"]) and line["xla_cold_us"] > 0
+        assert line["fastest_cold"] in line["kernel_cold_us"] and line["cold_copies"] == 64
         # tiny: d_model 128, d_ff 384; float32 weights and rows
         assert line["bytes"] == 4 * (2 * 128 * 384 + line["rows"] * (128 + 384))
     refused = run_repo_script("benchmarks/gated_mlp_kernel.py", "--settings=64:64:64", timeout=60)
