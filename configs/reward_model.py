@@ -124,7 +124,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.optim.eps = 1e-5
 
     config.mesh = ml_collections.ConfigDict()
-    config.mesh.axes = {"fsdp": -1}  # every device; params and the batch split over fsdp
+    # every device; params and the batch split over fsdp. Each axis is a key, so a run
+    # sets any: --config.mesh.axes.data=-1 --config.mesh.axes.fsdp=1 (data parallel).
+    config.mesh.axes = {"data": 1, "fsdp": -1, "tensor": 1}
     config.mesh.rules = common.learner_rules()
 
     config.compile_cache = common.compile_cache()

@@ -86,13 +86,13 @@ def mesh_shape(
             "others a size (e.g. --config.mesh.learner_axes.data=-1 "
             "--config.mesh.learner_axes.fsdp=1 for a data-parallel learner)."
         )
-    whose, has = (f"the {role}'s", f"the {role} has") if role else ("the", "there are")
+    whose, has = (f"the {role}'s ", f"the {role} has") if role else ("", "there are")
     split = " (mesh.sampler_devices and mesh.colocate split the devices)" if role else ""
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if count % known:
             raise ConfigError(
-                f"{key}={given}: {whose} {count} devices do not divide over these axes; give "
+                f"{key}={given}: {whose}{count} devices do not divide over these axes; give "
                 f"the others sizes whose product divides {count}{split}."
             )
         sizes[sizes.index(-1)] = count // known

@@ -407,10 +407,14 @@ def write_summary(workdir: str, summary: dict) -> str:
 
 def experiment(config: ml_collections.ConfigDict) -> dict:
     """What a workdir's checkpoints are checked against: every key but `RUN_ONLY_KEYS` and
-    the model's `EXECUTION_KEYS`."""
+    the model's `EXECUTION_KEYS`. The mesh axes are named without those of size 1, which
+    change nothing: {"fsdp": -1}, the only axis configs named until 2026-11-28, is
+    {"data": 1, "fsdp": -1, "tensor": 1}, so their workdirs go on."""
     identity = {key: value for key, value in config.to_dict().items() if key not in RUN_ONLY_KEYS}
     model = identity["model"]
     identity["model"] = {key: value for key, value in model.items() if key not in EXECUTION_KEYS}
+    axes = identity["mesh"]["axes"]
+    identity["mesh"] = {**identity["mesh"], "axes": {k: v for k, v in axes.items() if v != 1}}
     return identity
 
 

@@ -110,7 +110,7 @@ def test_make_mesh_fills_the_minus_one_axis(axes):
     [
         ({"data": 2}, r"need 2 devices and there are 1"),
         ({"data": 0}, r"must be >= 1 or -1"),
-        ({"fsdp": -1, "tensor": 2}, r"the 1 devices do not divide over these axes"),
+        ({"fsdp": -1, "tensor": 2}, r": 1 devices do not divide over these axes"),
         ({"data": -1, "fsdp": -1}, r"at most one mesh axis may be -1"),
         ({"model": 1}, r"unknown mesh axes \['model'\]"),
         ({"fsdp": -1, "expert": 1}, r"unknown mesh axes \['expert'\]"),

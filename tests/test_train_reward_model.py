@@ -175,6 +175,22 @@ def test_the_2_8b_variant_plans_one_80_gb_gpu_in_smaller_micro_batches():
     assert config.train.batch_size // config.train.num_microbatches == 8  # pairs at a time
 
 
+def test_every_mesh_axis_is_a_key_and_old_workdirs_keep_their_identity():
+    """`mesh.axes` names data, fsdp and tensor, so a run sets any from the command line;
+    axes of size 1 are left out of the checkpoints' identity, so a workdir written when
+    the config named only fsdp goes on."""
+    config = get_config("tiny,mesh.axes.data=-1,mesh.axes.fsdp=1")
+    assert dict(config.mesh.axes) == {"data": -1, "fsdp": 1, "tensor": 1}
+    before = get_config("tiny")
+    before.mesh.axes = {"fsdp": -1}  # the default until 2026-11-28
+    assert train_reward_model.experiment(before) == train_reward_model.experiment(
+        get_config("tiny")
+    )
+    assert train_reward_model.experiment(config) != train_reward_model.experiment(before)
+    with pytest.raises(ConfigError, match=r"mesh\.axes=.*need 2 devices and there are 1"):
+        train_reward_model.check_config(get_config("tiny,mesh.axes.fsdp=1,mesh.axes.tensor=2"), 1)
+
+
 def test_remat_and_attention_change_how_a_step_computes_not_what():
     """The execution knobs reach the model, leave the checkpoints' identity alone (a
     resumed run may change them) and give the same step up to float rounding."""
