@@ -195,13 +195,6 @@ def role_meshes(topology: Topology, config: ml_collections.ConfigDict) -> mesh_l
     )
 
 
-def learner_device_count(topology: Topology, config: ml_collections.ConfigDict) -> int:
-    """How many devices the learner mesh will span, for the config checks before any work.
-    Both roles' meshes are made here, so axes their devices cannot take are a
-    `ConfigError` then."""
-    return len(role_meshes(topology, config).learner.devices.flat)
-
-
 class LearnerGroup:
     """Collectives over the learner mesh: every learner process calls each at the same
     point of the loop (in lockstep with its train steps)."""

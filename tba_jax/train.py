@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -159,6 +160,22 @@ def check_policy_architecture(config: ml_collections.ConfigDict) -> None:
         runs.model_config(config, vocab_size=1)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_policy_shardings(config: ml_collections.ConfigDict, meshes: mesh_lib.RoleMeshes) -> None:
+    """ConfigError for `mesh.<role>_rules` that split a policy parameter unevenly on that
+    role's mesh, before the task is built (for a paper task, minutes of data and role
+    models, its data written into the workdir). A preset's vocabulary is its task
+    tokenizer's, unknown until then: a size every mesh axis divides stands in for it, and
+    `setup` checks the real one (`role_shardings`). Reads config files only."""
+    vocab_known = config.model.get("vocab_size", 0) or config.model.hf_path
+    axis_sizes = [*meshes.sampler.shape.values(), *meshes.learner.shape.values()]
+    try:
+        model_cfg = runs.model_config(config, 1 if vocab_known else math.lcm(*axis_sizes))
+    except ValueError as error:  # check_policy_architecture's, said there
+        raise ConfigError(str(error)) from None
+    model, abstract_params = abstract_model(model_cfg)
+    role_shardings(config, model, abstract_params, meshes)
 
 
 def check_hf_folders(config: ml_collections.ConfigDict, policy_tokenizer) -> None:
@@ -340,17 +357,20 @@ class CheckedRun(NamedTuple):
 
 def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
     """Checks `config` against everything it can be checked against without building
-    anything: every config value, the Hugging Face folders, the workdir's experiment."""
+    anything: every config value, the role meshes and how they split the policy, the
+    Hugging Face folders, the workdir's experiment."""
     topology = topology_lib.make_topology(config)
+    meshes = topology_lib.role_meshes(topology, config)  # axes the devices cannot take
     config_lib.validate(
         config,
         jax.device_count(),
-        learner_devices=topology_lib.learner_device_count(topology, config),
+        learner_devices=meshes.learner.devices.size,
         num_processes=topology.num_processes,
     )
     policy_tokenizer = runs.policy_tokenizer(config)  # None: the task's own
     check_hf_folders(config, policy_tokenizer)
     check_policy_architecture(config)
+    check_policy_shardings(config, meshes)
     check_critic_reward_model(config, policy_tokenizer)
     layout = topology.describe() if topology.multi_process else None
     check_experiment(

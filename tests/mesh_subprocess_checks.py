@@ -705,10 +705,33 @@ def check_kernels() -> dict:
     }
 
 
+def check_uneven_split_refused() -> dict:
+    """4 devices: a run whose rules split the policy's one KV head over a tensor axis of 2
+    is refused by `check_run`, before its task is built, with the workdir left empty."""
+    from tba_jax.config_lib import ConfigError
+    from tba_jax.train import check_run
+
+    config = get_config("smoke,mesh.colocate=True,mesh.learner_axes.fsdp=2")
+    config.mesh.learner_axes.tensor = 2
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            check_run(config, workdir)
+            error = None
+        except ConfigError as refused:
+            error = str(refused)
+        return {"error": error, "workdir_entries": sorted(os.listdir(workdir))}
+
+
 def check_fsdp_and_roles() -> dict:
-    """4 devices: check_fsdp's observations, check_roles's under "roles" and
-    check_kernels's under "kernels" (one process start for all three)."""
-    return {**check_fsdp(), "roles": check_roles(), "kernels": check_kernels()}
+    """4 devices: check_fsdp's observations, check_roles's under "roles",
+    check_kernels's under "kernels" and check_uneven_split_refused's under "refused" (one
+    process start for all four)."""
+    return {
+        **check_fsdp(),
+        "roles": check_roles(),
+        "kernels": check_kernels(),
+        "refused": check_uneven_split_refused(),
+    }
 
 
 def check_publish_and_engine() -> dict:

@@ -367,6 +367,16 @@ def test_published_params_survive_the_learner_donating_its_buffers(publish_resul
     assert r["update_equal"]
 
 
+def test_rules_that_split_a_parameter_unevenly_are_refused_before_the_task_is_built(
+    fsdp_result,
+):
+    r = fsdp_result["refused"]
+    assert r["error"] is not None, r
+    assert r["error"].startswith("The policy on the learner mesh: A parameter with axes")
+    assert "(mesh.learner_rules, mesh.learner_axes)" in r["error"]
+    assert r["workdir_entries"] == []  # no data prepared, nothing written
+
+
 def test_fsdp_learner_mesh_splits_embed_over_its_two_devices(fsdp_result):
     r = fsdp_result
     assert r["learner_mesh_devices"] == [2, 3]
