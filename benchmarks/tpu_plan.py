@@ -69,16 +69,19 @@ class Slice(NamedTuple):
     topology: str  # jax.experimental.topologies' name for it
     accelerator_type: str  # Cloud TPU's name, which libtpu asks a TPU VM for
     hbm_gib: float  # per chip (Cloud TPU's system architecture pages)
+    chips_per_host: tuple[int, int, int]  # the host's chips, as the topology's bounds
 
 
 # Slices of one host: a run over several hosts splits each host's chips between the roles
-# (`topology.py`), which this plan's one split of all the chips does not model.
+# (`topology.py`), which this plan's one split of all the chips does not model. libtpu
+# takes a "2x4" topology for two hosts of 2x2 chips unless told the host's bounds; a v5e-8
+# or v6e-8 is one host of 8 chips (until 2026-11-28 the plans modelled two).
 SLICES = {
-    "v5e-4": Slice("v5e:2x2", "v5litepod-4", 16),
-    "v5e-8": Slice("v5e:2x4", "v5litepod-8", 16),
-    "v5p-8": Slice("v5p:2x2x1", "v5p-8", 95),
-    "v6e-4": Slice("v6e:2x2", "v6e-4", 32),
-    "v6e-8": Slice("v6e:2x4", "v6e-8", 32),
+    "v5e-4": Slice("v5e:2x2", "v5litepod-4", 16, (2, 2, 1)),
+    "v5e-8": Slice("v5e:2x4", "v5litepod-8", 16, (2, 4, 1)),
+    "v5p-8": Slice("v5p:2x2x1", "v5p-8", 95, (2, 2, 1)),
+    "v6e-4": Slice("v6e:2x2", "v6e-4", 32, (2, 2, 1)),
+    "v6e-8": Slice("v6e:2x4", "v6e-8", 32, (2, 4, 1)),
 }
 LIBTPU_HINT = (
     "compiling for a TPU slice without one needs libtpu at JAX's version: "
@@ -109,11 +112,15 @@ def slice_devices(name: str) -> list:
     # what libtpu would ask a TPU VM's metadata for (without them it logs an error for each)
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", SLICES[name].accelerator_type)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    chosen = SLICES[name]
     try:
-        return list(topologies.get_topology_desc(SLICES[name].topology, "tpu").devices)
+        description = topologies.get_topology_desc(
+            chosen.topology, "tpu", chips_per_host_bounds=chosen.chips_per_host
+        )
     except Exception as error:  # libtpu missing or too old: one line that says what to install
         hint = LIBTPU_HINT.format(version=jax.__version__)
         raise cli.UsageError(f"{hint} ({cli.one_line(str(error))})") from error
+    return list(description.devices)
 
 
 def policy_model(config: ml_collections.ConfigDict):
@@ -277,8 +284,10 @@ def main(argv: list[str]) -> None:
         config.mesh.learner_axes,
         devices=devices,
     )
+    hosts = len({device.process_index for device in devices})
     print(
-        f"{_SLICE.value}: {len(devices)} {devices[0].device_kind} chips"
+        f"{_SLICE.value}: {len(devices)} {devices[0].device_kind} chips on {hosts} "
+        + ("host" if hosts == 1 else "hosts")
         + (f", {hbm_gib:g} GiB each" if hbm_gib else "")
         + f"; JAX {jax.__version__}; {param_count(model.config.num_params())} params",
         flush=True,
@@ -299,7 +308,13 @@ def main(argv: list[str]) -> None:
             figures = plan(program, compile_program, config, model, abstract, mesh, hbm_gib)
         results.append(figures)
         print(json.dumps(figures), flush=True)
-    summary = {"bench": "tpu_plan", "slice": _SLICE.value, "chips": len(devices), "plans": results}
+    summary = {
+        "bench": "tpu_plan",
+        "slice": _SLICE.value,
+        "chips": len(devices),
+        "hosts": hosts,
+        "plans": results,
+    }
     if meshes.colocated and len(results) == 2 and all("chip_gib" in r for r in results):
         learner_plan, search_plan = results
         summary["colocated_gib"] = round(learner_plan["chip_gib"] + search_plan["chip_gib"], 2)

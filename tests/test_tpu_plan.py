@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from support import REPO_ROOT, fake_cpu_devices_env
 
@@ -53,7 +54,7 @@ def test_each_program_is_planned_on_its_role_mesh_of_the_slice():
     assert 0.9 * search_plan["argument_bytes"] < reference < search_plan["argument_bytes"]
     needed = sum(search_plan[part] for part in ("argument_bytes", "temp_bytes", "new_output_bytes"))
     assert search_plan["chip_gib"] == round((needed + reference) / 2**30, 2)
-    assert summary["bench"] == "tpu_plan" and summary["chips"] == 4
+    assert summary["bench"] == "tpu_plan" and summary["chips"] == 4 and summary["hosts"] == 1
     assert summary["plans"] == [learner_plan, search_plan] and "colocated_gib" not in summary
 
 
@@ -99,3 +100,23 @@ def test_a_tpu_slice_without_libtpu_says_what_to_install():
             'pip install "jax[tpu]=='
         )
     ), done.stderr
+
+
+def test_every_slice_is_planned_as_the_one_host_it_is():
+    """libtpu takes a "2x4" topology for two hosts of 2x2 chips unless given the host's
+    bounds; a v5e-8 or v6e-8 is one host of 8 chips, and which chips a role gets decides
+    whether libtpu compiles its collectives (README: "Planning a TPU slice")."""
+    listing = subprocess.run(
+        [sys.executable, "-c", "import json, tpu_plan; print(json.dumps(tpu_plan.SLICES))"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT / "benchmarks",
+        env={**fake_cpu_devices_env(1), "PYTHONPATH": str(REPO_ROOT)},
+        timeout=120,
+    )
+    assert listing.returncode == 0, listing.stderr[-2000:]
+    for name, (topology, _, _, chips_per_host) in json.loads(listing.stdout).items():
+        chips = [int(size) for size in topology.split(":")[1].split("x")]
+        assert int(np.prod(chips)) == int(np.prod(chips_per_host)), name
+        cores_per_chip = 2 if name.startswith("v5p") else 1  # v5p's names count TensorCores
+        assert int(name.split("-")[1]) == cores_per_chip * int(np.prod(chips)), name
