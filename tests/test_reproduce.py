@@ -60,6 +60,20 @@ def test_a_paper_grid_without_checkpoints_writes_the_exact_commands_to_a_script(
     assert all("task.reward_model.hf_path=/path/to/reward_model" in line for line in trains)
 
 
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        ("nosuchkey=1", r"^TBA \(async TB\) seed 0: unknown config key 'nosuchkey'"),
+        ("optim.learning_rate=1e6", r"optim\.learning_rate=1000000\.0 must be a number"),
+    ],
+)
+def test_a_set_item_no_run_can_take_is_refused_before_the_grid_starts(tmp_path, items, message):
+    out = tmp_path / "out"
+    with pytest.raises(runner.ConfigError, match=message):
+        runner.reproduce("gsm8k", "tiny", str(out), items=items)
+    assert not out.exists()  # no run, no folder
+
+
 def test_the_commands_are_printed_one_per_line_where_out_cannot_be_written(tmp_path):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "out"

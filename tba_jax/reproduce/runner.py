@@ -13,10 +13,11 @@ import os
 import shlex
 from collections.abc import Callable, Sequence
 
+import jax
 import ml_collections
 
-from tba_jax import config_keys
-from tba_jax.config_lib import output_dir_problem
+from tba_jax import config_keys, config_lib
+from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.reproduce import report
 from tba_jax.reproduce.cells import (
     Cell,
@@ -145,6 +146,17 @@ def check_settings(
         )
 
 
+def check_configs(cells: Sequence[Cell]) -> None:
+    """A ConfigError naming the first cell whose config cannot run (a `--set` item it has
+    no key for or gives a value out of range, a Hugging Face folder that is none), before
+    any run starts: in a paper grid a later cell would otherwise fail hours in."""
+    for cell in cells:
+        try:
+            config_lib.validate(load_config(cell.config_with_seed), jax.device_count())
+        except ConfigError as error:
+            raise ConfigError(f"{describe(cell)}: {error}") from None
+
+
 def describe(cell: Cell) -> str:
     """The cell as progress lines name it: its label, x (when the grid has one), seed."""
     x_part = [] if cell.x is None else [f"x={cell.x:g}"]
@@ -224,6 +236,7 @@ def reproduce(
     experiment = experiment_named(name)
     cells = grid(experiment, scale, seeds, items)
     check_settings(experiment, scale, cells, out, log)
+    check_configs(cells)
     os.makedirs(out, exist_ok=True)
     results = run_grid(experiment, cells, out, log)
     command = command_line(name, scale, seeds, items)
