@@ -165,6 +165,8 @@ def check_settings(settings: tasks.EvalSettings) -> None:
         raise ConfigError(f"max_new_tokens={settings.max_new_tokens} must be >= 1.")
     if settings.num_samples < 0:
         raise ConfigError(f"num_samples={settings.num_samples} must be >= 0 (0: greedy only).")
+    if settings.num_examples < 0:  # as a slice's end, -1 would leave out the last problem
+        raise ConfigError(f"num_examples={settings.num_examples} must be >= 0 (0: all).")
     if settings.num_samples:
         try:
             evaluation.check_ks(settings.ks, settings.num_samples)

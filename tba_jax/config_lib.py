@@ -245,6 +245,20 @@ COMPILE_CACHE_RANGES: dict[str, Allowed] = {
     "compile_cache.min_compile_seconds": number_at_least(0),
     "compile_cache.max_gib": number_above(0),
 }
+# The optimiser's (configs/common.py's `optimizer()`, in the training and the reward-model
+# configs).
+OPTIM_RANGES: dict[str, Allowed] = {
+    "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
+    "optim.schedule": one_of(LR_SCHEDULES),
+    "optim.warmup_steps": integer_at_least(0),
+    "optim.decay_fraction": number_in(0, 1),
+    "optim.end_lr_fraction": number_in(0, 1),
+    "optim.weight_decay": number_at_least(0),
+    "optim.b1": number_in(0, 1, high_open=True),
+    "optim.b2": number_in(0, 1, high_open=True),
+    "optim.eps": number_above(0),
+    "optim.grad_clip_norm": number_at_least(0),
+}
 # Every range a training config's values can take (configs/common.py's keys). Cross-key
 # rules (K <= S, batch shapes over devices, ...) are checked in `validate` itself.
 RANGES: dict[str, Allowed] = {
@@ -337,16 +351,7 @@ RANGES: dict[str, Allowed] = {
     "search.in_flight_updates": BOOLEAN,
     "search.restart_on_publish": BOOLEAN,
     "search.max_samples_per_draw": number_at_least(0),
-    "optim.learning_rate": number_in(0, MAX_LEARNING_RATE, low_open=True),
-    "optim.schedule": one_of(LR_SCHEDULES),
-    "optim.warmup_steps": integer_at_least(0),
-    "optim.decay_fraction": number_in(0, 1),
-    "optim.end_lr_fraction": number_in(0, 1),
-    "optim.weight_decay": number_at_least(0),
-    "optim.b1": number_in(0, 1, high_open=True),
-    "optim.b2": number_in(0, 1, high_open=True),
-    "optim.eps": number_above(0),
-    "optim.grad_clip_norm": number_at_least(0),
+    **OPTIM_RANGES,
     "eval.num_examples": integer_at_least(0),
     "eval.batch_size": integer_at_least(1),
     "eval.refill_free": number_in(0, 1),

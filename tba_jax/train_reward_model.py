@@ -67,7 +67,7 @@ from tba_jax.data import preferences
 from tba_jax.metrics import MetricsWriter, write_json_atomically
 from tba_jax.models import Model, ModelConfig, Params, abstract_model, init_model, preset
 from tba_jax.models import sequence_scores as model_sequence_scores
-from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
+from tba_jax.models.config import ATTENTIONS, DTYPES, REMAT_POLICIES
 from tba_jax.models.tokenizers import CharTokenizer, Tokenizer, pad_sequences_with_mask
 from tba_jax.rewards.reward_model import (
     SCORE_LABEL,
@@ -94,8 +94,23 @@ RUN_ONLY_KEYS = (
 EXECUTION_KEYS = ("remat", "attention")
 RANGES = {
     **config_lib.COMPILE_CACHE_RANGES,
+    **config_lib.OPTIM_RANGES,
+    "seed": config_lib.integer_at_least(0),
+    "max_len": config_lib.integer_at_least(2),  # a token of text and the EOS at least
+    "append_eos": config_lib.BOOLEAN,
+    "data.num_train": config_lib.integer_at_least(0),  # 0: all (as a slice's end, -1 would
+    "data.num_test": config_lib.integer_at_least(0),  # leave out the last pair)
+    "train.batch_size": config_lib.integer_at_least(1),
+    "train.num_microbatches": config_lib.integer_at_least(1),
+    "train.eval_batch_size": config_lib.integer_at_least(1),
+    "train.num_epochs": config_lib.integer_at_least(0),
+    "train.steps": config_lib.integer_at_least(0),
+    "log_every": config_lib.integer_at_least(1),
+    "progress_bar": config_lib.BOOLEAN,
     "checkpoint_every": config_lib.integer_at_least(1),
     "keep_checkpoints": config_lib.integer_at_least(1),
+    "model.dtype": config_lib.one_of(sorted(DTYPES)),
+    "model.param_dtype": config_lib.one_of(sorted(DTYPES)),
     "model.remat": config_lib.one_of(REMAT_POLICIES),
     "model.attention": config_lib.one_of(ATTENTIONS),
 }
@@ -169,13 +184,16 @@ def encode_pairs(
     """PAIR_ARRAYS for `pairs` ({prompt, chosen, rejected}): right-padded to the smallest
     bucket of `max_len` that holds every row (one compiled shape). [N, S] each."""
     rows = {}
-    for side in ("chosen", "rejected"):
-        rows[side] = [
-            encode_scored_text(
-                tokenizer, pair["prompt"], pair[side], max_len=max_len, append_eos=append_eos
-            )
-            for pair in pairs
-        ]
+    try:
+        for side in ("chosen", "rejected"):
+            rows[side] = [
+                encode_scored_text(
+                    tokenizer, pair["prompt"], pair[side], max_len=max_len, append_eos=append_eos
+                )
+                for pair in pairs
+            ]
+    except ValueError as error:  # a response longer than max_len: the config's to change
+        raise ConfigError(str(error)) from None
     longest = max(len(ids) for side_rows in rows.values() for ids in side_rows)
     length = bucket_for(longest, bucket_lengths(max_len))
     arrays = {}

@@ -80,6 +80,22 @@ def test_bad_ks_is_a_config_error():
         evaluate.parse_ks(["1", "four"])
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_examples": -1}, r"num_examples=-1 must be >= 0 \(0: all\)"),  # not "all but one"
+        ({"max_new_tokens": 0}, r"max_new_tokens=0 must be >= 1"),
+        ({"num_samples": -1}, r"num_samples=-1 must be >= 0"),
+        ({"num_samples": 4, "ks": (1, 8)}, r"each in \[1, num_samples=4\]"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_before_anything_is_loaded(
+    run_config, overrides, message
+):
+    with pytest.raises(evaluate.ConfigError, match=message):
+        evaluate.check_settings(runs.eval_settings(run_config, overrides))
+
+
 # ------------------------------------------------------------------------ files
 
 

@@ -175,6 +175,30 @@ def test_the_2_8b_variant_plans_one_80_gb_gpu_in_smaller_micro_batches():
     assert config.train.batch_size // config.train.num_microbatches == 8  # pairs at a time
 
 
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("data.num_test=-1", r"data\.num_test=-1 must be an integer >= 0"),  # not all but one
+        ("max_len=0", r"max_len=0 must be an integer >= 2"),
+        ("lr=1e6", r"optim\.learning_rate=1000000\.0 must be a number in \(0, 1\.0\]"),
+        ("optim.schedule=cosine", r"optim\.schedule='cosine' must be one of"),
+        ("train.eval_batch_size=0", r"train\.eval_batch_size=0 must be an integer >= 1"),
+        ("log_every=0", r"log_every=0 must be an integer >= 1"),
+        ("model.dtype=float8", r"model\.dtype='float8' must be one of"),
+    ],
+)
+def test_values_out_of_range_are_refused_before_anything_is_loaded(item, message):
+    with pytest.raises(ConfigError, match=message):
+        train_reward_model.check_config(get_config(f"tiny,{item}"), 1)
+
+
+def test_a_response_longer_than_max_len_is_the_configs_to_change():
+    tokenizer = CharTokenizer("POSThi :alongswer")
+    pair = {"prompt": "POST: hi", "chosen": "a long answer", "rejected": "no"}
+    with pytest.raises(ConfigError, match=r"is 13 tokens, more than .* max_len=8 .*raise max_len"):
+        train_reward_model.encode_pairs(tokenizer, [pair], max_len=8, append_eos=True)
+
+
 def test_every_mesh_axis_is_a_key_and_old_workdirs_keep_their_identity():
     """`mesh.axes` names data, fsdp and tensor, so a run sets any from the command line;
     axes of size 1 are left out of the checkpoints' identity, so a workdir written when
