@@ -14,7 +14,7 @@ import pytest
 from support import save_tiny_llama_folder, sigterm_in_step
 
 from configs.reward_model import TINY_PREFERENCES_DIR, get_config
-from tba_jax import learner, train_reward_model
+from tba_jax import config_keys, learner, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.checkpoint import CheckpointMismatchError, RunStopped
 from tba_jax.config_lib import ConfigError
@@ -190,6 +190,17 @@ def test_the_2_8b_variant_plans_one_80_gb_gpu_in_smaller_micro_batches():
 def test_values_out_of_range_are_refused_before_anything_is_loaded(item, message):
     with pytest.raises(ConfigError, match=message):
         train_reward_model.check_config(get_config(f"tiny,{item}"), 1)
+
+
+@pytest.mark.parametrize("variant", ["", "tiny", "2.8b"])
+def test_every_ranged_key_exists_and_its_default_is_in_range(variant):
+    """The trainer's range table names real keys (a typo would silently check nothing:
+    `check_ranges` skips keys a config does not have), and the shipped values pass."""
+    config = get_config(variant)
+    for path, allowed in train_reward_model.RANGES.items():
+        present, value = config_keys.lookup(config, path)
+        assert present, f"RANGES names {path!r}, which configs/reward_model.py does not have"
+        assert allowed.check(value), f"{variant}: {path}={value!r} is not {allowed.description}"
 
 
 def test_a_response_longer_than_max_len_is_the_configs_to_change():
