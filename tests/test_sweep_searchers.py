@@ -214,3 +214,24 @@ def test_sigterm_while_evaluating_is_passed_to_the_evaluation_then_stops(
     with pytest.raises(ProcessLookupError):  # ended and reaped, not left running
         os.kill(child, 0)
     assert written_runs(tmp_path) == [(1, 1.0)]
+
+
+def test_an_evaluation_that_refuses_its_flags_is_one_line_that_keeps_the_runs(
+    tmp_path, monkeypatch
+):
+    """evaluate.py ending with its one error line (a bad --eval_flags item) is the sweep's
+    own one-line error, which says the trained runs are read back on the next try."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(
+        "import sys\nprint('error: num_examples=-1 must be >= 0 (0: all).', file=sys.stderr)\n"
+        "sys.exit(1)\n"
+    )
+    monkeypatch.setattr(sweep_searchers, "EVALUATE_SCRIPT", str(script))
+    with pytest.raises(sweep_searchers.ConfigError) as refused:
+        sweep_searchers.evaluate_in_subprocess(str(tmp_path), ["--num_examples=-1"])
+    message = str(refused.value)
+    assert "refused the evaluation" in message and "num_examples=-1 must be >= 0" in message
+    assert "read back, not trained again" in message and "\n" not in message
+    script.write_text("import sys\nsys.exit(3)\n")  # anything else stays a failure
+    with pytest.raises(RuntimeError, match="exit 3"):
+        sweep_searchers.evaluate_in_subprocess(str(tmp_path), [])
