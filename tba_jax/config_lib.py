@@ -364,6 +364,44 @@ RANGES: dict[str, Allowed] = {
     "max_nonfinite_steps": integer_at_least(1),
     "record_learner_batches": BOOLEAN,
 }
+FINITE_NUMBER = Allowed(_is_number, "a finite number")
+# The task's keys, which differ from task to task: a config is checked on those it has
+# (`check_ranges` skips the others). Rules between them and the task's data are its
+# builder's (e.g. the arithmetic task's operand and term ranges).
+_ROLE_MODEL_RANGES = {
+    "batch_size": integer_at_least(1),
+    "dtype": one_of(sorted(DTYPES)),
+    "attention": one_of(ATTENTIONS),
+    "seed": integer_at_least(0),
+}
+TASK_RANGES: dict[str, Allowed] = {
+    "task.seed": integer_at_least(0),
+    "task.num_train": integer_at_least(0),  # 0: all (as a slice's end, -1 would leave out
+    "task.num_test": integer_at_least(0),  # the last example)
+    "task.max_prompt_len": integer_at_least(1),
+    "task.max_solution_len": integer_at_least(0),  # 0: keep every training solution
+    "task.eval_score_rows_per_chunk": integer_at_least(0),
+    "task.non_eos_penalty": FINITE_NUMBER,
+    "task.embed_batch_size": integer_at_least(1),
+    "task.num_example_attacks": integer_at_least(0),
+    "task.toxic_threshold": number_in(0, 1),
+    **{
+        f"task.{role}.{key}": allowed
+        for role in ("reward_model", "gold_reward_model", "judge", "victim")
+        for key, allowed in _ROLE_MODEL_RANGES.items()
+    },
+    "task.reward_model.max_len": integer_at_least(1),
+    "task.reward_model.min_bucket_len": integer_at_least(1),
+    "task.gold_reward_model.max_len": integer_at_least(1),
+    "task.gold_reward_model.min_bucket_len": integer_at_least(1),
+    "task.judge.max_prompt_len": integer_at_least(1),
+    "task.judge.num_labels": integer_at_least(2),
+    "task.victim.max_new_tokens": integer_at_least(1),
+    "task.victim.max_prompt_len": integer_at_least(1),
+    "task.victim.num_responses": integer_at_least(1),
+    "task.victim.temperature": number_above(0),
+    "task.victim.top_p": number_in(0, 1, low_open=True),
+}
 
 
 def check_ranges(config: ml_collections.ConfigDict, ranges: Mapping[str, Allowed]) -> None:
@@ -426,6 +464,7 @@ def validate(
     (a multi-process run's layout, `tba_jax.topology`); `num_processes`: the run's JAX
     processes."""
     check_ranges(config, RANGES)
+    check_ranges(config, TASK_RANGES)
     if config.record_learner_batches and num_processes > 1:
         raise ConfigError(
             f"record_learner_batches is not built for runs over several processes (this one "

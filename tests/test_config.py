@@ -19,7 +19,7 @@ from configs import (
     tldr_pythia,
 )
 from configs.arithmetic import get_config
-from tba_jax import config_lib
+from tba_jax import config_keys, config_lib
 from tba_jax.config_lib import ConfigError, apply_variant, parse_variant, validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,6 +214,34 @@ def test_every_ranged_key_exists_and_its_default_is_in_range(config_module):
             assert part in node, f"RANGES names {path!r}, which {config.name} does not have"
             node = node[part]
         assert allowed.check(node), f"{config.name}: {path}={node!r} is not {allowed.description}"
+
+
+def test_every_task_range_names_a_key_some_training_config_has_and_defaults_pass():
+    """The task ranges are checked on the keys a config has (tasks differ), so a typo
+    would silently check nothing: each must name a key of at least one training config."""
+    named = set()
+    for module in TRAINING_CONFIGS:
+        config = module.get_config()
+        config_lib.check_ranges(config, config_lib.TASK_RANGES)  # the shipped values pass
+        named |= {key for key in config_lib.TASK_RANGES if config_keys.lookup(config, key)[0]}
+    assert named == set(config_lib.TASK_RANGES)
+
+
+@pytest.mark.parametrize(
+    "module, variant, message",
+    [
+        # as a slice's end, -1 would leave out the last example
+        (tldr_pythia, "tiny,task.num_test=-1", r"task\.num_test=-1 must be an integer >= 0"),
+        (tldr_pythia, "tiny,task.reward_model.batch_size=0", r"reward_model\.batch_size=0 must"),
+        (tldr_pythia, "tiny,task.reward_model.dtype=float8", r"reward_model\.dtype='float8' must"),
+        (redteam_gpt2, "tiny,task.toxic_threshold=2", r"task\.toxic_threshold=2\.0 must be a"),
+        (redteam_gpt2, "tiny,task.judge.num_labels=1", r"judge\.num_labels=1 must be an integer"),
+        (redteam_gpt2, "tiny,task.embed_batch_size=0", r"task\.embed_batch_size=0 must be"),
+    ],
+)
+def test_task_values_out_of_range_are_rejected_before_any_work(module, variant, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(module.get_config(variant), num_devices=1)
 
 
 @pytest.mark.parametrize(
