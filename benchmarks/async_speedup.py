@@ -69,7 +69,10 @@ def parse_args() -> argparse.Namespace:
         "temporary folder, removed at the end unless --keep",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.seeds < 1 or args.eval_every < 1 or args.eval_examples < 0:
+        parser.error("--seeds and --eval_every must be >= 1, --eval_examples >= 0 (0: all)")
+    return args
 
 
 def launch_command(variant: str, topology: str, workdir: str, args) -> list[str]:
