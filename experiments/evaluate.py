@@ -159,21 +159,6 @@ def flag_overrides() -> dict:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def check_settings(settings: tasks.EvalSettings) -> None:
-    """ConfigError for settings that cannot work, before anything is loaded."""
-    if settings.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={settings.max_new_tokens} must be >= 1.")
-    if settings.num_samples < 0:
-        raise ConfigError(f"num_samples={settings.num_samples} must be >= 0 (0: greedy only).")
-    if settings.num_examples < 0:  # as a slice's end, -1 would leave out the last problem
-        raise ConfigError(f"num_examples={settings.num_examples} must be >= 0 (0: all).")
-    if settings.num_samples:
-        try:
-            evaluation.check_ks(settings.ks, settings.num_samples)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-
-
 def flat_config(config) -> dict:
     """The config as {dotted key: JSON value} (tuples become lists, as in config.json)."""
 
@@ -381,7 +366,7 @@ def main(argv):
     run_config = runs.load_config(workdir)
     config = _CONFIG.value or run_config
     settings = runs.eval_settings(config, flag_overrides())
-    check_settings(settings)
+    evaluation.check_settings(settings)
     latest_step = latest_checkpoint_step(config, workdir, step)
     note_if_unfinished(run_config, workdir, latest_step)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from tba_jax.errors import ConfigError
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.sampling.generate import generated_batches
 from tba_jax.tasks.base import EvalSettings, check_sequence_fits, evaluation_generate_fns
@@ -137,6 +138,22 @@ def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
     in_product = (i > (n - c)[..., None]) & (i <= n[..., None])  # [..., I]
     factors = np.where(in_product, 1.0 - k / i, 1.0)
     return 1.0 - np.prod(factors, axis=-1)
+
+
+def check_settings(settings: EvalSettings) -> None:
+    """ConfigError for evaluation settings that cannot work, before anything is loaded
+    (`experiments/evaluate.py`'s flags, `RunView.evaluate`'s arguments)."""
+    if settings.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={settings.max_new_tokens} must be >= 1.")
+    if settings.num_samples < 0:
+        raise ConfigError(f"num_samples={settings.num_samples} must be >= 0 (0: greedy only).")
+    if settings.num_examples < 0:  # as a slice's end, -1 would leave out the last problem
+        raise ConfigError(f"num_examples={settings.num_examples} must be >= 0 (0: all).")
+    if settings.num_samples:
+        try:
+            check_ks(settings.ks, settings.num_samples)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def check_ks(ks: Sequence[int], num_samples: int) -> None:

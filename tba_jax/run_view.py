@@ -207,13 +207,11 @@ class RunView:
         pass@k (or the task's own, e.g. TL;DR's win rate), with the run's evaluation
         settings and `settings` in place of theirs (max_new_tokens, num_examples,
         num_samples, ks: `view.evaluate(num_samples=0)` is greedy only)."""
+        chosen = runs.eval_settings(self.config, settings)
+        evaluation.check_settings(chosen)
         run = self.policy(step)
         return evaluation.evaluate_policy(
-            run.model,
-            run.params,
-            self.task,
-            runs.eval_settings(self.config, settings),
-            reference_params=run.reference_params,
+            run.model, run.params, self.task, chosen, reference_params=run.reference_params
         )
 
     def sample(

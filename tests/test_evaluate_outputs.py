@@ -10,7 +10,8 @@ import pytest
 
 from configs import arithmetic
 from experiments import evaluate
-from tba_jax import runs
+from tba_jax import evaluation, runs
+from tba_jax.errors import ConfigError
 
 LATEST_STEP = 4
 OLDER_STEP = 2
@@ -92,8 +93,8 @@ def test_bad_ks_is_a_config_error():
 def test_settings_that_cannot_work_are_refused_before_anything_is_loaded(
     run_config, overrides, message
 ):
-    with pytest.raises(evaluate.ConfigError, match=message):
-        evaluate.check_settings(runs.eval_settings(run_config, overrides))
+    with pytest.raises(ConfigError, match=message):
+        evaluation.check_settings(runs.eval_settings(run_config, overrides))
 
 
 # ------------------------------------------------------------------------ files

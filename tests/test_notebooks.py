@@ -19,6 +19,7 @@ import pytest
 
 from tba_jax import runs
 from tba_jax.checkpoint import Checkpointer
+from tba_jax.errors import ConfigError
 from tba_jax.run_view import RunView
 
 # Under pytest-xdist (`--dist loadgroup`) the module's tests stay on one worker, which trains
@@ -232,6 +233,8 @@ def test_run_view_evaluates_as_the_run_and_evaluate_py_do(view):
     assert metrics["greedy_pass@1"] == view.summary["eval_accuracy_end"]
     assert metrics["num_problems"] == view.config.eval.num_examples
     assert view.evaluate(0, num_samples=0)["greedy_pass@1"] == view.summary["eval_accuracy_start"]
+    with pytest.raises(ConfigError, match=r"num_examples=-1 must be >= 0"):  # not all but one
+        view.evaluate(num_examples=-1)
 
 
 def test_run_view_restores_the_replay_buffer_of_a_checkpoint(view):
