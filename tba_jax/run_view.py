@@ -199,6 +199,8 @@ class RunView:
 
     def test_examples(self, num: int | None = None) -> list[dict]:
         """The first `num` (None: all) examples of the task's test split."""
+        if num is not None and num < 0:  # as a slice's end it would leave out the last ones
+            raise ValueError(f"num={num} must be >= 0 (None: all).")
         return list(self.task.test[:num])
 
     def evaluate(self, step: int | None = None, **settings) -> dict:

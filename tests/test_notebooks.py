@@ -226,6 +226,8 @@ def test_run_view_samples_the_trained_policy_with_rewards(view):
     assert all(1 <= s.length <= view.config.max_response_len for s in sampled)
     (own,) = view.sample("1+2=", greedy=True, step=0)
     assert own.prompt == "1+2=" and own.reward is None
+    with pytest.raises(ValueError, match=r"num=-1 must be >= 0"):  # not all but the last
+        view.sample(-1)
 
 
 def test_run_view_evaluates_as_the_run_and_evaluate_py_do(view):
