@@ -270,6 +270,7 @@ def main(argv: list[str]) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         jax.config.update("jax_platforms", "cpu")
     config = _CONFIG.value
+    config_lib.check_config_kind(config)
     unknown = set(_PROGRAMS.value) - set(PROGRAMS)
     if unknown:
         raise cli.UsageError(f"--programs takes {', '.join(PROGRAMS)}, not {sorted(unknown)}")

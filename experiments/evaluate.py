@@ -45,7 +45,7 @@ from collections.abc import Callable
 from absl import flags, logging
 from ml_collections import config_flags
 
-from tba_jax import cli, compile_cache, distributed, evaluation, runs, tasks
+from tba_jax import cli, compile_cache, config_lib, distributed, evaluation, runs, tasks
 from tba_jax.checkpoint import (
     CHECKPOINTS_SUBDIR,
     CheckpointMismatchError,
@@ -365,6 +365,7 @@ def main(argv):
     workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
     run_config = runs.load_config(workdir)
     config = _CONFIG.value or run_config
+    config_lib.check_config_kind(config)
     settings = runs.eval_settings(config, flag_overrides())
     evaluation.check_settings(settings)
     latest_step = latest_checkpoint_step(config, workdir, step)

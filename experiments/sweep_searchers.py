@@ -36,7 +36,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from tba_jax import cli
+from tba_jax import cli, config_lib
 from tba_jax.checkpoint import (
     CheckpointMismatchError,
     StopSignal,
@@ -97,6 +97,7 @@ def parse_counts(values: list[str]) -> list[int]:
 
 def check_sweepable(config) -> None:
     """ConfigError unless searchers matter: sync mode runs none (the learner samples)."""
+    config_lib.check_config_kind(config)
     if config.mode != "async":
         raise ConfigError(
             f"mode={config.mode!r}: only async runs use searchers; sweep an async config."

@@ -404,6 +404,34 @@ TASK_RANGES: dict[str, Allowed] = {
 }
 
 
+# Sections every training config has (configs/common.py's `base_config`), and those of a
+# reward-model config (configs/reward_model.py): what tells one launcher's config from the
+# other's before either reads a key the other lacks.
+TRAINING_SECTIONS = ("method", "learner_steps", "batch", "replay", "search")
+REWARD_MODEL_SECTIONS = ("train", "data", "max_len")
+
+
+def check_config_kind(config: ml_collections.ConfigDict, reward_model: bool = False) -> None:
+    """ConfigError when `config` is not the kind its launcher runs: a training config for
+    experiments/train.py, a reward-model one (`reward_model`) for train_reward_model.py."""
+    wanted = REWARD_MODEL_SECTIONS if reward_model else TRAINING_SECTIONS
+    missing = [key for key in wanted if key not in config]
+    if not missing:
+        return
+    kind, other = (
+        ("a reward-model config", "a training config runs with experiments/train.py")
+        if reward_model
+        else (
+            "a training config",
+            "a reward-model config trains with experiments/train_reward_model.py",
+        )
+    )
+    raise ConfigError(
+        f"config {config.get('name', '?')!r} is not {kind} (it has no {', '.join(missing)}); "
+        f"{other}."
+    )
+
+
 def check_ranges(config: ml_collections.ConfigDict, ranges: Mapping[str, Allowed]) -> None:
     """ConfigError naming the first key whose value is outside its range (keys the config
     does not have are skipped)."""

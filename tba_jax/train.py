@@ -357,6 +357,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
     """Checks `config` against everything it can be checked against without building
     anything: every config value, the role meshes and how they split the policy, the
     Hugging Face folders, the workdir's experiment."""
+    config_lib.check_config_kind(config)
     topology = topology_lib.make_topology(config)
     meshes = topology_lib.role_meshes(topology, config)  # axes the devices cannot take
     config_lib.validate(

@@ -331,6 +331,7 @@ def save_reward_model(
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """ConfigError for settings that cannot work, before anything is loaded."""
+    config_lib.check_config_kind(config, reward_model=True)
     config_lib.check_ranges(config, RANGES)
     if config.tokenizer not in (CHECKPOINT_TOKENIZER, CHAR_TOKENIZER):
         raise ConfigError(

@@ -216,6 +216,19 @@ def test_every_ranged_key_exists_and_its_default_is_in_range(config_module):
         assert allowed.check(node), f"{config.name}: {path}={node!r} is not {allowed.description}"
 
 
+def test_a_config_of_the_other_launcher_is_named_so_in_one_line():
+    """experiments/train.py given the reward-model config (or the other way round) says so
+    before it reads a key the config lacks (it was an AttributeError traceback)."""
+    for module in TRAINING_CONFIGS:
+        config_lib.check_config_kind(module.get_config())
+    config_lib.check_config_kind(reward_model.get_config(), reward_model=True)
+    with pytest.raises(ConfigError, match=r"'reward_model' is not a training config .*"
+                       r"trains with experiments/train_reward_model\.py"):  # fmt: skip
+        config_lib.check_config_kind(reward_model.get_config())
+    with pytest.raises(ConfigError, match=r"'arithmetic' is not a reward-model config"):
+        config_lib.check_config_kind(get_config(), reward_model=True)
+
+
 def test_every_task_range_names_a_key_some_training_config_has_and_defaults_pass():
     """The task ranges are checked on the keys a config has (tasks differ), so a typo
     would silently check nothing: each must name a key of at least one training config."""
