@@ -221,18 +221,22 @@ def define_decode_kernel_flags() -> None:
     """A benchmark's absl flags for the decode kernels' knobs (`DECODE_KERNEL_KNOBS`),
     named as the model's fields (`--decode_attention`, `--decode_kernel`, ...) and read by
     those names (`execution_flags`, `flags.FLAGS`)."""
-    for knob, choices, settings_key, settings_type in DECODE_KERNEL_KNOBS:
-        flags.DEFINE_enum(knob, "same", list(choices), f"model.{knob}.")
-        spec = ":".join(settings_type._fields)
-        flags.DEFINE_string(settings_key, "", f"model.{settings_key} ({spec}).")
+    for kernel in DECODE_KERNEL_KNOBS:
+        flags.DEFINE_enum(kernel.knob, "same", list(kernel.choices), f"model.{kernel.knob}.")
+        spec = ":".join(kernel.settings_type._fields)
+        flags.DEFINE_string(kernel.settings_key, "", f"model.{kernel.settings_key} ({spec}).")
 
 
 def add_decode_kernel_arguments(parser: argparse.ArgumentParser) -> None:
     """`define_decode_kernel_flags` for a benchmark that parses with argparse."""
-    for knob, choices, settings_key, settings_type in DECODE_KERNEL_KNOBS:
-        parser.add_argument(f"--{knob}", default="same", choices=choices, help=f"model.{knob}")
-        spec = ":".join(settings_type._fields)
-        parser.add_argument(f"--{settings_key}", default="", help=f"model.{settings_key} ({spec})")
+    for kernel in DECODE_KERNEL_KNOBS:
+        parser.add_argument(
+            f"--{kernel.knob}", default="same", choices=kernel.choices, help=f"model.{kernel.knob}"
+        )
+        spec = ":".join(kernel.settings_type._fields)
+        parser.add_argument(
+            f"--{kernel.settings_key}", default="", help=f"model.{kernel.settings_key} ({spec})"
+        )
 
 
 def check_cudnn_backend(flag: str, instead: str) -> None:

@@ -31,17 +31,12 @@ from tba_jax.errors import ConfigError  # config_lib.ConfigError: the one users 
 from tba_jax.losses import BETA_SCHEDULE_KINDS, GRPO_AGGREGATIONS, get_loss, registered_losses
 from tba_jax.models.config import (
     ATTENTIONS,
-    DECODE_ATTENTIONS,
     DECODE_KERNEL_KNOBS,
-    DECODE_MLPS,
-    DECODE_PROJECTIONS,
     DTYPES,
     HALF_DTYPES,
     REMAT_POLICIES,
+    DecodeKernelKnob,
     off_platform,
-    parse_kernel_settings,
-    parse_mlp_kernel_settings,
-    parse_projection_kernel_settings,
 )
 from tba_jax.replay import DRAW_RULES, PRIORITIES
 from tba_jax.sampling.engine import ENGINES
@@ -219,25 +214,23 @@ def _parses(parse: Callable[[str], Any], value) -> bool:
     return True
 
 
-# '' or k_splits:block_k:num_warps:num_stages that the Pallas decode kernel runs with
-KERNEL_SPEC = Allowed(
-    lambda v: isinstance(v, str) and (v == "" or _parses(parse_kernel_settings, v)),
-    "'' or k_splits:block_k:num_warps:num_stages (powers of two for block_k >= 16 and "
-    "num_warps, e.g. 2:128:4:2)",
-)
-# '' or block_m:block_n:block_k:num_warps:num_stages that the Pallas MLP kernel runs with
-MLP_KERNEL_SPEC = Allowed(
-    lambda v: isinstance(v, str) and (v == "" or _parses(parse_mlp_kernel_settings, v)),
-    "'' or block_m:block_n:block_k:num_warps:num_stages (powers of two, the blocks >= 16, "
-    "e.g. 64:64:64:4:3)",
-)
-# '' or block_m:block_n:block_k:k_splits:num_warps:num_stages that the Pallas projection
-# kernel runs with
-PROJECTION_KERNEL_SPEC = Allowed(
-    lambda v: isinstance(v, str) and (v == "" or _parses(parse_projection_kernel_settings, v)),
-    "'' or block_m:block_n:block_k:k_splits:num_warps:num_stages (powers of two, the blocks "
-    ">= 16, e.g. 64:64:64:4:4:3)",
-)
+# What each decode kernel's settings must be, beside their fields (`DECODE_KERNEL_KNOBS`).
+_SETTINGS_HINTS = {
+    "decode_kernel": "powers of two for block_k >= 16 and num_warps, e.g. 2:128:4:2",
+    "decode_mlp_kernel": "powers of two, the blocks >= 16, e.g. 64:64:64:4:3",
+    "decode_projection_kernel": "powers of two, the blocks >= 16, e.g. 64:64:64:4:4:3",
+}
+
+
+def _settings_spec(kernel: DecodeKernelKnob) -> Allowed:
+    """'' or a `kernel.settings_key` spec its parser takes: the settings the Pallas kernel
+    runs with."""
+    fields = ":".join(kernel.settings_type._fields)
+    return Allowed(
+        lambda v: isinstance(v, str) and (v == "" or _parses(kernel.parse, v)),
+        f"'' or {fields} ({_SETTINGS_HINTS[kernel.settings_key]})",
+    )
+
 
 # The compile cache's (configs/common.py's `compile_cache()`, in the training and the
 # reward-model configs).
@@ -274,12 +267,8 @@ RANGES: dict[str, Allowed] = {
     "model.scan_decode": BOOLEAN,
     "model.remat": one_of(REMAT_POLICIES),
     "model.attention": one_of(ATTENTIONS),
-    "model.decode_attention": one_of(DECODE_ATTENTIONS),
-    "model.decode_kernel": KERNEL_SPEC,
-    "model.decode_mlp": one_of(DECODE_MLPS),
-    "model.decode_mlp_kernel": MLP_KERNEL_SPEC,
-    "model.decode_projection": one_of(DECODE_PROJECTIONS),
-    "model.decode_projection_kernel": PROJECTION_KERNEL_SPEC,
+    **{f"model.{kernel.knob}": one_of(kernel.choices) for kernel in DECODE_KERNEL_KNOBS},
+    **{f"model.{kernel.settings_key}": _settings_spec(kernel) for kernel in DECODE_KERNEL_KNOBS},
     "model.logprob_chunk": integer_at_least(0),
     "model.vocab_size": integer_at_least(0),
     "warm_start.steps": integer_at_least(0),
@@ -614,7 +603,7 @@ def check_attention(config: ml_collections.ConfigDict, backend: str | None = Non
     (`check_platform_kernel`)."""
     model = config.model
     check_half_dtype_for_cudnn("model", model.get("attention"), model.get("dtype"))
-    for key in ("attention", *(knob for knob, *_ in DECODE_KERNEL_KNOBS)):
+    for key in ("attention", *(kernel.knob for kernel in DECODE_KERNEL_KNOBS)):
         check_platform_kernel(f"model.{key}", key, model.get(key), backend)
 
 
@@ -753,9 +742,9 @@ def unread_key_reason(config: ml_collections.ConfigDict, key: str) -> str | None
         return f"only search.engine=slots reads it (this run: search.engine={config.search.engine})"
     if config.mode != "async" and any(_under(key, k) for k in ASYNC_ONLY_KEYS):
         return f"only mode=async reads it (this run: mode={config.mode})"
-    for knob, _, settings_key, _ in DECODE_KERNEL_KNOBS:
-        if config.model.get(knob) != "pallas" and key == f"model.{settings_key}":
-            return f"only model.{knob}=pallas reads it"
+    for kernel in DECODE_KERNEL_KNOBS:
+        if config.model.get(kernel.knob) != "pallas" and key == f"model.{kernel.settings_key}":
+            return f"only model.{kernel.knob}=pallas reads it"
     if config.search.in_flight_updates and _under(key, "search.restart_on_publish"):
         return "search.in_flight_updates=True never restarts: live samples take the new params"
     return None

@@ -24,6 +24,7 @@ turns the language-model head into a `num_labels`-way score head (reward models)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -211,13 +212,32 @@ def parse_projection_kernel_settings(spec: str) -> ProjectionKernelSettings:
     )
 
 
-# Each decode-step kernel's knob, its values, and the key of its settings with their type
-# (the fields a `model.<settings key>` spec gives, joined by ":").
+class DecodeKernelKnob(NamedTuple):
+    """A decode-step kernel's knob (a `ModelConfig` field, "same" or "pallas"), its values,
+    and the key of its settings with their type (the fields a `model.<settings_key>` spec
+    gives, joined by ":") and parser."""
+
+    knob: str
+    choices: tuple[str, ...]
+    settings_key: str
+    settings_type: type
+    parse: Callable[[str], Any]
+
+
 DECODE_KERNEL_KNOBS = (
-    ("decode_attention", DECODE_ATTENTIONS, "decode_kernel", KernelSettings),
-    ("decode_mlp", DECODE_MLPS, "decode_mlp_kernel", MlpKernelSettings),
-    ("decode_projection", DECODE_PROJECTIONS, "decode_projection_kernel", ProjectionKernelSettings),
-)
+    DecodeKernelKnob(
+        "decode_attention", DECODE_ATTENTIONS, "decode_kernel", KernelSettings,
+        parse_kernel_settings,
+    ),
+    DecodeKernelKnob(
+        "decode_mlp", DECODE_MLPS, "decode_mlp_kernel", MlpKernelSettings,
+        parse_mlp_kernel_settings,
+    ),
+    DecodeKernelKnob(
+        "decode_projection", DECODE_PROJECTIONS, "decode_projection_kernel",
+        ProjectionKernelSettings, parse_projection_kernel_settings,
+    ),
+)  # fmt: skip
 
 HALF_DTYPES = ("bfloat16", "float16")
 # Execution field values only one platform (JAX's name for it) runs, and the value that
@@ -529,26 +549,26 @@ class ModelConfig:
                 f"model.attention={self.attention!r} is not one of {list(ATTENTIONS)}."
             )
         xla = "('same': XLA's matmuls, as every other pass)"
-        decode_kernels = (
-            # knob, its choices, what "same" means, its shape check, settings key and parser
-            ("decode_attention", DECODE_ATTENTIONS, "('same': as model.attention)",
-             self._check_pallas_decode_shape, "decode_kernel", parse_kernel_settings),
-            ("decode_mlp", DECODE_MLPS, xla,
-             self._check_pallas_mlp_shape, "decode_mlp_kernel", parse_mlp_kernel_settings),
-            ("decode_projection", DECODE_PROJECTIONS, xla, self._check_pallas_projection_shape,
-             "decode_projection_kernel", parse_projection_kernel_settings),
-        )  # fmt: skip
-        for knob, choices, same, check_shape, settings_key, parse in decode_kernels:
-            value = getattr(self, knob)
-            if value not in choices:
-                raise ValueError(f"model.{knob}={value!r} is not one of {list(choices)} {same}.")
+        # what "same" means for each knob, and the shapes its Pallas kernel computes
+        same_and_shape_check = {
+            "decode_attention": ("('same': as model.attention)", self._check_pallas_decode_shape),
+            "decode_mlp": (xla, self._check_pallas_mlp_shape),
+            "decode_projection": (xla, self._check_pallas_projection_shape),
+        }
+        for kernel in DECODE_KERNEL_KNOBS:
+            value = getattr(self, kernel.knob)
+            same, check_shape = same_and_shape_check[kernel.knob]
+            if value not in kernel.choices:
+                raise ValueError(
+                    f"model.{kernel.knob}={value!r} is not one of {list(kernel.choices)} {same}."
+                )
             if value == "pallas":
                 check_shape()
-            if getattr(self, settings_key):
+            if getattr(self, kernel.settings_key):
                 try:
-                    parse(getattr(self, settings_key))
+                    kernel.parse(getattr(self, kernel.settings_key))
                 except ValueError as error:
-                    raise ValueError(f"model.{settings_key}: {error}") from None
+                    raise ValueError(f"model.{kernel.settings_key}: {error}") from None
         if self.attention == "cudnn" and self.dtype not in HALF_DTYPES:
             raise ValueError(
                 "model.attention='cudnn' needs a half-precision compute dtype "
