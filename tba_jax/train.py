@@ -346,10 +346,11 @@ def make_learner(
 
 
 class CheckedRun(NamedTuple):
-    """What `check_run` found out on the way: the process's place in the run and the
-    policy's Hugging Face tokenizer (None: the task's own)."""
+    """What `check_run` found out on the way: the process's place in the run, its role
+    meshes and the policy's Hugging Face tokenizer (None: the task's own)."""
 
     topology: topology_lib.Topology
+    meshes: mesh_lib.RoleMeshes
     policy_tokenizer: Any
 
 
@@ -375,7 +376,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
     check_experiment(
         workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
     )
-    return CheckedRun(topology, policy_tokenizer)
+    return CheckedRun(topology, meshes, policy_tokenizer)
 
 
 def setup(
@@ -393,10 +394,9 @@ def setup(
     With `held`, process 0 locks the workdir (`WorkdirLock`) until `held` closes: a second
     run of it is refused.
     """
-    topology, policy_tokenizer = checked or check_run(config, workdir)
+    topology, meshes, policy_tokenizer = checked or check_run(config, workdir)
     layout = topology.describe() if topology.multi_process else None
     compile_cache.use(config)
-    meshes = topology_lib.role_meshes(topology, config)
     warn_if_slots_repeat_rows(config, meshes.sampler)
     # The task's frozen role models (reward models, victim, judge) go where the sampler is;
     # a learner-only process (roles_by_process) uses them to evaluate only: whole on its
