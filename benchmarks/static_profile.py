@@ -77,10 +77,7 @@ from absl import flags
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
 from tba_jax.models import abstract_model, preset
-from tba_jax.models.config import (
-    ATTENTIONS,
-    REMAT_POLICIES,
-)
+from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn

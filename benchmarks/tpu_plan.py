@@ -110,9 +110,9 @@ def slice_devices(name: str) -> list:
     from jax.experimental import topologies
 
     # what libtpu would ask a TPU VM's metadata for (without them it logs an error for each)
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", SLICES[name].accelerator_type)
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     chosen = SLICES[name]
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", chosen.accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         description = topologies.get_topology_desc(
             chosen.topology, "tpu", chips_per_host_bounds=chosen.chips_per_host
@@ -257,9 +257,10 @@ def child_result(program: str, done: subprocess.CompletedProcess, figures: dict)
     for line in done.stdout.splitlines():
         if line.startswith("{") and json.loads(line).get("plan") == program:
             return json.loads(line)
+    refusal = cli.child_user_error(done.returncode, done.stderr)
+    if refusal is not None:
+        raise cli.UsageError(refusal)
     ended, why = cli.how_a_child_ended(done.returncode, done.stderr)
-    if done.returncode == cli.USER_ERROR_EXIT_STATUS and why.startswith(cli.ERROR_PREFIX):
-        raise cli.UsageError(why.removeprefix(cli.ERROR_PREFIX))
     return {**figures, "compiled": False, "ended": ended, "compile_error": why}
 
 

@@ -126,12 +126,12 @@ def evaluate_in_subprocess(
     if child.returncode != 0:
         if stop_signal is not None and stop_signal.requested:
             raise stop_signal.stopped()
-        refusal = (stderr.strip().splitlines() or [""])[-1]
-        if child.returncode == cli.USER_ERROR_EXIT_STATUS and refusal.startswith(cli.ERROR_PREFIX):
+        refusal = cli.child_user_error(child.returncode, stderr)
+        if refusal is not None:
             raise ConfigError(  # e.g. --eval_flags=--num_examples=-1
-                f"experiments/evaluate.py refused the evaluation of {workdir}: "
-                f"{refusal.removeprefix(cli.ERROR_PREFIX)} Fix --eval_flags and run the sweep "
-                "again: its finished runs are read back, not trained again."
+                f"experiments/evaluate.py refused the evaluation of {workdir}: {refusal} Fix "
+                "--eval_flags and run the sweep again: its finished runs are read back, not "
+                "trained again."
             )
         raise RuntimeError(
             f"experiments/evaluate.py failed on {workdir} (exit {child.returncode}):\n"

@@ -97,6 +97,16 @@ def how_a_child_ended(returncode: int, stderr: str) -> tuple[str, str]:
     return ended, one_line(why)
 
 
+def child_user_error(returncode: int, stderr: str) -> str | None:
+    """The message of a launcher run as a child process that refused its input with its
+    one error line (`exit_with_error`: status 1, `error: ...` last on stderr); None for
+    any other ending."""
+    lines = stderr.strip().splitlines()
+    if returncode != USER_ERROR_EXIT_STATUS or not lines or not lines[-1].startswith(ERROR_PREFIX):
+        return None
+    return lines[-1].removeprefix(ERROR_PREFIX)
+
+
 def exit_with_error(message: str) -> NoReturn:
     """Prints `error: <message>` on stderr (one line) and exits with status 1; in a run over
     several processes, every other process ends with the same message."""
