@@ -217,12 +217,11 @@ def execution_flags(flag: Callable[[str], Any]) -> dict:
         scan_decode=flag("scan_decode"),
         remat=flag("remat"),
         attention=flag("attention"),
-        decode_attention=flag("decode_attention"),
-        decode_kernel=flag("decode_kernel"),
-        decode_mlp=flag("decode_mlp"),
-        decode_mlp_kernel=flag("decode_mlp_kernel"),
-        decode_projection=flag("decode_projection"),
-        decode_projection_kernel=flag("decode_projection_kernel"),
+        **{
+            name: flag(name)
+            for kernel in DECODE_KERNEL_KNOBS
+            for name in (kernel.knob, kernel.settings_key)
+        },
         logprob_chunk=flag("logprob_chunk"),
     )
 
