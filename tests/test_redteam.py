@@ -10,6 +10,7 @@ from pathlib import Path
 import ml_collections
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 from support import save_tiny_llama_folder
 
 from configs import redteam_gpt2, redteam_llama
@@ -19,6 +20,7 @@ from tba_jax.config_lib import ConfigError, validate
 from tba_jax.data.pipeline import PromptStream
 from tba_jax.models.frozen import load_frozen_model
 from tba_jax.models.tokenizers import CharTokenizer, pad_sequences_with_mask
+from tba_jax.placement import RolePlacement
 from tba_jax.rewards import judges, redteam, templates
 from tba_jax.sampling.engine import EngineConfig
 from tba_jax.tasks import redteam as redteam_task  # registers the task
@@ -450,6 +452,53 @@ def test_paper_configs_need_the_attacker_checkpoint_before_any_work(tmp_path):
         with pytest.raises(ConfigError, match=r"--config\.model\.hf_path=/path/to/attacker"):
             train_and_evaluate(module.get_config(), str(tmp_path))
     assert not (tmp_path / "checkpoints").exists()
+
+
+def tensor_placement(config, tensor: int) -> RolePlacement:
+    """The run's sampler rules on a (data 1, fsdp 1, `tensor`) mesh of abstract devices:
+    what a role's layout is checked against, on one CPU device."""
+    mesh = AbstractMesh((1, 1, tensor), ("data", "fsdp", "tensor"))
+    return RolePlacement(mesh, config.mesh.sampler_rules)
+
+
+def test_role_models_a_mesh_cannot_split_are_refused_before_the_data(tmp_path):
+    """micro's one KV head over tensor 2: building the task names the role in one line
+    and prepares no data (until 2026-11-29 the models loaded at the first reward, after
+    the data, the warm start and the first save); tiny's two KV heads split."""
+
+    def build(variant, tensor=2):
+        config = redteam_gpt2.get_config(variant)
+        return tasks.build_task(
+            config.task, str(tmp_path), placement=tensor_placement(config, tensor)
+        )
+
+    split = r"on the sampler mesh: .* cannot be split over mesh axis 'tensor' of size 2"
+    with pytest.raises(ConfigError, match=r"^task\.victim " + split):
+        build("tiny")
+    with pytest.raises(ConfigError, match=r"^task\.judge " + split):
+        build("tiny,task.victim.preset=tiny")
+    assert not (tmp_path / "data").exists()
+    build("tiny", tensor=1)
+    assert build("tiny,task.victim.preset=tiny,task.judge.preset=tiny").name == "redteam"
+
+
+def test_a_victim_checkpoint_whose_learned_positions_are_too_few_is_refused_first(tmp_path):
+    """GPT-2's learned position table (here 32) must hold a prompt and its answer: a
+    one-line error from the victim's config.json before any data or weights."""
+    folder = tmp_path / "victim"
+    transformers.GPT2Config(
+        vocab_size=128,
+        n_positions=32,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=1,
+    ).save_pretrained(folder)
+    config = redteam_gpt2.get_config(f"tiny,task.victim.hf_path={folder}")
+    with pytest.raises(ConfigError, match=r"task\.victim needs 208 positions .* 32 learned"):
+        tasks.build_task(config.task, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
 
 
 # -------------------------------------------------------------------------------- metrics

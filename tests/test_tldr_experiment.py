@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 from support import save_tiny_llama_folder
 
 import tba_jax.tasks.tldr as tldr_task  # registers the "tldr" task
@@ -21,6 +22,7 @@ from tba_jax.data.tldr import whitespace_cut_points
 from tba_jax.learner import make_lr_schedule
 from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import CharTokenizer
+from tba_jax.placement import RolePlacement
 from tba_jax.replay import ReplayBuffer
 from tba_jax.runs import optim_config, restore_run
 from tba_jax.runtime import SearchWorker
@@ -135,6 +137,19 @@ def test_missing_checkpoints_stop_the_run_with_the_flag_to_pass(tmp_path):
     with pytest.raises(ConfigError, match=r"--config\.task\.reward_model\.hf_path=/path/to/"):
         tasks.build_task(config.task, str(tmp_path), tokenizer=CharTokenizer.for_text())
     assert not (tmp_path / "data").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_reward_model_the_mesh_cannot_split_is_refused_before_the_data_is_prepared(tmp_path):
+    """micro's one KV head over tensor 2 (abstract devices: one CPU will do) is a one-line
+    error naming task.reward_model before the posts are read (until 2026-11-29 it came
+    after they were prepared); tiny's two KV heads split."""
+    config = get_config(f"tiny,task.data_dir={tmp_path / 'data'}")
+    mesh = AbstractMesh((1, 1, 2), ("data", "fsdp", "tensor"))
+    placement = RolePlacement(mesh, config.mesh.sampler_rules)
+    split = r"^task\.reward_model on the sampler mesh: .* mesh axis 'tensor' of size 2"
+    with pytest.raises(ConfigError, match=split):
+        tasks.build_task(config.task, "/unused", placement=placement)
+    assert not (tmp_path / "data").exists()
 
 
 def test_a_role_folder_that_is_not_there_is_refused_before_the_data_is_prepared(tmp_path):

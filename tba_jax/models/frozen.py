@@ -136,6 +136,49 @@ def frozen_model_config(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class FrozenLayout:
+    """A role's model before its weights: its architecture, its params' shapes and where
+    `load_frozen_model` puts them."""
+
+    config: ModelConfig
+    model: Model
+    abstract_params: Params  # ShapeDtypeStructs
+    shardings: Params | None  # None: whole on the default device
+
+
+def frozen_model_layout(
+    role: ml_collections.ConfigDict,
+    *,
+    role_name: str,
+    fallback_tokenizer: Tokenizer,
+    max_seq_len: int,
+    head: str = "lm",
+    num_labels: int = 1,
+    placement: Placement | None = None,
+) -> FrozenLayout:
+    """The layout of the model `role` describes, from config files alone (config.json or
+    the preset; no weights read): a ConfigError naming `role_name` when `placement`'s rules
+    split one of its params unevenly. A task calls it with `load_frozen_model`'s arguments
+    before it prepares data or a run warms up, so that a mesh its role models cannot take
+    is refused first."""
+    config = frozen_model_config(
+        role,
+        role_name=role_name,
+        vocab_size=None if role.hf_path else fallback_tokenizer.vocab_size,
+        max_seq_len=max_seq_len,
+        head=head,
+        num_labels=num_labels,
+    )
+    model, abstract = abstract_model(config)
+    shardings = (
+        None
+        if placement is None
+        else placement.param_shardings(role_name, model.logical_axes, abstract)
+    )
+    return FrozenLayout(config, model, abstract, shardings)
+
+
 def load_frozen_model(
     role: ml_collections.ConfigDict,
     *,
@@ -150,37 +193,27 @@ def load_frozen_model(
     on the default device without one.
 
     `head` ("lm" | "score") is what the role needs; a checkpoint with another head is a
-    ValueError naming `role_name` (e.g. "reward_model"). For a "score" head from a
+    ValueError naming `role_name` (e.g. "task.reward_model"). For a "score" head from a
     checkpoint, `num_labels` is the checkpoint's own.
     """
-    config = frozen_model_config(
+    layout = frozen_model_layout(
         role,
         role_name=role_name,
-        vocab_size=None if role.hf_path else fallback_tokenizer.vocab_size,
+        fallback_tokenizer=fallback_tokenizer,
         max_seq_len=max_seq_len,
         head=head,
         num_labels=num_labels,
+        placement=placement,
     )
     if role.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
         from tba_jax.models.hf_tokenizer import HFTokenizer
 
-        model, abstract = abstract_model(config)
-        shardings = (
-            None
-            if placement is None
-            else placement.param_shardings(role_name, model.logical_axes, abstract)
-        )
-        params = hf.load_params(role.hf_path, model, shardings=shardings)
+        params = hf.load_params(role.hf_path, layout.model, shardings=layout.shardings)
         tokenizer = HFTokenizer.from_pretrained(role.hf_path)
-        return FrozenModel(model, params, tokenizer, role.hf_path, placement)
-    model, params = init_model(config, role.seed)
-    params = jax.device_put(
-        params,
-        None
-        if placement is None
-        else placement.param_shardings(role_name, model.logical_axes, params),
-    )
+        return FrozenModel(layout.model, params, tokenizer, role.hf_path, placement)
+    model, params = init_model(layout.config, role.seed)
+    params = jax.device_put(params, layout.shardings)
     source = f"preset:{role.preset}:seed={role.seed}"
     return FrozenModel(model, params, fallback_tokenizer, source, placement)
 

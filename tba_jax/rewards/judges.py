@@ -298,6 +298,24 @@ def stand_in_verdict_tokens(role: ml_collections.ConfigDict, tokenizer: Tokenize
     return max(len(tokenizer.encode(text, add_bos=False, add_eos=False)) for text in texts)
 
 
+def judge_model_args(role: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer) -> dict | None:
+    """`load_frozen_model`'s arguments for the judge `role`, beside the role, the fallback
+    tokenizer and the placement: a decoder with an LM head (generative: room for the
+    prompt and the longest verdict) or a score head (classifier); None for a BERT /
+    RoBERTa classifier, which `TextEncoder` loads."""
+    if role.kind == "generative":
+        verdict = stand_in_verdict_tokens(role, fallback_tokenizer)
+        return dict(role_name="task.judge", max_seq_len=role.max_prompt_len + verdict, head="lm")
+    if role.hf_path and is_encoder_folder(role.hf_path):
+        return None
+    return dict(
+        role_name="task.judge",
+        max_seq_len=role.max_prompt_len,
+        head="score",
+        num_labels=role.num_labels,
+    )
+
+
 def judge_from_config(
     role: ml_collections.ConfigDict,
     fallback_tokenizer: Tokenizer,
@@ -305,14 +323,10 @@ def judge_from_config(
 ) -> Judge:
     """The judge a `judge_role_config` section describes (loads its model, a decoder or a
     BERT / RoBERTa classifier, sharded by `placement`; None: the default device)."""
+    model_args = judge_model_args(role, fallback_tokenizer)
     if role.kind == "generative":
         frozen = load_frozen_model(
-            role,
-            role_name="judge",
-            fallback_tokenizer=fallback_tokenizer,
-            max_seq_len=role.max_prompt_len + stand_in_verdict_tokens(role, fallback_tokenizer),
-            head="lm",
-            placement=placement,
+            role, fallback_tokenizer=fallback_tokenizer, placement=placement, **model_args
         )
         return GenerativeJudge(
             frozen,
@@ -322,22 +336,16 @@ def judge_from_config(
             max_prompt_len=role.max_prompt_len,
             batch_size=role.batch_size,
         )
-    if role.hf_path and is_encoder_folder(role.hf_path):
+    if model_args is None:
         from tba_jax.models.encoder import TextEncoder
 
         encoder = TextEncoder.from_pretrained(
-            role.hf_path, dtype=role.dtype, placement=placement, role_name="judge"
+            role.hf_path, dtype=role.dtype, placement=placement, role_name="task.judge"
         )
         classifier = EncoderClassifier(encoder, role.batch_size)
     else:
         frozen = load_frozen_model(
-            role,
-            role_name="judge",
-            fallback_tokenizer=fallback_tokenizer,
-            max_seq_len=role.max_prompt_len,
-            head="score",
-            num_labels=role.num_labels,
-            placement=placement,
+            role, fallback_tokenizer=fallback_tokenizer, placement=placement, **model_args
         )
         num_labels = frozen.model.config.num_labels
         classifier = ScoreHeadClassifier(

@@ -43,11 +43,12 @@ from tba_jax.models.frozen import (
     DEFAULT_ATTENTION,
     FrozenModel,
     Placement,
+    frozen_model_layout,
     frozen_role_config,
     load_frozen_model,
 )
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
-from tba_jax.rewards.judges import Judge, is_encoder_folder
+from tba_jax.rewards.judges import Judge, is_encoder_folder, judge_model_args
 from tba_jax.rewards.templates import (
     ATTACK_FIELD,
     RESPONSE_FIELD,
@@ -65,6 +66,14 @@ JUDGE_KINDS = ("classifier", "generative")
 
 
 # --------------------------------------------------------------------------------- victim
+
+
+def victim_model_args(role: ml_collections.ConfigDict) -> dict:
+    """`load_frozen_model`'s arguments for the victim `role`, beside the role, the fallback
+    tokenizer and the placement: room for a prompt and its answer."""
+    return dict(
+        role_name="task.victim", max_seq_len=role.max_prompt_len + role.max_new_tokens, head="lm"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +147,9 @@ class Victim:
         `placement`; answering through the slot engine with `engine`)."""
         frozen = load_frozen_model(
             role,
-            role_name="victim",
             fallback_tokenizer=fallback_tokenizer,
-            max_seq_len=role.max_prompt_len + role.max_new_tokens,
-            head="lm",
             placement=placement,
+            **victim_model_args(role),
         )
         settings = VictimSettings(
             template=role.template,
@@ -387,4 +394,33 @@ def check_roles(victim: ml_collections.ConfigDict, judge: ml_collections.ConfigD
         raise ConfigError(
             f"task.victim.temperature={victim.temperature} must be > 0 and top_p={victim.top_p} "
             "in (0, 1]."
+        )
+
+
+def check_role_models(
+    victim: ml_collections.ConfigDict,
+    judge: ml_collections.ConfigDict,
+    fallback_tokenizer: Tokenizer,
+    placement: Placement | None,
+) -> None:
+    """ConfigError for a victim or decoder judge that `placement`'s rules split unevenly,
+    or a victim checkpoint whose learned positions a prompt and its answer overrun. From
+    config files alone (`frozen_model_layout`), so a run refuses them before it prepares
+    data or warms up; the models themselves load at the first reward."""
+    layout = frozen_model_layout(
+        victim,
+        fallback_tokenizer=fallback_tokenizer,
+        placement=placement,
+        **victim_model_args(victim),
+    )
+    try:
+        check_learned_positions(
+            layout.model, victim.max_prompt_len + victim.max_new_tokens, "task.victim"
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    judge_args = judge_model_args(judge, fallback_tokenizer)
+    if judge_args is not None:  # an encoder judge's layout is in its weights' file
+        frozen_model_layout(
+            judge, fallback_tokenizer=fallback_tokenizer, placement=placement, **judge_args
         )

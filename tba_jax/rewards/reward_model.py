@@ -108,6 +108,14 @@ def make_scalar_score_fn(model: Model):
 # ------------------------------------------------------------------------------- the model
 
 
+def reward_model_args(role: ml_collections.ConfigDict, role_name: str) -> dict:
+    """`load_frozen_model`'s arguments for the reward model `role` (e.g. `role_name`
+    "task.reward_model"), beside the role, the fallback tokenizer and the placement: one
+    scalar label over `max_len` tokens. `frozen_model_layout` with them checks a mesh
+    before the model loads."""
+    return dict(role_name=role_name, max_seq_len=role.max_len, head="score", num_labels=1)
+
+
 def reward_model_role_config(
     *,
     preset_name: str = "",
@@ -182,12 +190,9 @@ class RewardModel:
         by `placement`."""
         frozen = load_frozen_model(
             role,
-            role_name=role_name,
             fallback_tokenizer=fallback_tokenizer,
-            max_seq_len=role.max_len,
-            head="score",
-            num_labels=1,
             placement=placement,
+            **reward_model_args(role, role_name),
         )
         return cls(
             frozen,

@@ -125,6 +125,9 @@ class LazyRedTeamReward:
         engine: EngineConfig | None = None,
     ):
         redteam.check_roles(task_config.victim, task_config.judge)
+        redteam.check_role_models(
+            task_config.victim, task_config.judge, fallback_tokenizer, placement
+        )
         self._task_config = task_config
         self._fallback_tokenizer = fallback_tokenizer
         self._placement = placement

@@ -38,10 +38,10 @@ from absl import logging
 from tba_jax.config_lib import ConfigError
 from tba_jax.data import tldr
 from tba_jax.models import Model, Params
-from tba_jax.models.frozen import Placement
+from tba_jax.models.frozen import Placement, frozen_model_layout
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import ended_with_eos
-from tba_jax.rewards.reward_model import RewardModel
+from tba_jax.rewards.reward_model import RewardModel, reward_model_args
 from tba_jax.sampling.generate import generated_batches
 from tba_jax.sampling.scoring import make_score_fn
 from tba_jax.tasks.base import (
@@ -404,6 +404,13 @@ def tldr_task(
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, task_config.checkpoint_hint)
     check_reward_roles(task_config)
+    # a mesh the reward model cannot take is refused before the data are prepared
+    frozen_model_layout(
+        task_config.reward_model,
+        fallback_tokenizer=tokenizer,
+        placement=placement,
+        **reward_model_args(task_config.reward_model, "task.reward_model"),
+    )
     data_dir = task_data_dir(task_config, workdir)
     train = tldr_split(task_config, "train", data_dir, tokenizer)
     test = tldr_split(task_config, "test", data_dir, tokenizer)
