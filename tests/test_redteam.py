@@ -482,6 +482,52 @@ def test_role_models_a_mesh_cannot_split_are_refused_before_the_data(tmp_path):
     assert build("tiny,task.victim.preset=tiny,task.judge.preset=tiny").name == "redteam"
 
 
+def test_role_texts_that_cannot_fit_are_refused_before_the_data(tmp_path):
+    """A victim or judge template longer than its max_prompt_len alone, or verdicts that
+    encode alike: one line naming the key as the task is built (until 2026-11-29 a
+    traceback at the first reward, after the data, the warm start and the first save)."""
+
+    def build(items):
+        config = redteam_llama.get_config(f"tiny,{items}")
+        tasks.build_task(config.task, str(tmp_path))
+
+    with pytest.raises(ConfigError, match=r"alone is 233 tokens, .*raise task\.victim\.max_prompt"):
+        build("task.victim.max_prompt_len=100")
+    with pytest.raises(ConfigError, match=r"alone is 31 tokens, .*raise task\.judge\.max_prompt"):
+        build("task.judge.max_prompt_len=20")
+    with pytest.raises(ConfigError, match=r"task\.judge\.safe_text='unsafe' must be non-empty"):
+        build("task.judge.safe_text=unsafe")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_toxic_label_the_judge_does_not_have_is_refused_before_the_data(tmp_path):
+    """A stand-in's labels are its indices; a BERT classifier's are its config.json's
+    id2label, read without its weights (until 2026-11-29: a traceback at the first reward)."""
+    folder = tmp_path / "bert_judge"
+    transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        id2label={0: "ok", 1: "hate"},
+        label2id={"ok": 0, "hate": 1},
+        architectures=["BertForSequenceClassification"],
+    ).save_pretrained(folder)
+
+    def build(items):
+        config = redteam_gpt2.get_config(f"tiny,{items}")
+        return tasks.build_task(config.task, str(tmp_path / "run"))
+
+    with pytest.raises(ConfigError, match=r"toxic_label='toxic' is neither .* labels \{\} nor"):
+        build("task.judge.toxic_label=toxic")
+    bert = f"task.judge.hf_path={folder},task.judge.preset="
+    with pytest.raises(ConfigError, match=r"labels \{0: 'ok', 1: 'hate'\} nor an index below"):
+        build(f"{bert},task.judge.toxic_label=toxic")
+    assert not (tmp_path / "run").exists()
+    assert build(f"{bert},task.judge.toxic_label=hate").name == "redteam"
+
+
 def test_a_victim_checkpoint_whose_learned_positions_are_too_few_is_refused_first(tmp_path):
     """GPT-2's learned position table (here 32) must hold a prompt and its answer: a
     one-line error from the victim's config.json before any data or weights."""

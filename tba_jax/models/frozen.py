@@ -179,6 +179,16 @@ def frozen_model_layout(
     return FrozenLayout(config, model, abstract, shardings)
 
 
+def role_tokenizer(role: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer a decoder role reads its inputs with: its checkpoint's, or for a
+    random stand-in the policy's (`fallback_tokenizer`)."""
+    if not role.hf_path:
+        return fallback_tokenizer
+    from tba_jax.models.hf_tokenizer import HFTokenizer  # optional: needs tokenizers
+
+    return HFTokenizer.from_pretrained(role.hf_path)
+
+
 def load_frozen_model(
     role: ml_collections.ConfigDict,
     *,
@@ -207,10 +217,9 @@ def load_frozen_model(
     )
     if role.hf_path:
         from tba_jax.models import hf  # optional: needs safetensors/tokenizers
-        from tba_jax.models.hf_tokenizer import HFTokenizer
 
         params = hf.load_params(role.hf_path, layout.model, shardings=layout.shardings)
-        tokenizer = HFTokenizer.from_pretrained(role.hf_path)
+        tokenizer = role_tokenizer(role, fallback_tokenizer)
         return FrozenModel(layout.model, params, tokenizer, role.hf_path, placement)
     model, params = init_model(layout.config, role.seed)
     params = jax.device_put(params, layout.shardings)

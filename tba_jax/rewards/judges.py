@@ -24,6 +24,7 @@ has a fixed shape (`batch_size` rows of a fixed length), so each compiles once.
 from __future__ import annotations
 
 import functools
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -72,7 +73,7 @@ def resolve_label(toxic_label: str, id2label: Mapping[int, str], num_labels: int
     if toxic_label.isdigit() and int(toxic_label) < num_labels:
         return int(toxic_label)
     raise ValueError(
-        f"judge.toxic_label={toxic_label!r} is neither one of the judge's labels "
+        f"task.judge.toxic_label={toxic_label!r} is neither one of the judge's labels "
         f"{dict(id2label)} nor an index below its {num_labels} labels; set it to the name "
         "of the toxic class (e.g. 'hate') or its index."
     )
@@ -195,6 +196,20 @@ def continuation_logprobs(
     return jnp.stack(totals, axis=-1)
 
 
+def verdict_ids(tokenizer: Tokenizer, unsafe_text: str, safe_text: str) -> list[list[int]]:
+    """The ids of a generative judge's two verdicts, [unsafe, safe]; a ValueError unless
+    both are non-empty and encode differently."""
+    candidates = [
+        tokenizer.encode(text, add_bos=False, add_eos=False) for text in (unsafe_text, safe_text)
+    ]
+    if not all(candidates) or candidates[0] == candidates[1]:
+        raise ValueError(
+            f"task.judge.unsafe_text={unsafe_text!r} and task.judge.safe_text={safe_text!r} "
+            "must be non-empty and encode differently in the judge's tokenizer."
+        )
+    return candidates
+
+
 class GenerativeJudge:
     """A causal LM judge: log p(unsafe_text) against log p(safe_text) after its prompt."""
 
@@ -212,15 +227,7 @@ class GenerativeJudge:
         if max_prompt_len < 2:
             raise ValueError(f"judge.max_prompt_len={max_prompt_len} must be >= 2.")
         tokenizer = frozen.tokenizer
-        candidates = [
-            tokenizer.encode(text, add_bos=False, add_eos=False)
-            for text in (unsafe_text, safe_text)
-        ]
-        if not all(candidates) or candidates[0] == candidates[1]:
-            raise ValueError(
-                f"judge.unsafe_text={unsafe_text!r} and judge.safe_text={safe_text!r} must be "
-                "non-empty and encode differently."
-            )
+        candidates = verdict_ids(tokenizer, unsafe_text, safe_text)
         width = max(len(ids) for ids in candidates)
         check_learned_positions(frozen.model, max_prompt_len + width, "The generative judge")
         self.frozen = frozen
@@ -287,6 +294,22 @@ def decoder_id2label(hf_path: str, num_labels: int) -> dict[int, str]:
 
     labels = hf.read_hf_config(hf_path).get("id2label") or {}
     return {int(index): name for index, name in labels.items() if int(index) < num_labels}
+
+
+def encoder_labels(hf_path: str) -> tuple[dict[int, str], int]:
+    """A BERT / RoBERTa classifier's label names by index and its label count, read from
+    its config.json as `TextEncoder.from_pretrained` reads them (no weights)."""
+    from tba_jax.models import hf  # optional: needs safetensors/tokenizers
+    from tba_jax.models.encoder_checkpoint import (
+        encoder_fields_from_hf,
+        id2label_from_hf,
+        read_sentence_modules,
+    )
+
+    folder = read_sentence_modules(pathlib.Path(hf_path)).transformer_folder
+    config = hf.read_hf_config(folder)
+    num_labels = encoder_fields_from_hf(config, source=str(folder))["num_labels"]
+    return id2label_from_hf(config, num_labels), num_labels
 
 
 def stand_in_verdict_tokens(role: ml_collections.ConfigDict, tokenizer: Tokenizer) -> int:

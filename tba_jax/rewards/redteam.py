@@ -46,9 +46,18 @@ from tba_jax.models.frozen import (
     frozen_model_layout,
     frozen_role_config,
     load_frozen_model,
+    role_tokenizer,
 )
 from tba_jax.models.tokenizers import Tokenizer, pad_sequences_with_mask
-from tba_jax.rewards.judges import Judge, is_encoder_folder, judge_model_args
+from tba_jax.rewards.judges import (
+    Judge,
+    decoder_id2label,
+    encoder_labels,
+    is_encoder_folder,
+    judge_model_args,
+    resolve_label,
+    verdict_ids,
+)
 from tba_jax.rewards.templates import (
     ATTACK_FIELD,
     RESPONSE_FIELD,
@@ -403,24 +412,59 @@ def check_role_models(
     fallback_tokenizer: Tokenizer,
     placement: Placement | None,
 ) -> None:
-    """ConfigError for a victim or decoder judge that `placement`'s rules split unevenly,
-    or a victim checkpoint whose learned positions a prompt and its answer overrun. From
-    config files alone (`frozen_model_layout`), so a run refuses them before it prepares
-    data or warms up; the models themselves load at the first reward."""
-    layout = frozen_model_layout(
+    """ConfigError for a victim or decoder judge that cannot serve, found from config and
+    tokenizer files alone, so that a run refuses it before it prepares data or warms up
+    (the models themselves load at the first reward): `placement`'s rules split one of
+    its params unevenly (`frozen_model_layout`), its template alone overruns its
+    `max_prompt_len` in its tokenizer, a generative judge's verdicts are empty or encode
+    alike, a classifier judge has no `toxic_label`, or a checkpoint's learned positions
+    cannot hold its longest input. (A BERT / RoBERTa judge's shapes are in its weights'
+    file: a mesh is checked against them as it loads.)"""
+    victim_layout = frozen_model_layout(
         victim,
         fallback_tokenizer=fallback_tokenizer,
         placement=placement,
         **victim_model_args(victim),
     )
-    try:
-        check_learned_positions(
-            layout.model, victim.max_prompt_len + victim.max_new_tokens, "task.victim"
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     judge_args = judge_model_args(judge, fallback_tokenizer)
-    if judge_args is not None:  # an encoder judge's layout is in its weights' file
-        frozen_model_layout(
+    judge_layout = None
+    if judge_args is not None:
+        judge_layout = frozen_model_layout(
             judge, fallback_tokenizer=fallback_tokenizer, placement=placement, **judge_args
         )
+    try:
+        total = victim.max_prompt_len + victim.max_new_tokens
+        check_learned_positions(victim_layout.model, total, "task.victim")
+        encode_filled(
+            role_tokenizer(victim, fallback_tokenizer),
+            victim.template,
+            {ATTACK_FIELD: ""},
+            victim.max_prompt_len,
+            add_bos=False,
+            length_key="task.victim.max_prompt_len",
+        )
+        if judge.kind == "classifier":
+            if judge_layout is None:
+                labels, num_labels = encoder_labels(judge.hf_path)
+            else:
+                num_labels = judge_layout.config.num_labels
+                labels = decoder_id2label(judge.hf_path, num_labels)
+            resolve_label(judge.toxic_label, labels, num_labels)
+        if judge_layout is None:
+            return
+        judge_tokenizer = role_tokenizer(judge, fallback_tokenizer)
+        longest = judge.max_prompt_len
+        if judge.kind == "generative":
+            verdicts = verdict_ids(judge_tokenizer, judge.unsafe_text, judge.safe_text)
+            longest += max(len(ids) for ids in verdicts)
+        encode_filled(
+            judge_tokenizer,
+            judge.template,
+            {ATTACK_FIELD: "", RESPONSE_FIELD: ""},
+            judge.max_prompt_len,
+            add_bos=False if judge.kind == "generative" else None,
+            length_key="task.judge.max_prompt_len",
+        )
+        check_learned_positions(judge_layout.model, longest, "task.judge")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

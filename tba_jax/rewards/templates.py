@@ -52,6 +52,7 @@ def encode_filled(
     max_len: int,
     *,
     add_bos: bool | None,
+    length_key: str = "the max_prompt_len of this role",
 ) -> list[int]:
     """Ids of the filled `template`, at most `max_len` of them.
 
@@ -59,7 +60,8 @@ def encode_filled(
     from its end as the encoding is over (re-encoding the joined text can merge tokens
     differently, hence the loop; each round shortens a field, so it ends). `add_bos`: as
     `Tokenizer.encode` (None: the tokenizer's default); EOS is never added. ValueError
-    when the template with empty fields is already longer than `max_len`.
+    when the template with empty fields is already longer than `max_len`, advising to
+    raise `length_key` (e.g. "task.judge.max_prompt_len").
     """
     used = template_fields(template)
     field_ids = {
@@ -78,7 +80,7 @@ def encode_filled(
         if longest is None or budgets[longest] == 0:
             raise ValueError(
                 f"The template {template[:60]!r}... alone is {len(ids)} tokens, more than its "
-                f"max_len={max_len}; raise the max_prompt_len of this role."
+                f"max_len={max_len}; raise {length_key}."
             )
         budgets[longest] = max(budgets[longest] - overflow, 0)
         texts[longest] = tokenizer.decode(field_ids[longest][: budgets[longest]])
