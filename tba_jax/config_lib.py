@@ -558,6 +558,23 @@ def validate(
             f"loss.beta_anneal_steps={config.loss.beta_anneal_steps} must be >= 1 for a linear "
             "β schedule (or set loss.beta_schedule=constant)."
         )
+    check_scored_lengths(config)
+
+
+def check_scored_lengths(config: ml_collections.ConfigDict) -> None:
+    """ConfigError for a task's reward model (a role section with `max_len`) that cannot
+    hold a whole response and its EOS: it keeps responses whole and drops prompt tokens
+    to fit, so a shorter `max_len` fails at the first long response, mid-run. (In its own
+    tokens; a checkpoint's tokenizer, or its BOS, may need a few more.)"""
+    task = config.get("task")
+    for key, role in role_attentions(task.to_dict() if task is not None else {}):
+        least = config.max_response_len + 1
+        if "max_len" in role and role["max_len"] < least:
+            raise ConfigError(
+                f"{key}.max_len={role['max_len']} cannot hold a whole response "
+                f"(max_response_len={config.max_response_len}) and its EOS; raise it to at "
+                f"least {least} (the configs set max_prompt_len + max_response_len + 1)."
+            )
 
 
 def hf_folders(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:

@@ -107,6 +107,15 @@ def test_a_roles_attention_kernel_is_checked_before_any_work(variant, refused):
         validate(get_config(variant), num_devices=1)
 
 
+def test_a_reward_model_too_short_for_a_whole_response_is_refused_before_any_work():
+    """It keeps responses whole, so a max_len below max_response_len + EOS would fail at
+    the first long response, mid-run (a traceback until 2026-11-29)."""
+    validate(get_config("tiny,task.reward_model.max_len=49"), num_devices=1)
+    for role in ("reward_model", "gold_reward_model"):
+        with pytest.raises(ConfigError, match=rf"task\.{role}\.max_len=48 cannot .* least 49"):
+            validate(get_config(f"tiny,task.{role}.max_len=48"), num_devices=1)
+
+
 def test_a_policy_the_model_refuses_is_a_config_error_before_any_work():
     """On a GPU (where `validate` lets the Pallas decode kernel through) pythia-2.8b's
     80-wide heads, which Triton has no kernel for, stop the run in `check_run`."""
