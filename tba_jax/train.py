@@ -406,13 +406,19 @@ def setup(
         placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
     # ...and those that generate (the victim) use the run's engine, as its evaluation does
     roles = dict(placement=placement, engine=sources.evaluation_engine_config(config))
+    warm_start = WarmStartConfig(**config.warm_start.to_dict())
+
+    def checked_task() -> tasks.Task:
+        task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
+        check_warm_start_data(task.train, warm_start)
+        return task
+
     if topology.is_primary:
-        with claimed_workdir(workdir, held):
-            task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
+        with claimed_workdir(workdir, held):  # a workdir it made goes again if refused
+            task = checked_task()
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:
-        task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
-    check_warm_start_data(task.train, WarmStartConfig(**config.warm_start.to_dict()))
+        task = checked_task()
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
     model, abstract_params = abstract_model(model_cfg)
     learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
