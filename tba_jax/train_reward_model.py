@@ -348,6 +348,9 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
         raise ConfigError(f"model.hf_path={hf_path!r} is not a Hugging Face model folder.")
     if hf_path and config.tokenizer == CHAR_TOKENIZER:
         raise ConfigError("tokenizer='char' is for random presets; clear model.hf_path.")
+    problem = config.out_dir and config_lib.output_dir_problem(config.out_dir)
+    if problem:  # found now, not when the trained model is saved
+        raise ConfigError(f"out_dir={config.out_dir} {problem}; pick a folder you can write to.")
     config_lib.check_attention(config)
     train = config.train
     if train.batch_size < 1 or train.batch_size % train.num_microbatches:
@@ -462,6 +465,7 @@ def train_reward_model(config: ml_collections.ConfigDict, workdir: str) -> dict:
             encode = dict(max_len=config.max_len, append_eos=config.append_eos)
             train_data = encode_pairs(tokenizer, load_pairs(config, "train", workdir), **encode)
             test_data = encode_pairs(tokenizer, load_pairs(config, "test", workdir), **encode)
+            train_steps(config, len(train_data["chosen_tokens"]))  # pairs for one batch
         return train_on_pairs(config, workdir, tokenizer, train_data, test_data, wall_start)
 
 

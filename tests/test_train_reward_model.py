@@ -167,6 +167,19 @@ def test_config_errors_come_before_any_work(tmp_path):
             get_config(f"tiny,batch=64,data.data_dir={tmp_path}/data"), str(tmp_path)
         )
     assert not (tmp_path / "hf").exists()
+    # found once the pairs are read: a workdir the run made goes again, its data too
+    workdir = tmp_path / "new_workdir"
+    with pytest.raises(ConfigError, match="3 training pairs make no batch"):
+        train_reward_model.train_reward_model(get_config("tiny,data.num_train=3"), str(workdir))
+    assert not workdir.exists()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(
+        ConfigError, match=r"out_dir=\S+/a_file/hf cannot be created: \S+ is a file"
+    ):
+        train_reward_model.train_reward_model(
+            get_config(f"tiny,out_dir={tmp_path}/a_file/hf"), str(workdir)
+        )
+    assert not workdir.exists()
 
 
 def test_the_2_8b_variant_plans_one_80_gb_gpu_in_smaller_micro_batches():
