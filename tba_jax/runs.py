@@ -44,6 +44,7 @@ from tba_jax.checkpoint import (
     CheckpointUnreadableError,
     restore_failure,
 )
+from tba_jax.errors import ConfigError
 from tba_jax.models import (
     Model,
     ModelConfig,
@@ -307,7 +308,13 @@ def critic_parts(
     if config.loss.ppo.critic_learning_rate:
         optim = dataclasses.replace(optim, learning_rate=config.loss.ppo.critic_learning_rate)
     optimizer = learner.make_optimizer(optim)
-    state_sharding = ppo.critic_state_shardings(critic, optimizer, mesh, rules)
+    try:
+        state_sharding = ppo.critic_state_shardings(critic, optimizer, mesh, rules)
+    except ConfigError as error:
+        raise ConfigError(
+            f"PPO's critic on the learner mesh: {error} (mesh.learner_rules, "
+            "mesh.learner_axes; loss.ppo.critic_init)"
+        ) from None
     abstract_state = learner.abstract_train_state(
         optimizer, critic.abstract_params(), state_sharding
     )

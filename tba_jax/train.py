@@ -164,16 +164,18 @@ def check_policy_architecture(config: ml_collections.ConfigDict) -> None:
 
 def check_policy_shardings(config: ml_collections.ConfigDict, meshes: mesh_lib.RoleMeshes) -> None:
     """ConfigError for `mesh.<role>_rules` that split a policy parameter unevenly on that
-    role's mesh, before the task is built (for a paper task, minutes of data and role
-    models, its data written into the workdir). A preset's vocabulary is its task
-    tokenizer's, unknown until then: a size every mesh axis divides stands in for it, and
-    `setup` checks the real one (`role_shardings`). Reads config files only."""
+    role's mesh, or PPO's critic's on the learner's, before the task is built (for a paper
+    task, minutes of data and role models, its data written into the workdir). A preset's
+    vocabulary is its task tokenizer's, unknown until then: a size every mesh axis divides
+    stands in for it, and `setup` checks the real one (`role_shardings`). Reads config
+    files only."""
     vocab_known = config.model.get("vocab_size", 0) or config.model.hf_path
     axis_sizes = [*meshes.sampler.shape.values(), *meshes.learner.shape.values()]
     # (check_policy_architecture has built this config; only its vocabulary differs)
     model_cfg = runs.model_config(config, 1 if vocab_known else math.lcm(*axis_sizes))
     model, abstract_params = abstract_model(model_cfg)
     role_shardings(config, model, abstract_params, meshes)
+    runs.critic_parts(config, model, meshes.learner, config.mesh.learner_rules)  # PPO's
 
 
 def check_hf_folders(config: ml_collections.ConfigDict, policy_tokenizer) -> None:

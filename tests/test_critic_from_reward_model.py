@@ -54,6 +54,25 @@ def test_the_tiny_tldr_ppo_run_starts_its_critic_as_the_reward_model(tmp_path):
     assert any(moved)  # and the step trained it
 
 
+def test_a_critic_the_learner_mesh_cannot_split_is_refused_before_the_task_is_built():
+    """The critic starts as micro's reward model (one KV head): over tensor 2 (abstract
+    devices, as one CPU will do) `check_run`'s mesh check names it, before the TL;DR data
+    are prepared (until 2026-11-29 an error naming no model, after them)."""
+    from jax.sharding import AbstractMesh
+
+    from tba_jax.mesh import RoleMeshes
+    from tba_jax.train import check_policy_shardings
+
+    mesh = AbstractMesh((1, 1, 2), ("data", "fsdp", "tensor"))
+    meshes = RoleMeshes(sampler=AbstractMesh((1, 1, 1), mesh.axis_names), learner=mesh)
+    config = tldr_config(TINY_PPO + ",model.preset=tiny")
+    with pytest.raises(ConfigError, match=r"^PPO's critic on the learner mesh: .* 'tensor'"):
+        check_policy_shardings(config, meshes)
+    check_policy_shardings(
+        tldr_config(TINY_PPO + ",model.preset=tiny,task.reward_model.preset=tiny"), meshes
+    )
+
+
 def test_a_shared_critic_or_a_task_without_a_reward_model_cannot_start_from_one():
     from configs.arithmetic import get_config as arithmetic_config
     from tba_jax.config_lib import validate
