@@ -27,11 +27,13 @@ passed the signal and waited for; the rows so far are written and the sweep exit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -46,7 +48,7 @@ from tba_jax.checkpoint import (
 )
 from tba_jax.config_lib import ConfigError
 from tba_jax.metrics import write_json_atomically
-from tba_jax.train import train_and_evaluate
+from tba_jax.train import check_run, train_and_evaluate
 
 SWEEP_FILENAME = "searcher_sweep.json"
 EVALUATE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py")
@@ -182,13 +184,39 @@ def held_rows(sweep_path: str, config) -> dict[int, dict]:
         return {}
 
 
-def train_in_sweep(config, workdir: str) -> dict:
-    """`train_and_evaluate`, with the advice of a refused workdir naming the sweep's flag."""
+@contextlib.contextmanager
+def workdir_advice_for_the_sweep() -> Iterator[None]:
+    """A refused workdir's advice names the sweep's flag (--workdir_root), not train.py's."""
     try:
-        return train_and_evaluate(config, workdir)  # RunStopped on SIGTERM
+        yield
     except (CheckpointMismatchError, WorkdirInUseError) as error:
         message = WORKDIR_ADVICE.sub("another --workdir_root", str(error))
         raise type(error)(WORKDIR_NAMED.sub("workdir ", message)) from None
+
+
+def train_in_sweep(config, workdir: str) -> dict:
+    """`train_and_evaluate`, with the advice of a refused workdir naming the sweep's flag."""
+    with workdir_advice_for_the_sweep():
+        return train_and_evaluate(config, workdir)  # RunStopped on SIGTERM
+
+
+def with_searchers(config, num_searchers: int):
+    """A copy of `config` with `num_searchers` searchers."""
+    run_config = config.copy_and_resolve_references()
+    run_config.search.num_searchers = num_searchers
+    return run_config
+
+
+def check_runs(config, workdir_root: str, counts: list[int]) -> None:
+    """Every run's config and workdir checked as train.py checks them (`check_run`),
+    before the first trains or anything is written: a ConfigError for the sweep, not
+    for its second run an hour in."""
+    check_sweepable(config)
+    for num_searchers in counts:
+        with workdir_advice_for_the_sweep():
+            check_run(
+                with_searchers(config, num_searchers), run_workdir(workdir_root, num_searchers)
+            )
 
 
 def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str]) -> dict:
@@ -196,7 +224,7 @@ def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str
     (with the rows earlier calls wrote in `workdir_root` for other counts). SIGTERM or
     Ctrl-C: RunStopped once the run being trained is saved or the evaluation being made
     has ended, with the rows so far written."""
-    check_sweepable(config)
+    check_runs(config, workdir_root, counts)
     os.makedirs(workdir_root, exist_ok=True)
     sweep_path = os.path.join(workdir_root, SWEEP_FILENAME)
     rows = held_rows(sweep_path, config)
@@ -214,8 +242,7 @@ def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str
         with stop_on_signals() as stop_signal:
             for num_searchers in counts:
                 stop_signal.raise_if_requested()  # a stop between runs
-                run_config = config.copy_and_resolve_references()
-                run_config.search.num_searchers = num_searchers
+                run_config = with_searchers(config, num_searchers)
                 workdir = run_workdir(workdir_root, num_searchers)
                 logging.info("Sweep: training with %d searcher(s) in %s.", num_searchers, workdir)
                 summary = train_in_sweep(run_config, workdir)

@@ -356,10 +356,25 @@ class CheckedRun(NamedTuple):
     policy_tokenizer: Any
 
 
+def role_placement(
+    config: ml_collections.ConfigDict,
+    topology: topology_lib.Topology,
+    meshes: mesh_lib.RoleMeshes,
+) -> RolePlacement | None:
+    """Where the task's frozen role models (reward models, victim, judge) go: where the
+    sampler is. A learner-only process (roles_by_process) uses them to evaluate only:
+    None, whole on its default device, not a copy on each of its learner devices."""
+    if not topology.is_searcher:
+        return None
+    return RolePlacement(meshes.sampler, config.mesh.sampler_rules)
+
+
 def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
     """Checks `config` against everything it can be checked against without building
-    anything: every config value, the role meshes and how they split the policy, the
-    Hugging Face folders, the workdir's experiment."""
+    anything: every config value, the role meshes and how they split the policy (and
+    PPO's critic), the Hugging Face folders, the task's cheap checks (`tasks.check_task`:
+    its role models' layouts on the sampler mesh, their templates), the workdir's
+    experiment."""
     config_lib.check_config_kind(config)
     topology = topology_lib.make_topology(config)
     meshes = topology_lib.role_meshes(topology, config)  # axes the devices cannot take
@@ -374,6 +389,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> CheckedRun:
     check_policy_architecture(config)
     check_policy_shardings(config, meshes)
     check_critic_reward_model(config, policy_tokenizer)
+    tasks.check_task(config.task, policy_tokenizer, role_placement(config, topology, meshes))
     layout = topology.describe() if topology.multi_process else None
     check_experiment(
         workdir, runs.experiment_identity(config, None, layout), ignored_keys=("model",)
@@ -400,13 +416,8 @@ def setup(
     layout = topology.describe() if topology.multi_process else None
     compile_cache.use(config)
     warn_if_slots_repeat_rows(config, meshes.sampler)
-    # The task's frozen role models (reward models, victim, judge) go where the sampler is;
-    # a learner-only process (roles_by_process) uses them to evaluate only: whole on its
-    # default device, as before, not a copy on each of its learner devices.
-    placement = None
-    if topology.is_searcher:
-        placement = RolePlacement(meshes.sampler, config.mesh.sampler_rules)
-    # ...and those that generate (the victim) use the run's engine, as its evaluation does
+    # those that generate (the victim) use the run's engine, as its evaluation does
+    placement = role_placement(config, topology, meshes)
     roles = dict(placement=placement, engine=sources.evaluation_engine_config(config))
     warm_start = WarmStartConfig(**config.warm_start.to_dict())
 

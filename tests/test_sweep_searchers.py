@@ -110,6 +110,21 @@ def test_a_first_run_that_fails_in_a_new_root_writes_an_empty_sweep(config, tmp_
     assert written_runs(tmp_path) == []
 
 
+def test_a_config_its_runs_would_refuse_is_refused_before_the_sweep_writes(
+    config, tmp_path, monkeypatch
+):
+    """Every run's config is checked as train.py checks it before the first trains: the
+    victim's template alone overruns its max_prompt_len (found in the task's checks, which
+    until 2026-11-29 came as the first run built its task, after the sweep's folder and an
+    empty sweep were written)."""
+    runs = StandIns(monkeypatch)
+    config.task.victim.max_prompt_len = 10
+    root = tmp_path / "root"
+    with pytest.raises(sweep_searchers.ConfigError, match=r"raise task\.victim\.max_prompt_len"):
+        sweep_searchers.run_sweep(config, str(root), [1, 2], eval_flags=[])
+    assert not root.exists() and runs.trained == []
+
+
 def test_a_workdir_of_another_experiment_is_refused_with_the_sweeps_flag(
     config, tmp_path, monkeypatch
 ):

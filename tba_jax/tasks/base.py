@@ -73,22 +73,48 @@ class Task:
 # role models (reward models, a victim, a judge) also takes `placement=` (where they go;
 # None: the default device), and one whose role models generate, `engine=` (how)
 TaskBuilder = Callable[..., Task]
+# (task config, tokenizer or None for the task's own, placement) -> None: a task's cheap
+# checks (config and tokenizer files; its role models' layouts on the placement), a
+# ConfigError for what cannot work, before anything is prepared or written.
+TaskCheck = Callable[[ml_collections.ConfigDict, Tokenizer | None, Placement | None], None]
 _TASKS: dict[str, TaskBuilder] = {}
+_CHECKS: dict[str, TaskCheck] = {}
 # Per task: config keys that only change how a run is evaluated (e.g. the gold reward
 # model), so a checkpoint may be evaluated with other values.
 _EVALUATION_KEYS: dict[str, tuple[str, ...]] = {}
 
 
-def register_task(name: str, *, evaluation_keys: Sequence[str] = ()):
+def register_task(
+    name: str, *, evaluation_keys: Sequence[str] = (), check: TaskCheck | None = None
+):
     """Registers a task builder under `name`; `evaluation_keys` are task-config keys that
-    are not part of the task's identity (they only change its evaluation)."""
+    are not part of the task's identity (they only change its evaluation); `check` runs
+    the task's cheap checks (`check_task`; its builder runs them too)."""
 
     def decorator(builder: TaskBuilder) -> TaskBuilder:
         _TASKS[name] = builder
         _EVALUATION_KEYS[name] = tuple(evaluation_keys)
+        if check is not None:
+            _CHECKS[name] = check
         return builder
 
     return decorator
+
+
+def check_task(
+    task_config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer | None = None,
+    placement: Placement | None = None,
+) -> None:
+    """The task's cheap checks (`register_task`'s `check`): a ConfigError for settings
+    its build would refuse, from config and tokenizer files alone (its role models'
+    templates and layouts on `placement`, e.g.), so a run refuses them before it claims a
+    workdir. A task without role models has none beyond its build's data checks."""
+    if task_config.name not in _TASKS:
+        raise ConfigError(f"task.name={task_config.name!r} is not one of {registered_tasks()}.")
+    check = _CHECKS.get(task_config.name)
+    if check is not None:
+        check(task_config, tokenizer, placement)
 
 
 def registered_tasks() -> list[str]:

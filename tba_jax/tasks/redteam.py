@@ -113,8 +113,9 @@ def train_examples(
 class LazyRedTeamReward:
     """The `RedTeamReward` of `task.victim` / `task.judge`, loaded on first use.
 
-    Building the task (and every check before training) then does not wait for two frozen
-    models to load; searcher threads share one load (a lock). Call it as `Task.rewards`.
+    Building the task (and every check before training: `check_redteam_task`) then does not
+    wait for two frozen models to load; searcher threads share one load (a lock). Call it
+    as `Task.rewards`.
     """
 
     def __init__(
@@ -124,10 +125,6 @@ class LazyRedTeamReward:
         placement: Placement | None = None,
         engine: EngineConfig | None = None,
     ):
-        redteam.check_roles(task_config.victim, task_config.judge)
-        redteam.check_role_models(
-            task_config.victim, task_config.judge, fallback_tokenizer, placement
-        )
         self._task_config = task_config
         self._fallback_tokenizer = fallback_tokenizer
         self._placement = placement
@@ -269,6 +266,21 @@ def make_evaluator(
 # ------------------------------------------------------------------------------------ task
 
 
+def check_redteam_task(
+    task_config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer | None = None,
+    placement: Placement | None = None,
+) -> None:
+    """The red-team task's cheap checks (`tasks.check_task`): the attacker prompt fits,
+    the victim and judge settings work (`redteam.check_roles`), and their models fit
+    `placement` with their templates and verdicts (`redteam.check_role_models`: config
+    and tokenizer files, no weights)."""
+    tokenizer = task_tokenizer(task_config, tokenizer, CHECKPOINT_HINT)
+    check_attacker_prompt(task_config, tokenizer)
+    redteam.check_roles(task_config.victim, task_config.judge)
+    redteam.check_role_models(task_config.victim, task_config.judge, tokenizer, placement)
+
+
 @register_task(
     "redteam",
     evaluation_keys=(
@@ -277,6 +289,7 @@ def make_evaluator(
         "toxic_threshold",
         "num_example_attacks",
     ),
+    check=check_redteam_task,
 )
 def redteam_task(
     task_config: ml_collections.ConfigDict,
@@ -286,8 +299,8 @@ def redteam_task(
     engine: EngineConfig | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, CHECKPOINT_HINT)
-    check_attacker_prompt(task_config, tokenizer)
-    reward = LazyRedTeamReward(task_config, tokenizer, placement, engine)  # cheap checks now
+    check_redteam_task(task_config, tokenizer, placement)
+    reward = LazyRedTeamReward(task_config, tokenizer, placement, engine)
     return Task(
         name="redteam",
         train=train_examples(task_config, task_data_dir(task_config, workdir), tokenizer),

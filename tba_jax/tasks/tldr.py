@@ -392,9 +392,28 @@ def check_reward_roles(task_config: ml_collections.ConfigDict) -> None:
             )
 
 
+def check_tldr_task(
+    task_config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer | None = None,
+    placement: Placement | None = None,
+) -> None:
+    """The TL;DR task's cheap checks (`tasks.check_task`): each reward-model role names a
+    model (`check_reward_roles`), and the reward model fits `placement` (its layout from
+    config files, no weights)."""
+    tokenizer = task_tokenizer(task_config, tokenizer, task_config.checkpoint_hint)
+    check_reward_roles(task_config)
+    frozen_model_layout(
+        task_config.reward_model,
+        fallback_tokenizer=tokenizer,
+        placement=placement,
+        **reward_model_args(task_config.reward_model, "task.reward_model"),
+    )
+
+
 @register_task(
     "tldr",
     evaluation_keys=("gold_reward_model", "reference_hf_path", "eval_score_rows_per_chunk"),
+    check=check_tldr_task,
 )
 def tldr_task(
     task_config: ml_collections.ConfigDict,
@@ -403,14 +422,7 @@ def tldr_task(
     placement: Placement | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, task_config.checkpoint_hint)
-    check_reward_roles(task_config)
-    # a mesh the reward model cannot take is refused before the data are prepared
-    frozen_model_layout(
-        task_config.reward_model,
-        fallback_tokenizer=tokenizer,
-        placement=placement,
-        **reward_model_args(task_config.reward_model, "task.reward_model"),
-    )
+    check_tldr_task(task_config, tokenizer, placement)  # before the data are prepared
     data_dir = task_data_dir(task_config, workdir)
     train = tldr_split(task_config, "train", data_dir, tokenizer)
     test = tldr_split(task_config, "test", data_dir, tokenizer)
