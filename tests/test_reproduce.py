@@ -74,6 +74,16 @@ def test_a_set_item_no_run_can_take_is_refused_before_the_grid_starts(tmp_path, 
     assert not out.exists()  # no run, no folder
 
 
+def test_a_cell_whose_task_would_refuse_it_is_refused_before_the_grid_starts(tmp_path):
+    """train.py's checks (check_run) for every cell, the task's included: a victim template
+    longer than its max_prompt_len alone (until 2026-11-29 the first cell's run failed on
+    it, the grid's folder made)."""
+    out = tmp_path / "out"
+    with pytest.raises(runner.ConfigError, match=r"seed 0: .*raise task\.victim\.max_prompt"):
+        runner.reproduce("redteam", "tiny", str(out), items="task.victim.max_prompt_len=10")
+    assert not out.exists()
+
+
 def test_the_commands_are_printed_one_per_line_where_out_cannot_be_written(tmp_path):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "out"

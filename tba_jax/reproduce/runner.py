@@ -13,10 +13,9 @@ import os
 import shlex
 from collections.abc import Callable, Sequence
 
-import jax
 import ml_collections
 
-from tba_jax import config_keys, config_lib
+from tba_jax import config_keys
 from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.reproduce import report
 from tba_jax.reproduce.cells import (
@@ -146,13 +145,17 @@ def check_settings(
         )
 
 
-def check_configs(cells: Sequence[Cell]) -> None:
-    """A ConfigError naming the first cell whose config cannot run (a `--set` item it has
-    no key for or gives a value out of range, a Hugging Face folder that is none), before
-    any run starts: in a paper grid a later cell would otherwise fail hours in."""
+def check_configs(experiment: Experiment, cells: Sequence[Cell], out: str) -> None:
+    """A ConfigError naming the first cell whose run train.py would refuse (a `--set` item
+    it has no key for or gives a value out of range, a Hugging Face folder that is none, a
+    mesh or a role model's template that cannot work, a workdir of another experiment:
+    `train.check_run`), before any run starts: in a paper grid a later cell would
+    otherwise fail hours in."""
+    from tba_jax.train import check_run  # the training loop's module: only for the checks
+
     for cell in cells:
         try:
-            config_lib.validate(load_config(cell.config_with_seed), jax.device_count())
+            check_run(load_config(cell.config_with_seed), cell_workdir(out, experiment, cell))
         except ConfigError as error:
             raise ConfigError(f"{describe(cell)}: {error}") from None
 
@@ -236,7 +239,7 @@ def reproduce(
     experiment = experiment_named(name)
     cells = grid(experiment, scale, seeds, items)
     check_settings(experiment, scale, cells, out, log)
-    check_configs(cells)
+    check_configs(experiment, cells, out)
     os.makedirs(out, exist_ok=True)
     results = run_grid(experiment, cells, out, log)
     command = command_line(name, scale, seeds, items)
