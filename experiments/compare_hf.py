@@ -130,8 +130,10 @@ def define_flags() -> None:
     """The command line's flags (defined only when run as a script, so importing this module
     for its functions registers nothing in absl's global flags)."""
     flags.DEFINE_string("hf_path", None, "The checkpoint folder (config.json, *.safetensors).")
-    flags.DEFINE_integer("batch", DEFAULT_BATCH, "Rows in the batch.")
-    flags.DEFINE_integer("seq_len", DEFAULT_SEQ_LEN, "Tokens per row (capped at max_seq_len).")
+    flags.DEFINE_integer("batch", DEFAULT_BATCH, "Rows in the batch.", lower_bound=1)
+    flags.DEFINE_integer(
+        "seq_len", DEFAULT_SEQ_LEN, "Tokens per row (capped at max_seq_len).", lower_bound=1
+    )
     flags.DEFINE_integer("seed", 0, "Seed of the random tokens.")
     flags.adopt_module_key_flags(cli)
     flags.mark_flags_as_required(["hf_path"])
