@@ -155,11 +155,21 @@ EXPECTED_TO_CHANGE = ("learner_steps", "variant")
 def check_policy_architecture(config: ml_collections.ConfigDict) -> None:
     """ConfigError for a policy the model refuses to build: its preset's or checkpoint's
     shape with the config's dtypes and execution knobs (e.g. the Pallas decode kernel on
-    heads no power of two wide). Reads config files only; the vocabulary plays no part."""
+    heads no power of two wide), or a checkpoint whose learned positions (GPT-2's) cannot
+    hold a prompt and its response (its position lookups would be NaN from the warm start
+    on). Reads config files only; the vocabulary plays no part."""
     try:
-        runs.model_config(config, vocab_size=1)
+        model_cfg = runs.model_config(config, vocab_size=1)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    needed = config.max_prompt_len + config.max_response_len
+    if model_cfg.position_embedding == "learned" and model_cfg.max_seq_len < needed:
+        raise ConfigError(
+            f"model.hf_path={config.model.hf_path!r} has {model_cfg.max_seq_len} learned "
+            f"positions, fewer than a prompt + response (max_prompt_len={config.max_prompt_len}"
+            f" + max_response_len={config.max_response_len}); lower them or use a checkpoint "
+            "with more positions."
+        )
 
 
 def check_policy_shardings(config: ml_collections.ConfigDict, meshes: mesh_lib.RoleMeshes) -> None:

@@ -74,3 +74,23 @@ def test_a_trained_run_exports_to_a_folder_transformers_loads(hf_folder, tmp_pat
     valid = np.ones_like(tokens, bool)
     ours, _ = model.apply(params, tokens, np.cumsum(valid, axis=1) - 1, valid)
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+
+
+def test_a_checkpoint_whose_learned_positions_cannot_hold_a_response_is_refused_first(tmp_path):
+    """GPT-2's learned position table (here 16) must hold a prompt and its response (the
+    demo's 10 + 12): one line from its config.json before any work (until 2026-11-29 the
+    warm start's loss was NaN and the run ended in a traceback)."""
+    from tba_jax.config_lib import ConfigError
+    from tba_jax.train import check_policy_architecture
+
+    folder = tmp_path / "gpt2"
+    for positions in (16, 22):
+        transformers.GPT2Config(
+            vocab_size=64, n_positions=positions, n_embd=32, n_layer=1, n_head=2
+        ).save_pretrained(folder)
+        config = get_config(f"hf_path={folder}")
+        if positions == 16:
+            with pytest.raises(ConfigError, match=r"has 16 learned positions, fewer than a"):
+                check_policy_architecture(config)
+        else:
+            check_policy_architecture(config)
