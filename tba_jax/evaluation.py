@@ -23,7 +23,12 @@ import numpy as np
 from tba_jax.errors import ConfigError
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.sampling.generate import generated_batches
-from tba_jax.tasks.base import EvalSettings, check_sequence_fits, evaluation_generate_fns
+from tba_jax.tasks.base import (
+    EvalSettings,
+    check_sequence_fits,
+    evaluation_generate_fns,
+    first_test_examples,
+)
 
 if TYPE_CHECKING:
     from tba_jax.models import Model, Params
@@ -228,7 +233,7 @@ def evaluate_policy(
     check_sequence_fits(model, settings)
     if task.evaluate is not None:
         return task.evaluate(model, params, settings, reference_params)
-    examples = task.test[: settings.num_examples or len(task.test)]
+    examples = first_test_examples(task.name, task.test, settings.num_examples)
     if not examples:
         raise ValueError(f"The {task.name} task has no test problems to evaluate.")
     greedy_fn, sampling_fn = evaluation_generate_fns(model, task.tokenizer, settings)

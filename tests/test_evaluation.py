@@ -1,5 +1,6 @@
 """Evaluation: the unbiased pass@k estimator, sampled pass@k, greedy accuracy, evaluate_policy."""
 
+import logging
 import math
 
 import jax
@@ -221,6 +222,22 @@ def test_evaluate_policy_greedy_only_and_first_n_problems(micro_policy):
     assert result["num_problems"] == 4
     assert not [key for key in result if key.startswith("pass@")]
     assert result["greedy_pass@1"] * 4 == pytest.approx(round(result["greedy_pass@1"] * 4))
+
+
+def test_more_problems_than_the_test_split_holds_are_all_of_them_with_a_warning(
+    micro_policy, caplog
+):
+    model, params, task = micro_policy
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # an in-training evaluation asks again: said once
+            result = evaluation.evaluate_policy(
+                model, params, task, settings(num_samples=0, num_examples=100)
+            )
+    assert result["num_problems"] == 6
+    said = [r.getMessage() for r in caplog.records if "num_examples=100" in r.getMessage()]
+    assert said == [
+        "num_examples=100 is more than the 6 test examples of the toy task; evaluating all 6."
+    ]
 
 
 def test_evaluate_policy_refuses_more_tokens_than_learned_positions():

@@ -247,6 +247,27 @@ class EvalSettings:
     engine: EngineConfig | None = None
 
 
+_WARNED_SHORT_TEST_SPLITS: set[tuple[str, int, int]] = set()
+
+
+def first_test_examples(name: str, test: Sequence[dict], num_examples: int) -> list[dict]:
+    """The first `num_examples` of the `name` task's test split (0: all of it); asking for
+    more than it holds evaluates all of them, with a warning (once per count) saying so."""
+    if (
+        num_examples > len(test)
+        and (name, num_examples, len(test)) not in _WARNED_SHORT_TEST_SPLITS
+    ):
+        _WARNED_SHORT_TEST_SPLITS.add((name, num_examples, len(test)))
+        logging.warning(
+            "num_examples=%d is more than the %d test examples of the %s task; evaluating all %d.",
+            num_examples,
+            len(test),
+            name,
+            len(test),
+        )
+    return list(test[: num_examples or len(test)])
+
+
 def check_sequence_fits(model: Model, settings: EvalSettings) -> None:
     """ValueError when prompts plus new tokens overrun a learned position table."""
     total = settings.max_prompt_len + settings.max_new_tokens

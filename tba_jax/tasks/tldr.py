@@ -49,6 +49,7 @@ from tba_jax.tasks.base import (
     EvalSettings,
     Task,
     evaluation_generate_fns,
+    first_test_examples,
     fits,
     register_task,
     task_data_dir,
@@ -340,7 +341,7 @@ class TldrEvaluator:
         reference_params: Params | None,
     ) -> dict:
         self.check_settings(settings)
-        examples = self.test[: settings.num_examples or len(self.test)]
+        examples = first_test_examples("tldr", self.test, settings.num_examples)
         prompts = [example["prompt"] for example in examples]
         references = [reference_response(example["reference_summary"]) for example in examples]
         reference_gold = self.gold_model().scores(prompts, references)
