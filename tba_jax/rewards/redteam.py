@@ -420,51 +420,61 @@ def check_role_models(
     alike, a classifier judge has no `toxic_label`, or a checkpoint's learned positions
     cannot hold its longest input. (A BERT / RoBERTa judge's shapes are in its weights'
     file: a mesh is checked against them as it loads.)"""
-    victim_layout = frozen_model_layout(
+    try:
+        _check_victim_model(victim, fallback_tokenizer, placement)
+        _check_judge_model(judge, fallback_tokenizer, placement)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _check_victim_model(
+    victim: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer, placement: Placement | None
+) -> None:
+    """`check_role_models` for the victim (ValueErrors, ConfigErrors for a mesh)."""
+    layout = frozen_model_layout(
         victim,
         fallback_tokenizer=fallback_tokenizer,
         placement=placement,
         **victim_model_args(victim),
     )
-    judge_args = judge_model_args(judge, fallback_tokenizer)
-    judge_layout = None
-    if judge_args is not None:
-        judge_layout = frozen_model_layout(
-            judge, fallback_tokenizer=fallback_tokenizer, placement=placement, **judge_args
-        )
-    try:
-        total = victim.max_prompt_len + victim.max_new_tokens
-        check_learned_positions(victim_layout.model, total, "task.victim")
-        encode_filled(
-            role_tokenizer(victim, fallback_tokenizer),
-            victim.template,
-            {ATTACK_FIELD: ""},
-            victim.max_prompt_len,
-            add_bos=False,
-            length_key="task.victim.max_prompt_len",
-        )
-        if judge.kind == "classifier":
-            if judge_layout is None:
-                labels, num_labels = encoder_labels(judge.hf_path)
-            else:
-                num_labels = judge_layout.config.num_labels
-                labels = decoder_id2label(judge.hf_path, num_labels)
-            resolve_label(judge.toxic_label, labels, num_labels)
-        if judge_layout is None:
-            return
-        judge_tokenizer = role_tokenizer(judge, fallback_tokenizer)
-        longest = judge.max_prompt_len
-        if judge.kind == "generative":
-            verdicts = verdict_ids(judge_tokenizer, judge.unsafe_text, judge.safe_text)
-            longest += max(len(ids) for ids in verdicts)
-        encode_filled(
-            judge_tokenizer,
-            judge.template,
-            {ATTACK_FIELD: "", RESPONSE_FIELD: ""},
-            judge.max_prompt_len,
-            add_bos=False if judge.kind == "generative" else None,
-            length_key="task.judge.max_prompt_len",
-        )
-        check_learned_positions(judge_layout.model, longest, "task.judge")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    total = victim.max_prompt_len + victim.max_new_tokens
+    check_learned_positions(layout.model, total, "task.victim")
+    encode_filled(
+        role_tokenizer(victim, fallback_tokenizer),
+        victim.template,
+        {ATTACK_FIELD: ""},
+        victim.max_prompt_len,
+        add_bos=False,
+        length_key="task.victim.max_prompt_len",
+    )
+
+
+def _check_judge_model(
+    judge: ml_collections.ConfigDict, fallback_tokenizer: Tokenizer, placement: Placement | None
+) -> None:
+    """`check_role_models` for the judge (ValueErrors, ConfigErrors for a mesh)."""
+    model_args = judge_model_args(judge, fallback_tokenizer)
+    if model_args is None:  # a BERT / RoBERTa classifier: its labels only
+        resolve_label(judge.toxic_label, *encoder_labels(judge.hf_path))
+        return
+    layout = frozen_model_layout(
+        judge, fallback_tokenizer=fallback_tokenizer, placement=placement, **model_args
+    )
+    tokenizer = role_tokenizer(judge, fallback_tokenizer)
+    longest = judge.max_prompt_len
+    if judge.kind == "generative":
+        verdicts = verdict_ids(tokenizer, judge.unsafe_text, judge.safe_text)
+        longest += max(len(ids) for ids in verdicts)
+    else:
+        num_labels = layout.config.num_labels
+        labels = decoder_id2label(judge.hf_path, num_labels)
+        resolve_label(judge.toxic_label, labels, num_labels)
+    encode_filled(
+        tokenizer,
+        judge.template,
+        {ATTACK_FIELD: "", RESPONSE_FIELD: ""},
+        judge.max_prompt_len,
+        add_bos=False if judge.kind == "generative" else None,
+        length_key="task.judge.max_prompt_len",
+    )
+    check_learned_positions(layout.model, longest, "task.judge")
