@@ -426,9 +426,10 @@ def setup(
     layout = topology.describe() if topology.multi_process else None
     compile_cache.use(config)
     warn_if_slots_repeat_rows(config, meshes.sampler)
-    # those that generate (the victim) use the run's engine, as its evaluation does
-    placement = role_placement(config, topology, meshes)
-    roles = dict(placement=placement, engine=sources.evaluation_engine_config(config))
+    # The task's role models go where the sampler is; those that generate (the victim)
+    # use the run's engine, as its evaluation does.
+    engine = sources.evaluation_engine_config(config)
+    roles = dict(placement=role_placement(config, topology, meshes), engine=engine)
     warm_start = WarmStartConfig(**config.warm_start.to_dict())
 
     def checked_task() -> tasks.Task:
