@@ -66,13 +66,28 @@ def split_devices(
     return devices[:count], devices[count:]
 
 
+# How a run gives its roles their devices, as a refused mesh's error says it: one process
+# (or each process of roles_within_host) splits its devices; roles_by_process gives each
+# role whole processes (`topology.working_devices`).
+DEVICES_SPLIT = "mesh.sampler_devices and mesh.colocate split the devices"
+DEVICES_BY_PROCESS = (
+    "roles_by_process: a role's processes' devices, each process's last kept for the "
+    "exchanges when it has two or more"
+)
+
+
 def mesh_shape(
-    count: int, axis_sizes: Mapping[str, int], key: str = "mesh axes", role: str | None = None
+    count: int,
+    axis_sizes: Mapping[str, int],
+    key: str = "mesh axes",
+    role: str | None = None,
+    devices_from: str = DEVICES_SPLIT,
 ) -> list[int]:
     """The sizes of the axes data/fsdp/tensor (`MESH_AXES`) that `axis_sizes` gives `count`
     devices; one size may be -1 (the rest). Sizes the devices cannot take are a
     `ConfigError` naming `key`, the config key that holds `axis_sizes` (e.g.
-    `mesh.learner_axes`), and the run's `role` the devices are for."""
+    `mesh.learner_axes`), the run's `role` the devices are for and, for a role, where its
+    devices came from (`devices_from`)."""
     given = dict(axis_sizes)
     unknown = set(axis_sizes) - set(MESH_AXES)
     if unknown:
@@ -87,7 +102,7 @@ def mesh_shape(
             "--config.mesh.learner_axes.fsdp=1 for a data-parallel learner)."
         )
     whose, has = (f"the {role}'s ", f"the {role} has") if role else ("", "there are")
-    split = " (mesh.sampler_devices and mesh.colocate split the devices)" if role else ""
+    split = f" ({devices_from})" if role else ""
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if count % known:
@@ -105,20 +120,26 @@ def mesh_shape(
 
 
 def make_mesh(
-    devices: Sequence[jax.Device],
-    axis_sizes: Mapping[str, int],
-    key: str = "mesh axes",
-    role: str | None = None,
+    devices: Sequence[jax.Device], axis_sizes: Mapping[str, int], key: str = "mesh axes"
 ) -> Mesh:
-    """A mesh over `devices` with axes data/fsdp/tensor, sized by `mesh_shape`."""
-    sizes = mesh_shape(len(devices), axis_sizes, key, role)
+    """A mesh over `devices` with axes data/fsdp/tensor, sized by `mesh_shape` (its errors
+    naming `key`; a run's role meshes: `role_mesh`)."""
+    sizes = mesh_shape(len(devices), axis_sizes, key)
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def role_mesh(role: str, devices: Sequence[jax.Device], axis_sizes: Mapping[str, int]) -> Mesh:
-    """`make_mesh` for the `role` ("sampler" or "learner") of a run: its errors name
-    `mesh.<role>_axes` and the keys that gave the role its devices."""
-    return make_mesh(devices, axis_sizes, key=f"mesh.{role}_axes", role=role)
+def role_mesh(
+    role: str,
+    devices: Sequence[jax.Device],
+    axis_sizes: Mapping[str, int],
+    devices_from: str = DEVICES_SPLIT,
+) -> Mesh:
+    """A mesh over `devices` for the `role` ("sampler" or "learner") of a run, sized by
+    `mesh_shape`: its errors name `mesh.<role>_axes` and what gave the role its devices
+    (`devices_from`)."""
+    key = f"mesh.{role}_axes"
+    sizes = mesh_shape(len(devices), axis_sizes, key, role, devices_from)
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
 def make_role_meshes(

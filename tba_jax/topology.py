@@ -186,12 +186,14 @@ def role_meshes(topology: Topology, config: ml_collections.ConfigDict) -> mesh_l
         ]
         sampler = splits[topology.process_index][0]
         learner = [device for _, learner_devices in splits for device in learner_devices]
+        devices_from = mesh_lib.DEVICES_SPLIT
     else:
         sampler = working_devices(topology.process_index)
         learner = [d for p in topology.learner_processes for d in working_devices(p)]
+        devices_from = mesh_lib.DEVICES_BY_PROCESS
     return mesh_lib.RoleMeshes(
-        mesh_lib.role_mesh("sampler", sampler, mesh_cfg.sampler_axes),
-        mesh_lib.role_mesh("learner", learner, mesh_cfg.learner_axes),
+        mesh_lib.role_mesh("sampler", sampler, mesh_cfg.sampler_axes, devices_from),
+        mesh_lib.role_mesh("learner", learner, mesh_cfg.learner_axes, devices_from),
     )
 
 

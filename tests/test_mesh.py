@@ -136,6 +136,15 @@ def test_a_role_mesh_error_names_the_roles_key_and_the_split(axes, match):
         mesh_lib.role_mesh("learner", jax.devices()[:1], axes)
 
 
+def test_a_role_mesh_error_by_process_says_where_its_devices_came_from():
+    """roles_by_process gives a role whole processes, less each one's exchange device: the
+    sampler/learner split keys would be the wrong advice there."""
+    with pytest.raises(
+        ConfigError, match=r"need 2 devices and the sampler has 1; .*\(roles_by_process: "
+    ):
+        mesh_lib.role_mesh("sampler", jax.devices()[:1], {"tensor": 2}, mesh_lib.DEVICES_BY_PROCESS)
+
+
 def test_make_mesh_rejects_a_zero_axis_beside_minus_one():
     with pytest.raises(ValueError, match="fsdp"):
         mesh_lib.make_mesh(jax.devices()[:1], {"data": -1, "fsdp": 0})
