@@ -4,6 +4,8 @@ r"""Trains a policy with TBA (or a sync baseline) from a config file.
     python experiments/train.py --config=configs/arithmetic.py:mode=sync,method=rloo \
         --workdir=/tmp/tba_sync --config.learner_steps=100
     python experiments/train.py --config=configs/arithmetic.py:smoke --print_config
+    python experiments/train.py --config=configs/gsm8k_rho1b.py --workdir=/ckpt/gsm8k \
+        --config.model.hf_path=/ckpt/rho-1b-sft --check_only   # every check, no run
 
 Over several processes (README "Multi-host"):
 
@@ -16,17 +18,25 @@ lists every key of the resolved config (change one with `--config.<key>=<value>`
 
 import sys
 
+import jax
 from absl import flags
 from ml_collections import config_flags
 
 from tba_jax import cli, distributed
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
-from tba_jax.train import train_and_evaluate
+from tba_jax.train import check_only, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and summary.json go.")
 _PRINT_CONFIG = cli.define_print_config_flag()
+_CHECK_ONLY = flags.DEFINE_bool(
+    "check_only",
+    False,
+    "Make every check the run makes before its first write (config values, meshes, Hugging "
+    "Face folders, the task's role models, the workdir), say what it would start from, and "
+    "exit without writing anything.",
+)
 flags.adopt_module_key_flags(cli)
 distributed.define_flags()
 flags.adopt_module_key_flags(distributed)
@@ -48,6 +58,11 @@ def main(argv):
     except ValueError as error:
         raise cli.UsageError(str(error)) from None
     cli.note_unread_keys(sys.argv, _CONFIG.name)
+    if _CHECK_ONLY.value:
+        lines = check_only(_CONFIG.value, workdir)
+        if jax.process_index() == 0:  # one report, not one a process
+            print("\n".join(lines))
+        return
     train_and_evaluate(_CONFIG.value, workdir)
 
 

@@ -1076,6 +1076,41 @@ def finished_summary(
     return summary if summary.get("learner_steps") == latest else None
 
 
+def check_only(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
+    """Every check `train_and_evaluate` makes before it builds anything (`check_run`:
+    config values, meshes, Hugging Face folders, the task's role models, the workdir's
+    experiment), then what the run would start from, as console lines (`train.py
+    --check_only`). Writes nothing: for a paper-scale config before a job is queued."""
+    checked = check_run(config, workdir)
+    meshes, topology = checked.meshes, checked.topology
+    variant = config.get("variant") or "its defaults"
+    processes = ""
+    if topology.multi_process:
+        processes = f" over {topology.num_processes} processes (the sampler's: this one's)"
+    sharing = "colocated: the same devices" if meshes.colocated else "separate devices"
+    lines = [
+        f"{config.name} ({variant}): method={config.method}, mode={config.mode}, "
+        f"{config.learner_steps} learner steps. Every check before the run's first write "
+        "passed; nothing was written.",
+        f"Meshes{processes}: the sampler's {dict(meshes.sampler.shape)}, the learner's "
+        f"{dict(meshes.learner.shape)} ({sharing}).",
+    ]
+    summary = finished_summary(config, workdir, topology) if topology.is_primary else None
+    latest = latest_saved_step(workdir) if os.path.isdir(workdir) else None
+    if summary is not None:
+        start = f"finished at step {summary['learner_steps']}: a run gives its summary back"
+    elif latest is not None:
+        start = f"resumes from its checkpoint of step {latest}"
+    elif os.path.isdir(os.path.join(workdir, WARM_START_SUBDIR)):
+        start = "goes on from its saved warm start"
+    elif os.path.isdir(workdir):
+        start = "starts in it with a warm start (no checkpoint there)"
+    else:
+        start = "makes it and starts with a warm start"
+    lines.append(f"The run in {workdir} {start}.")
+    return lines
+
+
 # ------------------------------------------------------------------------------ the run
 
 

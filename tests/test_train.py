@@ -68,6 +68,29 @@ def extended_run(async_run, tmp_path_factory):
     return workdir, train_and_evaluate(get_config(ASYNC + ",steps=6"), workdir)
 
 
+def test_check_only_says_what_a_run_would_start_from_and_writes_nothing(async_run, tmp_path):
+    """train.py --check_only: every check before the run's first write, then where it
+    would start (a new workdir, a finished run, a resumable one); not a byte written."""
+    from tba_jax.train import check_only
+
+    workdir, _ = async_run
+    before = _files_and_bytes(workdir)
+    lines = check_only(get_config(ASYNC), workdir)
+    assert lines[0].startswith("arithmetic (smoke,record_learner_batches=True): method=tb")
+    assert lines[1].startswith("Meshes: the sampler's {'data': 1, 'fsdp': 1, 'tensor': 1}")
+    assert lines[-1] == f"The run in {workdir} finished at step 4: a run gives its summary back."
+    longer = check_only(get_config(ASYNC + ",steps=6"), workdir)
+    assert longer[-1] == f"The run in {workdir} resumes from its checkpoint of step 4."
+    assert _files_and_bytes(workdir) == before
+    new = tmp_path / "new"
+    assert check_only(get_config(ASYNC), str(new))[-1].endswith(
+        "makes it and starts with a warm start."
+    )
+    assert not new.exists()
+    with pytest.raises(CheckpointMismatchError, match=r"held vs asked: mode: 'async' vs 'sync'"):
+        check_only(get_config(ASYNC + ",mode=sync"), workdir)
+
+
 @pytest.fixture(scope="module")
 def replay_bench(extended_run):
     with batch_replay.ReplayBench.build(extended_run[0]) as bench:
