@@ -435,6 +435,7 @@ def setup(
     def checked_task() -> tasks.Task:
         task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
         check_warm_start_data(task.train, warm_start)
+        check_step_delimiters(config, task.tokenizer)
         return task
 
     if topology.is_primary:
@@ -476,6 +477,18 @@ def setup(
         group=topology_lib.LearnerGroup(meshes.learner),
         reference_shardings=learner_shardings if topology.multi_process else sampler_shardings,
     )
+
+
+def check_step_delimiters(config: ml_collections.ConfigDict, tokenizer) -> None:
+    """ConfigError for VinePPO's `loss.vineppo.step_delimiters` that no token of the task's
+    `tokenizer` holds (no response could be split into steps): found once the task is
+    built, before the warm start, not at the first value stage."""
+    if config.method != "vineppo":
+        return
+    try:
+        vineppo.boundary_tokens(tokenizer, config.loss.vineppo.step_delimiters)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def warn_if_slots_repeat_rows(config: ml_collections.ConfigDict, sampler: jax.sharding.Mesh):

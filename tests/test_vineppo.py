@@ -187,6 +187,20 @@ def test_an_async_vineppo_run_trains_on_rollout_advantages(tmp_path):
     assert any(value > 0 for _, value in scalars["advantage_std"])  # the stage ran
 
 
+def test_step_delimiters_no_token_holds_are_refused_before_the_warm_start(tmp_path):
+    """Found once the task (its tokenizer) is built, in one line, the workdir the run made
+    gone again (until 2026-11-29 a traceback after the warm start and the first save)."""
+    from configs.arithmetic import get_config
+    from tba_jax.config_lib import ConfigError
+    from tba_jax.train import train_and_evaluate
+
+    config = get_config("smoke,method=vineppo,loss.vineppo.step_delimiters=@")
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"no token of the tokenizer holds any of .*'@'"):
+        train_and_evaluate(config, str(workdir))
+    assert not workdir.exists()
+
+
 def test_rollouts_reuse_the_params_a_sync_source_just_published():
     """A sync source publishes after every step, so the value stage's rollouts take the
     sampler's copy (no second publish); params newer than the source's (async, k > 1) are
