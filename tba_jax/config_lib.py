@@ -567,8 +567,8 @@ def check_scored_lengths(config: ml_collections.ConfigDict) -> None:
     to fit, so a shorter `max_len` fails at the first long response, mid-run. (In its own
     tokens; a checkpoint's tokenizer, or its BOS, may need a few more.)"""
     task = config.get("task")
+    least = config.max_response_len + 1
     for key, role in role_attentions(task.to_dict() if task is not None else {}):
-        least = config.max_response_len + 1
         if "max_len" in role and role["max_len"] < least:
             raise ConfigError(
                 f"{key}.max_len={role['max_len']} cannot hold a whole response "

@@ -433,7 +433,8 @@ def setup(
     warm_start = WarmStartConfig(**config.warm_start.to_dict())
 
     def checked_task() -> tasks.Task:
-        task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles)
+        # check_run made the task's cheap checks with these arguments
+        task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles, checked=True)
         check_warm_start_data(task.train, warm_start)
         check_step_delimiters(config, task.tokenizer)
         return task

@@ -89,7 +89,7 @@ def register_task(
 ):
     """Registers a task builder under `name`; `evaluation_keys` are task-config keys that
     are not part of the task's identity (they only change its evaluation); `check` runs
-    the task's cheap checks (`check_task`; its builder runs them too)."""
+    the task's cheap checks (`check_task`; `build_task` runs them before the builder)."""
 
     def decorator(builder: TaskBuilder) -> TaskBuilder:
         _TASKS[name] = builder
@@ -127,15 +127,21 @@ def build_task(
     tokenizer: Tokenizer | None = None,
     placement: Placement | None = None,
     engine: EngineConfig | None = None,
+    *,
+    checked: bool = False,
 ) -> Task:
     """The task `task_config.name`; `tokenizer` (e.g. a checkpoint's) replaces the task's own;
     its frozen role models (reward models, red-team victim and judge) are sharded by
     `placement` (the trainer's: the sampler mesh and rules), or sit whole on the default
     device without one; those that generate (the red-team victim) do so through the slot
     engine with `engine`'s settings (the run's `search.engine=slots`: its slots are the
-    role's own batch size), or in fixed batches without."""
+    role's own batch size), or in fixed batches without. The task's cheap checks
+    (`check_task`) come first, before the builder prepares any data, unless `checked`
+    says the caller made them with these arguments (`train.check_run`)."""
     if task_config.name not in _TASKS:
         raise ValueError(f"task.name={task_config.name!r} is not one of {registered_tasks()}.")
+    if not checked:
+        check_task(task_config, tokenizer, placement)
     builder = _TASKS[task_config.name]
     accepted = inspect.signature(builder).parameters
     roles = {"placement": placement, "engine": engine}  # builders of tasks with role models

@@ -299,7 +299,6 @@ def redteam_task(
     engine: EngineConfig | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, CHECKPOINT_HINT)
-    check_redteam_task(task_config, tokenizer, placement)
     reward = LazyRedTeamReward(task_config, tokenizer, placement, engine)
     return Task(
         name="redteam",

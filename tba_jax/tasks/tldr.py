@@ -423,7 +423,6 @@ def tldr_task(
     placement: Placement | None = None,
 ) -> Task:
     tokenizer = task_tokenizer(task_config, tokenizer, task_config.checkpoint_hint)
-    check_tldr_task(task_config, tokenizer, placement)  # before the data are prepared
     data_dir = task_data_dir(task_config, workdir)
     train = tldr_split(task_config, "train", data_dir, tokenizer)
     test = tldr_split(task_config, "test", data_dir, tokenizer)
