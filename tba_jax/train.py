@@ -127,6 +127,8 @@ class Setup:
     topology: topology_lib.Topology
     group: topology_lib.LearnerGroup
     reference_shardings: Any  # where the checkpoint keeps π_ref
+    # VinePPO's bool [vocab_size]: the task's token ids that end a step; None for the others
+    step_boundaries: np.ndarray | None = None
 
     @property
     def learner_parts(self) -> LearnerParts:
@@ -432,19 +434,18 @@ def setup(
     roles = dict(placement=role_placement(config, topology, meshes), engine=engine)
     warm_start = WarmStartConfig(**config.warm_start.to_dict())
 
-    def checked_task() -> tasks.Task:
+    def checked_task() -> tuple[tasks.Task, np.ndarray | None]:
         # check_run made the task's cheap checks with these arguments
         task = tasks.build_task(config.task, workdir, policy_tokenizer, **roles, checked=True)
         check_warm_start_data(task.train, warm_start)
-        check_step_delimiters(config, task.tokenizer)
-        return task
+        return task, step_boundaries(config, task.tokenizer)
 
     if topology.is_primary:
         with claimed_workdir(workdir, held):  # a workdir it made goes again if refused
-            task = checked_task()
+            task, boundaries = checked_task()
     distributed.barrier("tba_jax:task_built")  # the others read what process 0 prepared
     if not topology.is_primary:
-        task = checked_task()
+        task, boundaries = checked_task()
     model_cfg = runs.model_config(config, task.tokenizer.vocab_size)
     model, abstract_params = abstract_model(model_cfg)
     learner_shardings, sampler_shardings = role_shardings(config, model, abstract_params, meshes)
@@ -477,17 +478,19 @@ def setup(
         topology=topology,
         group=topology_lib.LearnerGroup(meshes.learner),
         reference_shardings=learner_shardings if topology.multi_process else sampler_shardings,
+        step_boundaries=boundaries,
     )
 
 
-def check_step_delimiters(config: ml_collections.ConfigDict, tokenizer) -> None:
-    """ConfigError for VinePPO's `loss.vineppo.step_delimiters` that no token of the task's
-    `tokenizer` holds (no response could be split into steps): found once the task is
-    built, before the warm start, not at the first value stage."""
+def step_boundaries(config: ml_collections.ConfigDict, tokenizer) -> np.ndarray | None:
+    """VinePPO's step ends, bool [vocab_size]: the ids of the task's `tokenizer` that hold
+    one of `loss.vineppo.step_delimiters` (None for the other methods). A ConfigError when
+    none does (no response could be split into steps): found once the task is built,
+    before the warm start, not at the first value stage."""
     if config.method != "vineppo":
-        return
+        return None
     try:
-        vineppo.boundary_tokens(tokenizer, config.loss.vineppo.step_delimiters)
+        return vineppo.boundary_tokens(tokenizer, config.loss.vineppo.step_delimiters)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -983,7 +986,7 @@ def make_value_stage(run: Setup, meters) -> vineppo.MonteCarloValues | None:
         examples_by_id={example["id"]: example for example in task.train},
         max_prompt_len=config.max_prompt_len,
         max_response_len=config.max_response_len,
-        is_boundary=vineppo.boundary_tokens(task.tokenizer, vine.step_delimiters),
+        is_boundary=run.step_boundaries,
         config=vineppo.VineConfig(
             rollouts=vine.rollouts,
             step_delimiters=vine.step_delimiters,
