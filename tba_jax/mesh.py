@@ -120,11 +120,15 @@ def mesh_shape(
 
 
 def make_mesh(
-    devices: Sequence[jax.Device], axis_sizes: Mapping[str, int], key: str = "mesh axes"
+    devices: Sequence[jax.Device],
+    axis_sizes: Mapping[str, int],
+    key: str = "mesh axes",
+    role: str | None = None,
+    devices_from: str = DEVICES_SPLIT,
 ) -> Mesh:
     """A mesh over `devices` with axes data/fsdp/tensor, sized by `mesh_shape` (its errors
-    naming `key`; a run's role meshes: `role_mesh`)."""
-    sizes = mesh_shape(len(devices), axis_sizes, key)
+    naming `key`, and for a run's `role` where its devices came from: `role_mesh`)."""
+    sizes = mesh_shape(len(devices), axis_sizes, key, role, devices_from)
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
@@ -134,12 +138,9 @@ def role_mesh(
     axis_sizes: Mapping[str, int],
     devices_from: str = DEVICES_SPLIT,
 ) -> Mesh:
-    """A mesh over `devices` for the `role` ("sampler" or "learner") of a run, sized by
-    `mesh_shape`: its errors name `mesh.<role>_axes` and what gave the role its devices
-    (`devices_from`)."""
-    key = f"mesh.{role}_axes"
-    sizes = mesh_shape(len(devices), axis_sizes, key, role, devices_from)
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    """`make_mesh` for the `role` ("sampler" or "learner") of a run: its errors name
+    `mesh.<role>_axes` and what gave the role its devices (`devices_from`)."""
+    return make_mesh(devices, axis_sizes, f"mesh.{role}_axes", role, devices_from)
 
 
 def make_role_meshes(
