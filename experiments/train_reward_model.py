@@ -18,7 +18,7 @@ tba_jax/train_reward_model.py. `--print_config` lists every key of the resolved 
 from absl import flags
 from ml_collections import config_flags
 
-from tba_jax import cli, config_lib
+from tba_jax import cli
 from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.train_reward_model import train_reward_model
@@ -39,10 +39,7 @@ def main(argv):
         return
     workdir = cli.required(_WORKDIR)
     cli.check_output_dir(workdir, _WORKDIR.name)
-    config_lib.check_config_kind(_CONFIG.value, reward_model=True)
-    if _CONFIG.value.out_dir:
-        cli.check_output_dir(_CONFIG.value.out_dir, "config.out_dir")
-    train_reward_model(_CONFIG.value, workdir)
+    train_reward_model(_CONFIG.value, workdir)  # its check_config: the kind, out_dir, ...
 
 
 if __name__ == "__main__":
