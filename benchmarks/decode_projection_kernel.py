@@ -31,15 +31,24 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gated_mlp_kernel import measured, row_kernel_command_line
 
 from tba_jax.models import transformer
 from tba_jax.models.config import MIN_MLP_BLOCK, parse_projection_kernel_settings
 from tba_jax.models.decode_projection import SETTINGS, project
+
+# The sibling benchmark is imported as `benchmarks.<name>`, so that this module imports
+# from a notebook or a test too; run as a script, Python puts benchmarks/ on the path,
+# not the repository root, so the root is added here.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from benchmarks.gated_mlp_kernel import measured, row_kernel_command_line  # noqa: E402
 
 # block_m:block_n:block_k:k_splits:num_warps:num_stages. The model's settings first, then
 # no split and more parts, wider and narrower output tiles, shorter and longer walks, more

@@ -125,78 +125,82 @@ CARRIER_PER_ROOT_D = 300.0
 # EngineConfig's fields that a flag of another name sets (the others are their flags' names).
 ENGINE_FLAGS = {"slots": "width"}
 
-_PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
-_DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16"], "The model's compute (and params') dtype."
-)
-_PARAM_DTYPE = flags.DEFINE_enum(
-    "param_dtype",
-    None,
-    ["float32", "bfloat16"],
-    "The params' dtype (unset: --dtype); float32 with bfloat16 compute is what a run's "
-    "searchers and π_ref hold.",
-)
-_ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
-cli.define_decode_kernel_flags()
-_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
-_MAX_NEW_TOKENS = flags.DEFINE_integer(
-    "max_new_tokens", 128, "T: the response length limit.", lower_bound=1
-)
-_WIDTH = flags.DEFINE_integer(
-    "width", 64, "W: rows per batch call = the engine's decode slots.", lower_bound=1
-)
-_SAMPLES_PER_PROMPT = flags.DEFINE_integer(
-    "samples_per_prompt", 4, "S: samples per prompt (W must be a multiple).", lower_bound=1
-)
-_PROMPTS = flags.DEFINE_integer(
-    "prompts", 64, "Prompts per measurement (a multiple of W / S).", lower_bound=1
-)
-_SCORE_ROWS = flags.DEFINE_integer(
-    "score_rows",
-    None,
-    "The fused path's π_ref scoring calls take score_rows × 4^i ready samples (default S).",
-)
-_CHUNK_STEPS = flags.DEFINE_integer(
-    "chunk_steps", EngineConfig.chunk_steps, "Engine decode steps per chunk (at most)."
-)
-_TAIL_CHUNK_STEPS = flags.DEFINE_integer(
-    "tail_chunk_steps",
-    0,
-    "Engine decode steps per chunk once no prompt is waiting (0: until the slots are empty "
-    "or a compaction can start).",
-)
-_PREFILL_PROMPTS = flags.DEFINE_integer(
-    "prefill_prompts", 0, "Engine: prompts per prefill call (0: every one that fits)."
-)
-_REFILL_FREE = flags.DEFINE_float(
-    "refill_free", 0.0, "Engine: a chunk returns for a refill once this share is free."
-)
-_BUCKET_MIN_TOKENS = flags.DEFINE_integer(
-    "bucket_min_tokens",
-    32,
-    "Engine: prefill and scoring length buckets never closer than this many tokens "
-    "(search.bucket_min_tokens; 1: four buckets whatever the length).",
-    lower_bound=1,
-)
-_COMPACT_BELOW = flags.DEFINE_float("compact_below", 0.5, "Engine tail compaction (0: off).")
-_MIN_WIDTH = flags.DEFINE_integer("min_width", 8, "Engine: compaction's narrowest width.")
-_COMPACT_MIN_STEPS = flags.DEFINE_integer(
-    "compact_min_steps", 32, "Engine: compact only a tail that may run this many more steps."
-)
-_REPEATS = flags.DEFINE_integer(
-    "repeats", 3, "Timed runs of each path per mix (medians are reported).", lower_bound=1
-)
-_SEED = flags.DEFINE_integer("seed", 0, "Model init, prompts and sampling.")
-_MIXES = flags.DEFINE_list("mixes", list(MIXES), f"Length mixes to measure, of {MIXES}.")
-_EOS_BIAS = flags.DEFINE_float(
-    "eos_bias",
-    1.0,
-    "long_tailed: about the EOS logit's lead over the other ~97 near-0 logits (nats). "
-    "1.0: mean length ~40 of 128, ~4% of responses at the limit.",
-)
-_NO_EOS_BIAS = flags.DEFINE_float("no_eos_bias", -50.0, "uniform: EOS logit bias (never drawn).")
-_SMOKE = flags.DEFINE_boolean("smoke", False, f"Tiny sizes, one repeat: {SMOKE}.")
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
+    flags.DEFINE_enum(
+        "dtype", "float32", ["float32", "bfloat16"], "The model's compute (and params') dtype."
+    )
+    flags.DEFINE_enum(
+        "param_dtype",
+        None,
+        ["float32", "bfloat16"],
+        "The params' dtype (unset: --dtype); float32 with bfloat16 compute is what a run's "
+        "searchers and π_ref hold.",
+    )
+    flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
+    cli.define_decode_kernel_flags()
+    flags.DEFINE_integer("max_prompt_len", 32, "P: prompt tokens.", lower_bound=1)
+    flags.DEFINE_integer("max_new_tokens", 128, "T: the response length limit.", lower_bound=1)
+    flags.DEFINE_integer(
+        "width", 64, "W: rows per batch call = the engine's decode slots.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "samples_per_prompt", 4, "S: samples per prompt (W must be a multiple).", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "prompts", 64, "Prompts per measurement (a multiple of W / S).", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "score_rows",
+        None,
+        "The fused path's π_ref scoring calls take score_rows × 4^i ready samples (default S).",
+    )
+    flags.DEFINE_integer(
+        "chunk_steps", EngineConfig.chunk_steps, "Engine decode steps per chunk (at most)."
+    )
+    flags.DEFINE_integer(
+        "tail_chunk_steps",
+        0,
+        "Engine decode steps per chunk once no prompt is waiting (0: until the slots are empty "
+        "or a compaction can start).",
+    )
+    flags.DEFINE_integer(
+        "prefill_prompts", 0, "Engine: prompts per prefill call (0: every one that fits)."
+    )
+    flags.DEFINE_float(
+        "refill_free", 0.0, "Engine: a chunk returns for a refill once this share is free."
+    )
+    flags.DEFINE_integer(
+        "bucket_min_tokens",
+        32,
+        "Engine: prefill and scoring length buckets never closer than this many tokens "
+        "(search.bucket_min_tokens; 1: four buckets whatever the length).",
+        lower_bound=1,
+    )
+    flags.DEFINE_float("compact_below", 0.5, "Engine tail compaction (0: off).")
+    flags.DEFINE_integer("min_width", 8, "Engine: compaction's narrowest width.")
+    flags.DEFINE_integer(
+        "compact_min_steps", 32, "Engine: compact only a tail that may run this many more steps."
+    )
+    flags.DEFINE_integer(
+        "repeats", 3, "Timed runs of each path per mix (medians are reported).", lower_bound=1
+    )
+    flags.DEFINE_integer("seed", 0, "Model init, prompts and sampling.")
+    flags.DEFINE_list("mixes", list(MIXES), f"Length mixes to measure, of {MIXES}.")
+    flags.DEFINE_float(
+        "eos_bias",
+        1.0,
+        "long_tailed: about the EOS logit's lead over the other ~97 near-0 logits (nats). "
+        "1.0: mean length ~40 of 128, ~4% of responses at the limit.",
+    )
+    flags.DEFINE_float("no_eos_bias", -50.0, "uniform: EOS logit bias (never drawn).")
+    flags.DEFINE_boolean("smoke", False, f"Tiny sizes, one repeat: {SMOKE}.")
+    flags.adopt_module_key_flags(cli)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +246,7 @@ def read_settings() -> Settings:
     """The flags, with --smoke's sizes for those not given explicitly; UsageError on a
     combination the measurement cannot run."""
     values = {
-        name: getattr(flags.FLAGS, name)
+        name: getattr(FLAGS, name)
         for name in (
             "preset",
             "dtype",
@@ -275,11 +279,11 @@ def read_settings() -> Settings:
             "smoke",
         )
     }
-    if _SMOKE.value:
-        values.update({k: v for k, v in SMOKE.items() if not flags.FLAGS[k].present})
+    if FLAGS.smoke:
+        values.update({k: v for k, v in SMOKE.items() if not FLAGS[k].present})
     if values["score_rows"] is None:
         values["score_rows"] = values["samples_per_prompt"]
-    settings = Settings(mixes=tuple(_MIXES.value), **values)
+    settings = Settings(mixes=tuple(FLAGS.mixes), **values)
     unknown = sorted(set(settings.mixes) - set(MIXES))
     if unknown or not settings.mixes:
         raise cli.UsageError(f"--mixes={','.join(settings.mixes)}: choose from {MIXES}.")
@@ -644,4 +648,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -30,16 +30,25 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode_attention_kernel import COLD_MB, parse_settings, timed
 
 from tba_jax import cli, roofline
 from tba_jax.models import preset, transformer
 from tba_jax.models.config import parse_mlp_kernel_settings
 from tba_jax.models.gated_mlp import SETTINGS, gated_hidden
+
+# The sibling benchmark is imported as `benchmarks.<name>`, so that this module imports
+# from a notebook or a test too; run as a script, Python puts benchmarks/ on the path,
+# not the repository root, so the root is added here.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from benchmarks.decode_attention_kernel import COLD_MB, parse_settings, timed  # noqa: E402
 
 # block_m:block_n:block_k:num_warps:num_stages. The model's settings first, then wider
 # and narrower tiles of hidden units, taller row tiles, longer walks, more warps/stages.

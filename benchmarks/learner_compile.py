@@ -77,30 +77,40 @@ LEARNING_RATE = 1e-5
 TEMPERATURE = 1.0
 MIB = 2**20
 
-_SWEEPS = flags.DEFINE_list("sweeps", list(SWEEPS), f"Which sweeps to run, of {SWEEPS}.")
-_LAYERS = flags.DEFINE_list("layers", ["2", "4", "8", "16"], "Depths of the depth sweep.")
-_D_MODEL = flags.DEFINE_integer("d_model", 128, "Model width.", lower_bound=1)
-_ROWS = flags.DEFINE_integer("rows", 8, "N: responses per learner step.", lower_bound=1)
-_K = flags.DEFINE_integer("samples_per_prompt", 4, "K: responses per prompt.", lower_bound=2)
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "P: prompt tokens.", lower_bound=1)
-_RESPONSE_LEN = flags.DEFINE_integer("response_len", 96, "T: response tokens.", lower_bound=1)
-_DEPTH_VOCAB = flags.DEFINE_integer("depth_vocab", 1024, "Vocabulary of the depth, remat and "
-                                    "attention sweeps.", lower_bound=FIRST_TOKEN + 1)  # fmt: skip
-_CHUNK_VOCAB = flags.DEFINE_integer(
-    "chunk_vocab", 32_000, "Vocabulary of the logprob_chunk sweep.", lower_bound=FIRST_TOKEN + 1
-)
-_CHUNKS = flags.DEFINE_list("chunks", ["0", "32", "8"], "logprob_chunk values to compare.")
-_CHUNK_LAYERS = flags.DEFINE_integer("chunk_layers", 2, "Depth of the chunk sweep.", lower_bound=1)
-_REMAT_LAYERS = flags.DEFINE_integer(
-    "remat_layers", 8, "Depth of the remat and attention sweeps.", lower_bound=1
-)
-_ATTENTIONS = flags.DEFINE_list("attentions", ["einsum", "dot_product"], "Attention kernels.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
-_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed steps after compiling.", lower_bound=0)
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per case.", lower_bound=1)
-_SEED = flags.DEFINE_integer("seed", 0, "Model init and batch.")
-_SMOKE = flags.DEFINE_boolean("smoke", False, f"Tiny sizes: {SMOKE}.")
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_list("sweeps", list(SWEEPS), f"Which sweeps to run, of {SWEEPS}.")
+    flags.DEFINE_list("layers", ["2", "4", "8", "16"], "Depths of the depth sweep.")
+    flags.DEFINE_integer("d_model", 128, "Model width.", lower_bound=1)
+    flags.DEFINE_integer("rows", 8, "N: responses per learner step.", lower_bound=1)
+    flags.DEFINE_integer("samples_per_prompt", 4, "K: responses per prompt.", lower_bound=2)
+    flags.DEFINE_integer("prompt_len", 32, "P: prompt tokens.", lower_bound=1)
+    flags.DEFINE_integer("response_len", 96, "T: response tokens.", lower_bound=1)
+    flags.DEFINE_integer(
+        "depth_vocab",
+        1024,
+        "Vocabulary of the depth, remat and attention sweeps.",
+        lower_bound=FIRST_TOKEN + 1,
+    )
+    flags.DEFINE_integer(
+        "chunk_vocab", 32_000, "Vocabulary of the logprob_chunk sweep.", lower_bound=FIRST_TOKEN + 1
+    )
+    flags.DEFINE_list("chunks", ["0", "32", "8"], "logprob_chunk values to compare.")
+    flags.DEFINE_integer("chunk_layers", 2, "Depth of the chunk sweep.", lower_bound=1)
+    flags.DEFINE_integer(
+        "remat_layers", 8, "Depth of the remat and attention sweeps.", lower_bound=1
+    )
+    flags.DEFINE_list("attentions", ["einsum", "dot_product"], "Attention kernels.")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+    flags.DEFINE_integer("warmup", 1, "Untimed steps after compiling.", lower_bound=0)
+    flags.DEFINE_integer("repeats", 5, "Timed steps per case.", lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "Model init and batch.")
+    flags.DEFINE_boolean("smoke", False, f"Tiny sizes: {SMOKE}.")
+    flags.adopt_module_key_flags(cli)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +134,9 @@ class Timing:
 
 def flag_value(name: str) -> Any:
     """`--name`, or --smoke's size for a flag not given on the command line."""
-    if _SMOKE.value and name in SMOKE and not flags.FLAGS[name].present:
+    if FLAGS.smoke and name in SMOKE and not FLAGS[name].present:
         return SMOKE[name]
-    return getattr(flags.FLAGS, name)
+    return getattr(FLAGS, name)
 
 
 def int_list(name: str, minimum: int) -> list[int]:
@@ -147,10 +157,10 @@ def int_list(name: str, minimum: int) -> list[int]:
 def check_attentions(sweeps: list[str], dtype: str) -> None:
     """UsageError for an --attentions name that is no kernel, and for cuDNN's where the
     attention sweep cannot run it (float32, or no GPU)."""
-    unknown = sorted(set(_ATTENTIONS.value) - set(ATTENTIONS))
-    if unknown or not _ATTENTIONS.value:
+    unknown = sorted(set(FLAGS.attentions) - set(ATTENTIONS))
+    if unknown or not FLAGS.attentions:
         raise cli.UsageError(f"--attentions names {unknown}; choose from {list(ATTENTIONS)}.")
-    if "attention" not in sweeps or "cudnn" not in _ATTENTIONS.value:
+    if "attention" not in sweeps or "cudnn" not in FLAGS.attentions:
         return
     if dtype not in HALF_DTYPES:
         raise cli.UsageError(
@@ -267,13 +277,13 @@ def cases(sweep: str, shapes: Shapes) -> list[ModelConfig]:
         ]
     return [
         model_config(shapes, layers, depth_vocab, scan_layers=True, attention=attention)
-        for attention in _ATTENTIONS.value
+        for attention in FLAGS.attentions
     ]
 
 
 def main(argv: list[str]) -> None:
     del argv
-    unknown = sorted(set(_SWEEPS.value) - set(SWEEPS))
+    unknown = sorted(set(FLAGS.sweeps) - set(SWEEPS))
     if unknown:
         raise cli.UsageError(f"--sweeps names {unknown}; choose from {list(SWEEPS)}.")
     shapes = Shapes(**{field.name: flag_value(field.name) for field in dataclasses.fields(Shapes)})
@@ -282,9 +292,9 @@ def main(argv: list[str]) -> None:
             f"--rows={shapes.rows} is not a multiple of --samples_per_prompt="
             f"{shapes.samples_per_prompt} (whole prompt groups)."
         )
-    check_attentions(_SWEEPS.value, shapes.dtype)
+    check_attentions(FLAGS.sweeps, shapes.dtype)
     try:  # every case's config built (and so checked) before the first is measured
-        planned = [(sweep, cfg) for sweep in _SWEEPS.value for cfg in cases(sweep, shapes)]
+        planned = [(sweep, cfg) for sweep in FLAGS.sweeps for cfg in cases(sweep, shapes)]
     except ValueError as error:
         raise cli.UsageError(str(error)) from error
     timing = Timing(flag_value("warmup"), flag_value("repeats"))
@@ -308,4 +318,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -47,20 +47,26 @@ FIRST_TOKEN = 3  # ids below are pad / bos / eos
 BETA = 0.05
 LEARNING_RATE = 1e-5
 
-_PRESET = flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Policy and critic shape.")
-_ROWS = flags.DEFINE_integer("rows", 128, "N: responses per learner step.", lower_bound=1)
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 10, "P: prompt tokens.", lower_bound=1)
-_RESPONSE_LEN = flags.DEFINE_integer("response_len", 12, "T: response tokens.", lower_bound=1)
-_EPOCHS = flags.DEFINE_integer("epochs", 4, "loss.ppo.epochs.", lower_bound=1)
-_MINIBATCHES = flags.DEFINE_integer("minibatches", 1, "loss.ppo.minibatches.", lower_bound=1)
-_MICROBATCHES = flags.DEFINE_integer(
-    "num_microbatches", 1, "batch.num_microbatches (per mini-batch).", lower_bound=1
-)
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps per path after compiling.")
-_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed steps per path.", lower_bound=1)
-_SEED = flags.DEFINE_integer("seed", 0, "Model init and batch.")
-_SMOKE = flags.DEFINE_boolean("smoke", False, f"Tiny sizes: {SMOKE}.")
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Policy and critic shape.")
+    flags.DEFINE_integer("rows", 128, "N: responses per learner step.", lower_bound=1)
+    flags.DEFINE_integer("prompt_len", 10, "P: prompt tokens.", lower_bound=1)
+    flags.DEFINE_integer("response_len", 12, "T: response tokens.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 4, "loss.ppo.epochs.", lower_bound=1)
+    flags.DEFINE_integer("minibatches", 1, "loss.ppo.minibatches.", lower_bound=1)
+    flags.DEFINE_integer(
+        "num_microbatches", 1, "batch.num_microbatches (per mini-batch).", lower_bound=1
+    )
+    flags.DEFINE_integer("warmup", 2, "Untimed steps per path after compiling.")
+    flags.DEFINE_integer("repeats", 10, "Timed steps per path.", lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "Model init and batch.")
+    flags.DEFINE_boolean("smoke", False, f"Tiny sizes: {SMOKE}.")
+    flags.adopt_module_key_flags(cli)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +87,9 @@ def read_settings() -> Settings:
     """The flags, with --smoke's sizes for those not given; UsageError on a batch that
     does not split into the updates."""
     names = [field.name for field in dataclasses.fields(Settings)]
-    values = {name: getattr(flags.FLAGS, name) for name in names}
-    if _SMOKE.value:
-        values.update({k: v for k, v in SMOKE.items() if not flags.FLAGS[k].present})
+    values = {name: getattr(FLAGS, name) for name in names}
+    if FLAGS.smoke:
+        values.update({k: v for k, v in SMOKE.items() if not FLAGS[k].present})
     settings = Settings(**values)
     if settings.rows % (settings.minibatches * settings.num_microbatches):
         raise cli.UsageError(
@@ -201,4 +207,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -70,17 +70,24 @@ PROFILE_FORMAT_VERSION = 1
 DEFAULT_REPEATS = 10
 ROUND_DIGITS = 6  # seconds kept to the microsecond
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
-_OUT = flags.DEFINE_string("out", None, "Where the profile goes (a JSON file).")
-_STEPS = flags.DEFINE_integer(
-    "steps",
-    DEFAULT_REPEATS,
-    "Timed repetitions of each measurement (medians are reported).",
-    lower_bound=1,
-)
-_PRINT_CONFIG = cli.define_print_config_flag()
-flags.adopt_module_key_flags(cli)
-flags.mark_flag_as_required("config")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
+    flags.DEFINE_string("out", None, "Where the profile goes (a JSON file).")
+    flags.DEFINE_integer(
+        "steps",
+        DEFAULT_REPEATS,
+        "Timed repetitions of each measurement (medians are reported).",
+        lower_bound=1,
+    )
+    cli.define_print_config_flag()
+    flags.adopt_module_key_flags(cli)
+    flags.mark_flag_as_required("config")
+
 
 USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError)
 
@@ -256,7 +263,7 @@ def library_prints() -> contextlib.AbstractContextManager:
     """Where libraries' own prints go while the roles are built and measured (TFDS prints
     its dataset preparation on stdout): nowhere, or stderr with `-v`. Stdout keeps only
     the profile's JSON line."""
-    if flags.FLAGS[cli.VERBOSITY_FLAG].present:
+    if FLAGS[cli.VERBOSITY_FLAG].present:
         return contextlib.redirect_stdout(sys.stderr)
     return contextlib.redirect_stdout(io.StringIO())
 
@@ -301,15 +308,15 @@ def check_out_path(path: str) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    if _PRINT_CONFIG.value:
-        cli.print_config(_CONFIG.value, flags.FLAGS[_CONFIG.name].config_filename)
+    if FLAGS.print_config:
+        cli.print_config(FLAGS.config, FLAGS["config"].config_filename)
         return
-    out = cli.required(_OUT)
+    out = cli.required(FLAGS["out"])
     check_out_path(out)
-    name = cli.flag_argument(sys.argv, _CONFIG.name) or flags.FLAGS[_CONFIG.name].config_filename
+    name = cli.flag_argument(sys.argv, "config") or FLAGS["config"].config_filename
     workdir = tempfile.mkdtemp(prefix="profile_roles_")
     try:
-        profile = measure_profile(_CONFIG.value, name, workdir, _STEPS.value)
+        profile = measure_profile(FLAGS.config, name, workdir, FLAGS.steps)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -318,4 +325,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, user_errors=USER_ERRORS)

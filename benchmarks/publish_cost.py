@@ -41,13 +41,19 @@ from tba_jax.models import compute_dtype_cast, init_model, preset
 # Widths of the shrunk tree (micro's): the leaf count and the per-leaf work stay the preset's.
 SHRUNK = dict(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
 
-_SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset whose tree is published.")
-_FULL_WIDTH = flags.DEFINE_bool("full_width", False, "Keep the preset's own widths.")
-_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "Stacked layers (one leaf per kind).")
-_REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls of each (medians).", lower_bound=1)
-_COMPUTE_DTYPE = flags.DEFINE_enum(
-    "compute_dtype", None, ["bfloat16"], "Publish through the cast to this compute dtype."
-)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset whose tree is published.")
+    flags.DEFINE_bool("full_width", False, "Keep the preset's own widths.")
+    flags.DEFINE_bool("scan_layers", False, "Stacked layers (one leaf per kind).")
+    flags.DEFINE_integer("repeats", 50, "Timed calls of each (medians).", lower_bound=1)
+    flags.DEFINE_enum(
+        "compute_dtype", None, ["bfloat16"], "Publish through the cast to this compute dtype."
+    )
 
 
 def timed_ms(copy, repeats: int) -> tuple[float, float]:
@@ -65,26 +71,26 @@ def timed_ms(copy, repeats: int) -> tuple[float, float]:
 
 def main(argv: list[str]) -> None:
     del argv
-    widths = {} if _FULL_WIDTH.value else SHRUNK
-    dtype = dict(dtype=_COMPUTE_DTYPE.value) if _COMPUTE_DTYPE.value else {}
-    config = preset(_SHAPE.value, scan_layers=_SCAN_LAYERS.value, **widths, **dtype)
-    cast = compute_dtype_cast(config) if _COMPUTE_DTYPE.value else None
+    widths = {} if FLAGS.full_width else SHRUNK
+    dtype = dict(dtype=FLAGS.compute_dtype) if FLAGS.compute_dtype else {}
+    config = preset(FLAGS.shape, scan_layers=FLAGS.scan_layers, **widths, **dtype)
+    cast = compute_dtype_cast(config) if FLAGS.compute_dtype else None
     _, params = init_model(config, 0)
     params = jax.device_put(params, jax.devices()[0])
     shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
     publish_host_ms, publish_ms = timed_ms(
-        lambda: mesh_lib.publish(params, shardings, cast), _REPEATS.value
+        lambda: mesh_lib.publish(params, shardings, cast), FLAGS.repeats
     )
     _, device_put_ms = timed_ms(
-        lambda: jax.device_put(params, shardings, may_alias=False), _REPEATS.value
+        lambda: jax.device_put(params, shardings, may_alias=False), FLAGS.repeats
     )
     leaves = jax.tree.leaves(params)
     result = {
         "benchmark": "publish_cost",
-        "shape": _SHAPE.value,
-        "full_width": _FULL_WIDTH.value,
-        "scan_layers": _SCAN_LAYERS.value,
-        "compute_dtype": _COMPUTE_DTYPE.value,
+        "shape": FLAGS.shape,
+        "full_width": FLAGS.full_width,
+        "scan_layers": FLAGS.scan_layers,
+        "compute_dtype": FLAGS.compute_dtype,
         "leaves": len(leaves),
         "param_mib": round(sum(leaf.nbytes for leaf in leaves) / 2**20, 2),
         "publish_host_ms": round(publish_host_ms, 3),
@@ -101,4 +107,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -53,33 +53,35 @@ SMOKE = dict(sizes=[2000], full_adds=1000, draws=20)
 SAMPLES_PER_PROMPT_WHEN_FULL = 32
 CAPACITY_PER_PROMPT = 100
 
-_SIZES = flags.DEFINE_list("sizes", ["10000", "100000", "1000000"], "Buffer sizes N to fill.")
-_DRAW_RULES = flags.DEFINE_list("draw_rules", ["newest", "authors"], "replay.draw_rule values.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "P: tokens per prompt.", lower_bound=1)
-_MAX_RESPONSE_LEN = flags.DEFINE_integer(
-    "max_response_len", 128, "T: response lengths are uniform in 1..T.", lower_bound=1
-)
-_PROMPTS_PER_CALL = flags.DEFINE_integer(
-    "prompts_per_call", 16, "Prompts per add call.", lower_bound=1
-)
-_SAMPLES_PER_PROMPT = flags.DEFINE_integer(
-    "samples_per_prompt", 8, "S: samples per prompt.", lower_bound=1
-)
-_CALLS_PER_VERSION = flags.DEFINE_integer(
-    "calls_per_version", 10, "Add calls per policy version (and sync).", lower_bound=1
-)
-_BATCH_PROMPTS = flags.DEFINE_integer("batch_prompts", 16, "B: prompts per draw.", lower_bound=1)
-_BATCH_K = flags.DEFINE_integer("batch_k", 8, "K: samples per prompt per draw.", lower_bound=1)
-_RECENCY_PROB = flags.DEFINE_float(
-    "recency_prob", 0.5, "m: recency (online) probability.", lower_bound=0.0, upper_bound=1.0
-)
-_DRAWS = flags.DEFINE_integer("draws", 200, "Timed draws per size.", lower_bound=1)
-_FULL_ADDS = flags.DEFINE_integer(
-    "full_adds", 100_000, "Samples added to the full buffer (each evicting one).", lower_bound=0
-)
-_SMOKE = flags.DEFINE_boolean("smoke", False, f"Small and quick: {SMOKE}.")
-_ONE = flags.DEFINE_string("one", "", "Internal: measure one 'size,draw_rule' in this process.")
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_list("sizes", ["10000", "100000", "1000000"], "Buffer sizes N to fill.")
+    flags.DEFINE_list("draw_rules", ["newest", "authors"], "replay.draw_rule values.")
+    flags.DEFINE_integer("prompt_len", 64, "P: tokens per prompt.", lower_bound=1)
+    flags.DEFINE_integer(
+        "max_response_len", 128, "T: response lengths are uniform in 1..T.", lower_bound=1
+    )
+    flags.DEFINE_integer("prompts_per_call", 16, "Prompts per add call.", lower_bound=1)
+    flags.DEFINE_integer("samples_per_prompt", 8, "S: samples per prompt.", lower_bound=1)
+    flags.DEFINE_integer(
+        "calls_per_version", 10, "Add calls per policy version (and sync).", lower_bound=1
+    )
+    flags.DEFINE_integer("batch_prompts", 16, "B: prompts per draw.", lower_bound=1)
+    flags.DEFINE_integer("batch_k", 8, "K: samples per prompt per draw.", lower_bound=1)
+    flags.DEFINE_float(
+        "recency_prob", 0.5, "m: recency (online) probability.", lower_bound=0.0, upper_bound=1.0
+    )
+    flags.DEFINE_integer("draws", 200, "Timed draws per size.", lower_bound=1)
+    flags.DEFINE_integer(
+        "full_adds", 100_000, "Samples added to the full buffer (each evicting one).", lower_bound=0
+    )
+    flags.DEFINE_boolean("smoke", False, f"Small and quick: {SMOKE}.")
+    flags.DEFINE_string("one", "", "Internal: measure one 'size,draw_rule' in this process.")
+    flags.adopt_module_key_flags(cli)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,18 +99,18 @@ class Settings:
 
 
 def read_settings() -> Settings:
-    smoke = _SMOKE.value
+    smoke = FLAGS.smoke
     return Settings(
-        prompt_len=_PROMPT_LEN.value,
-        max_response_len=_MAX_RESPONSE_LEN.value,
-        prompts_per_call=_PROMPTS_PER_CALL.value,
-        samples_per_prompt=_SAMPLES_PER_PROMPT.value,
-        calls_per_version=_CALLS_PER_VERSION.value,
-        batch_prompts=_BATCH_PROMPTS.value,
-        batch_k=_BATCH_K.value,
-        recency_prob=_RECENCY_PROB.value,
-        draws=SMOKE["draws"] if smoke else _DRAWS.value,
-        full_adds=SMOKE["full_adds"] if smoke else _FULL_ADDS.value,
+        prompt_len=FLAGS.prompt_len,
+        max_response_len=FLAGS.max_response_len,
+        prompts_per_call=FLAGS.prompts_per_call,
+        samples_per_prompt=FLAGS.samples_per_prompt,
+        calls_per_version=FLAGS.calls_per_version,
+        batch_prompts=FLAGS.batch_prompts,
+        batch_k=FLAGS.batch_k,
+        recency_prob=FLAGS.recency_prob,
+        draws=SMOKE["draws"] if smoke else FLAGS.draws,
+        full_adds=SMOKE["full_adds"] if smoke else FLAGS.full_adds,
     )
 
 
@@ -123,8 +125,8 @@ def sizes_and_draw_rules() -> tuple[list[int], list[str]]:
     """The sizes and draw rules to measure; UsageError (in the parent, before any child is
     started) for a size that is no integer or holds less than one prompt's samples, and
     for a draw rule this ReplayBuffer does not have."""
-    sizes = _SIZES.value
-    if _SMOKE.value:
+    sizes = FLAGS.sizes
+    if FLAGS.smoke:
         sizes = SMOKE["sizes"]
     try:
         sizes = [int(size) for size in sizes]
@@ -138,12 +140,12 @@ def sizes_and_draw_rules() -> tuple[list[int], list[str]]:
             f">= {CAPACITY_PER_PROMPT}."
         )
     rules = draw_rules_here()
-    unknown = sorted(set(_DRAW_RULES.value) - set(rules))
-    if unknown or not _DRAW_RULES.value:
+    unknown = sorted(set(FLAGS.draw_rules) - set(rules))
+    if unknown or not FLAGS.draw_rules:
         raise cli.UsageError(
-            f"--draw_rules={','.join(_DRAW_RULES.value)}: choose from {list(rules)}."
+            f"--draw_rules={','.join(FLAGS.draw_rules)}: choose from {list(rules)}."
         )
-    return sizes, list(_DRAW_RULES.value)
+    return sizes, list(FLAGS.draw_rules)
 
 
 def resident_bytes() -> int:
@@ -311,8 +313,8 @@ def rounded(value):
 def main(argv: list[str]) -> None:
     del argv
     settings = read_settings()
-    if _ONE.value:
-        size, draw_rule = _ONE.value.split(",")
+    if FLAGS.one:
+        size, draw_rule = FLAGS.one.split(",")
         print(json.dumps(measure_one(int(size), draw_rule, settings)), flush=True)
         return
     sizes, draw_rules = sizes_and_draw_rules()
@@ -333,4 +335,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

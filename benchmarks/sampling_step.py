@@ -33,11 +33,17 @@ RULES = {
     "top_p": SamplingConfig(max_new_tokens=1, temperature=TEMPERATURE, top_p=0.92),
 }
 
-_ROWS = flags.DEFINE_integer("rows", 64, "Rows sampled at once.", lower_bound=1)
-_VOCAB = flags.DEFINE_integer("vocab", 128_256, "Vocabulary size.", lower_bound=2)
-_RULES = flags.DEFINE_list("rules", list(RULES), f"Sampling rules, of {list(RULES)}.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per rule.", lower_bound=1)
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_integer("rows", 64, "Rows sampled at once.", lower_bound=1)
+    flags.DEFINE_integer("vocab", 128_256, "Vocabulary size.", lower_bound=2)
+    flags.DEFINE_list("rules", list(RULES), f"Sampling rules, of {list(RULES)}.")
+    flags.DEFINE_integer("repeats", 5, "Timed steps per rule.", lower_bound=1)
+    flags.adopt_module_key_flags(cli)
 
 
 def median_ms(sampling: SamplingConfig, logits: jax.Array, repeats: int) -> float:
@@ -53,17 +59,17 @@ def median_ms(sampling: SamplingConfig, logits: jax.Array, repeats: int) -> floa
 
 def main(argv: list[str]) -> None:
     del argv
-    unknown = sorted(set(_RULES.value) - set(RULES))
+    unknown = sorted(set(FLAGS.rules) - set(RULES))
     if unknown:
         raise cli.UsageError(f"--rules names {unknown}; choose from {list(RULES)}.")
-    shape = (_ROWS.value, _VOCAB.value)
+    shape = (FLAGS.rows, FLAGS.vocab)
     logits = LOGIT_SCALE * jax.random.normal(jax.random.key(0), shape, jnp.float32)
     machine = cli.machine_fields()
-    for rule in _RULES.value:
+    for rule in FLAGS.rules:
         line = {
             "benchmark": "sampling_step",
             "rule": rule,
-            "median_ms": round(median_ms(RULES[rule], logits, _REPEATS.value), 2),
+            "median_ms": round(median_ms(RULES[rule], logits, FLAGS.repeats), 2),
             "rows": shape[0],
             "vocab": shape[1],
             **machine,
@@ -72,4 +78,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

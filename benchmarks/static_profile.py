@@ -108,50 +108,50 @@ LIBDEVICE_HINT = (
     "pip install nvidia-cuda-nvcc-cu12, beside jax-cuda12-plugin=={version}"
 )
 
-_PROGRAM = flags.DEFINE_enum(
-    "program",
-    "decode",
-    ["decode", "slot_decode", "score", "train", "reward_model"],
-    "Program to profile.",
-)
-_TARGET = flags.DEFINE_enum("target", "local", ["local", *TARGETS], "Device to compile for.")
-_SHAPE = flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset.")
-_BATCH = flags.DEFINE_integer("batch", 256, "Decode: rows decoded at once.", lower_bound=1)
-_PROMPT = flags.DEFINE_integer("prompt", 256, "Prompt tokens per row.", lower_bound=1)
-_NEW = flags.DEFINE_integer("new", 256, "New (response) tokens per row.", lower_bound=1)
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
-_PARAM_DTYPE = flags.DEFINE_enum(
-    "param_dtype",
-    None,
-    ["bfloat16", "float32"],
-    "Decode and score: the params' dtype (unset: --dtype; a run's searchers and π_ref hold "
-    "float32 params, which a decode loop casts once to --dtype).",
-)
-_LAYERS = flags.DEFINE_integer("layers", None, "The preset's depth if unset.", lower_bound=1)
-_VOCAB = flags.DEFINE_integer(
-    "vocab", None, "For presets without a vocabulary size.", lower_bound=2
-)
-_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "model.scan_layers.")
-_SCAN_DECODE = flags.DEFINE_bool("scan_decode", False, "model.scan_decode (and scan_layers).")
-_SEGMENTS = flags.DEFINE_integer("decode_segments", 1, "sampling.decode_segments.", lower_bound=1)
-_TRAIN_PROMPTS = flags.DEFINE_integer("train_prompts", 8, "Train: B.", lower_bound=1)
-_TRAIN_K = flags.DEFINE_integer("train_k", 20, "Train: K samples per prompt.", lower_bound=1)
-_MICROBATCHES = flags.DEFINE_integer(
-    "microbatches", 8, "Train and reward_model: micro-batches.", lower_bound=1
-)
-_PAIRS = flags.DEFINE_integer(
-    "pairs", 64, "reward_model: preference pairs a step (2 rows each).", lower_bound=1
-)
-_REMAT = flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "model.remat.")
-_ATTENTION = flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
-cli.define_decode_kernel_flags()
-_LOGPROB_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
-_HBM_TB_S = flags.DEFINE_float("hbm_tb_s", None, "HBM TB/s (unset: the target device's).")
-_PEAK_TFLOPS = flags.DEFINE_float(
-    "peak_tflops", None, "Dense bf16 TFLOP/s (unset: the target device's)."
-)
-_TOP = flags.DEFINE_integer("top", 12, "Largest kernel groups to list.", lower_bound=0)
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_enum(
+        "program",
+        "decode",
+        ["decode", "slot_decode", "score", "train", "reward_model"],
+        "Program to profile.",
+    )
+    flags.DEFINE_enum("target", "local", ["local", *TARGETS], "Device to compile for.")
+    flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset.")
+    flags.DEFINE_integer("batch", 256, "Decode: rows decoded at once.", lower_bound=1)
+    flags.DEFINE_integer("prompt", 256, "Prompt tokens per row.", lower_bound=1)
+    flags.DEFINE_integer("new", 256, "New (response) tokens per row.", lower_bound=1)
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
+    flags.DEFINE_enum(
+        "param_dtype",
+        None,
+        ["bfloat16", "float32"],
+        "Decode and score: the params' dtype (unset: --dtype; a run's searchers and π_ref hold "
+        "float32 params, which a decode loop casts once to --dtype).",
+    )
+    flags.DEFINE_integer("layers", None, "The preset's depth if unset.", lower_bound=1)
+    flags.DEFINE_integer("vocab", None, "For presets without a vocabulary size.", lower_bound=2)
+    flags.DEFINE_bool("scan_layers", False, "model.scan_layers.")
+    flags.DEFINE_bool("scan_decode", False, "model.scan_decode (and scan_layers).")
+    flags.DEFINE_integer("decode_segments", 1, "sampling.decode_segments.", lower_bound=1)
+    flags.DEFINE_integer("train_prompts", 8, "Train: B.", lower_bound=1)
+    flags.DEFINE_integer("train_k", 20, "Train: K samples per prompt.", lower_bound=1)
+    flags.DEFINE_integer("microbatches", 8, "Train and reward_model: micro-batches.", lower_bound=1)
+    flags.DEFINE_integer(
+        "pairs", 64, "reward_model: preference pairs a step (2 rows each).", lower_bound=1
+    )
+    flags.DEFINE_enum("remat", "none", list(REMAT_POLICIES), "model.remat.")
+    flags.DEFINE_enum("attention", "einsum", list(ATTENTIONS), "model.attention.")
+    cli.define_decode_kernel_flags()
+    flags.DEFINE_integer("logprob_chunk", 0, "model.logprob_chunk.", lower_bound=0)
+    flags.DEFINE_float("hbm_tb_s", None, "HBM TB/s (unset: the target device's).")
+    flags.DEFINE_float("peak_tflops", None, "Dense bf16 TFLOP/s (unset: the target device's).")
+    flags.DEFINE_integer("top", 12, "Largest kernel groups to list.", lower_bound=0)
+    flags.adopt_module_key_flags(cli)
 
 
 def target_device(target: str) -> jax.Device:
@@ -209,7 +209,7 @@ def compiling_for(device: jax.Device):
 def device_peaks(device: jax.Device) -> tuple[float, float]:
     """(HBM bytes/s, dense bf16 FLOP/s): --hbm_tb_s and --peak_tflops, or where unset the
     device's datasheet figures (`roofline.peaks_for`)."""
-    peaks = roofline.peaks_for(device.device_kind, _HBM_TB_S.value, _PEAK_TFLOPS.value)
+    peaks = roofline.peaks_for(device.device_kind, FLAGS.hbm_tb_s, FLAGS.peak_tflops)
     return peaks.hbm_bytes_per_s, peaks.dense_bf16_flops
 
 
@@ -217,37 +217,37 @@ def check_model() -> None:
     """UsageError, before anything is compiled, for a --shape that is no preset or has no
     vocabulary size without --vocab, for knobs the model refuses (e.g. cuDNN's attention
     in float32), and for cuDNN's attention on this machine's backend without a GPU."""
-    cli.check_preset_flags(_SHAPE.value, _VOCAB.value)
+    cli.check_preset_flags(FLAGS.shape, FLAGS.vocab)
     try:
-        model_config(_DTYPE.value)
+        model_config(FLAGS.dtype)
     except ValueError as error:
         raise cli.UsageError(str(error)) from error
-    if _ATTENTION.value == "cudnn" and _TARGET.value == "local":
+    if FLAGS.attention == "cudnn" and FLAGS.target == "local":
         cli.check_cudnn_backend(
             "--attention=cudnn", "pass --target=h100 to compile for one, or another --attention."
         )
 
 
 def lowering_platforms() -> tuple[str, ...] | None:
-    return ("cuda",) if _TARGET.value in TARGETS else None
+    return ("cuda",) if FLAGS.target in TARGETS else None
 
 
 def model_config(param_dtype: str):
-    sizes = dict(max_seq_len=_PROMPT.value + _NEW.value, vocab_size=_VOCAB.value)
-    if _LAYERS.value:
-        sizes["num_layers"] = _LAYERS.value
+    sizes = dict(max_seq_len=FLAGS.prompt + FLAGS.new, vocab_size=FLAGS.vocab)
+    if FLAGS.layers:
+        sizes["num_layers"] = FLAGS.layers
     return preset(
-        _SHAPE.value,
-        dtype=_DTYPE.value,
+        FLAGS.shape,
+        dtype=FLAGS.dtype,
         param_dtype=param_dtype,
-        **cli.execution_flags(lambda name: flags.FLAGS[name].value),
+        **cli.execution_flags(lambda name: FLAGS[name].value),
         **sizes,
     )
 
 
 def inference_param_dtype() -> str:
     """The params' dtype of decode and scoring: --param_dtype, else the compute dtype."""
-    return _PARAM_DTYPE.value or _DTYPE.value
+    return FLAGS.param_dtype or FLAGS.dtype
 
 
 def on_device(device: jax.Device, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -261,13 +261,13 @@ def compile_decode(device: jax.Device):
     params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
     vocab = decoder.vocab_size
     sampling = SamplingConfig(
-        max_new_tokens=_NEW.value,
+        max_new_tokens=FLAGS.new,
         temperature=TEMPERATURE,
         vocab_limit=vocab - 1,  # EOS (the last id) is never drawn: every row runs --new steps
-        decode_segments=_SEGMENTS.value,
+        decode_segments=FLAGS.decode_segments,
     )
     generate = make_generate_fn(model, sampling, eos_id=vocab - 1, pad_id=0)
-    rows = (_BATCH.value, _PROMPT.value)
+    rows = (FLAGS.batch, FLAGS.prompt)
     lowered = generate.trace(
         params,
         on_device(device, rows, jnp.int32),
@@ -284,11 +284,9 @@ def compile_slot_decode(device: jax.Device):
     model, abstract = abstract_model(decoder)
     params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
     vocab = decoder.vocab_size
-    sampling = SamplingConfig(max_new_tokens=_NEW.value, temperature=TEMPERATURE)
+    sampling = SamplingConfig(max_new_tokens=FLAGS.new, temperature=TEMPERATURE)
     decode = engine.decode_program(model, sampling, eos_id=vocab - 1, pad_id=0)
-    slots = jax.eval_shape(
-        lambda: engine.init_slots(model, _BATCH.value, _PROMPT.value, _NEW.value)
-    )
+    slots = jax.eval_shape(lambda: engine.init_slots(model, FLAGS.batch, FLAGS.prompt, FLAGS.new))
     slots = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), slots)
     count = on_device(device, (), jnp.int32)
     lowered = decode.trace(
@@ -303,7 +301,7 @@ def compile_score(device: jax.Device):
     model, abstract = abstract_model(scorer)
     params = jax.tree.map(lambda leaf: on_device(device, leaf.shape, leaf.dtype), abstract)
     score = make_score_fn(model, temperature=TEMPERATURE)
-    prompts, responses = (_BATCH.value, _PROMPT.value), (_BATCH.value, _NEW.value)
+    prompts, responses = (FLAGS.batch, FLAGS.prompt), (FLAGS.batch, FLAGS.new)
     lowered = score.trace(
         params,
         on_device(device, prompts, jnp.int32),
@@ -343,17 +341,17 @@ def compile_train_step(device: jax.Device):
         state_sharding,
         mesh,
         beta=BETA,
-        samples_per_prompt=_TRAIN_K.value,
-        num_microbatches=_MICROBATCHES.value,
+        samples_per_prompt=FLAGS.train_k,
+        num_microbatches=FLAGS.microbatches,
         temperature=TEMPERATURE,
     )
-    rows = _TRAIN_PROMPTS.value * _TRAIN_K.value
+    rows = FLAGS.train_prompts * FLAGS.train_k
     batch = abstract_batch(
         {
-            "prompt_tokens": ((rows, _PROMPT.value), np.int32),
-            "prompt_mask": ((rows, _PROMPT.value), np.bool_),
-            "response_tokens": ((rows, _NEW.value), np.int32),
-            "response_mask": ((rows, _NEW.value), np.float32),
+            "prompt_tokens": ((rows, FLAGS.prompt), np.int32),
+            "prompt_mask": ((rows, FLAGS.prompt), np.bool_),
+            "response_tokens": ((rows, FLAGS.new), np.int32),
+            "response_mask": ((rows, FLAGS.new), np.float32),
             "reward": ((rows,), np.float32),
             "logp_ref": ((rows,), np.float32),
             "logp_behaviour": ((rows,), np.float32),
@@ -372,11 +370,11 @@ def compile_reward_model_step(device: jax.Device):
     step = train_reward_model.make_train_step(
         model,
         optimizer,
-        num_microbatches=_MICROBATCHES.value,
+        num_microbatches=FLAGS.microbatches,
         state_sharding=state_sharding,
         mesh=mesh,
     )
-    shape = (_PAIRS.value, _PROMPT.value + _NEW.value)
+    shape = (FLAGS.pairs, FLAGS.prompt + FLAGS.new)
     batch = abstract_batch(
         {
             name: (shape, np.bool_ if name.endswith("mask") else np.int32)
@@ -401,7 +399,7 @@ def print_kernels(loop: hlo_traffic.Loop, title: str) -> list[hlo_traffic.Access
     print(title)
     for kind, moved in hlo_traffic.bytes_by_kind(loop).items():
         print(f"  {readable(moved):>10s}  {kind}")
-    largest = hlo_traffic.largest_groups(loop, _TOP.value)
+    largest = hlo_traffic.largest_groups(loop, FLAGS.top)
     for group in largest:
         print(f"  {readable(group.bytes):>10s}  {group.count:4d} × {group.kind:16s} {group.shape}")
     return largest
@@ -416,8 +414,8 @@ def segment_steps(sampling: SamplingConfig) -> list[int]:
 def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) -> dict:
     """A decode step's bytes (`step_bytes`; `loop`: the step whose kernels are listed,
     under `title`) against `roofline.decode_step_bytes` at the flags' shape."""
-    dtype_bytes = jnp.dtype(_DTYPE.value).itemsize
-    shape = (decoder, _BATCH.value, _PROMPT.value, _NEW.value, dtype_bytes, dtype_bytes)
+    dtype_bytes = jnp.dtype(FLAGS.dtype).itemsize
+    shape = (decoder, FLAGS.batch, FLAGS.prompt, FLAGS.new, dtype_bytes, dtype_bytes)
     ideal = roofline.decode_step_bytes(*shape)
     largest = print_kernels(
         loop,
@@ -425,8 +423,8 @@ def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) 
         f"{loop.kernels_per_iteration()} kernels a step:",
     )
     return {
-        "batch": _BATCH.value,
-        "scan_decode": _SCAN_DECODE.value,
+        "batch": FLAGS.batch,
+        "scan_decode": FLAGS.scan_decode,
         "static_step_bytes": round(step_bytes),
         "roofline_step_bytes": round(ideal),
         "static_over_roofline": round(step_bytes / ideal, 3),
@@ -450,7 +448,7 @@ def decode_profile(device: jax.Device) -> dict:
     last = loops[-1]  # the last segment attends over the whole cache: its kernels are listed
     title = f"decode step on {device.device_kind} (kernels: the last segment's)"
     return {
-        "decode_segments": _SEGMENTS.value,
+        "decode_segments": FLAGS.decode_segments,
         "segment_step_bytes": [loop.bytes_per_iteration() for loop in loops],
         **decode_step_figures(compiled, decoder, moved / sum(steps), last, title),
     }
@@ -497,12 +495,12 @@ def kernel_profile(compiled, device: jax.Device, what: str, model_flops: float) 
 
 def score_profile(device: jax.Device) -> dict:
     compiled, scorer = compile_score(device)
-    seq_len = _PROMPT.value + _NEW.value
-    tokens = _BATCH.value * seq_len
+    seq_len = FLAGS.prompt + FLAGS.new
+    tokens = FLAGS.batch * seq_len
     model_flops = tokens * roofline.forward_flops_per_token(scorer, seq_len)
     profile = kernel_profile(compiled, device, "π_ref scoring", model_flops)
     return {
-        "batch": _BATCH.value,
+        "batch": FLAGS.batch,
         "attention": scorer.attention,
         "roofline_tokens_per_s": tokens / profile["roofline_seconds"],
         **profile,
@@ -511,12 +509,12 @@ def score_profile(device: jax.Device) -> dict:
 
 def train_profile(device: jax.Device) -> dict:
     compiled, mixed, rows = compile_train_step(device)
-    seq_len = _PROMPT.value + _NEW.value
+    seq_len = FLAGS.prompt + FLAGS.new
     model_flops = rows * seq_len * roofline.train_flops_per_token(mixed, seq_len)
     return {
         "sequences": rows,
         "seq_len": seq_len,
-        "microbatches": _MICROBATCHES.value,
+        "microbatches": FLAGS.microbatches,
         "scan_layers": mixed.scan_layers,
         "remat": mixed.remat,
         "attention": mixed.attention,
@@ -527,13 +525,13 @@ def train_profile(device: jax.Device) -> dict:
 
 def reward_model_profile(device: jax.Device) -> dict:
     compiled, scorer = compile_reward_model_step(device)
-    seq_len = _PROMPT.value + _NEW.value
-    rows = 2 * _PAIRS.value
+    seq_len = FLAGS.prompt + FLAGS.new
+    rows = 2 * FLAGS.pairs
     model_flops = rows * seq_len * roofline.train_flops_per_token(scorer, seq_len)
     return {
-        "pairs": _PAIRS.value,
+        "pairs": FLAGS.pairs,
         "seq_len": seq_len,
-        "microbatches": _MICROBATCHES.value,
+        "microbatches": FLAGS.microbatches,
         "remat": scorer.remat,
         "attention": scorer.attention,
         **kernel_profile(compiled, device, "reward-model step", model_flops),
@@ -542,29 +540,29 @@ def reward_model_profile(device: jax.Device) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
-    if _TARGET.value != "local":
+    if FLAGS.target != "local":
         # A compile-only target needs no accelerator backend: keep JAX from looking for one.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         jax.config.update("jax_platforms", "cpu")
     check_model()
-    device = target_device(_TARGET.value)
+    device = target_device(FLAGS.target)
     profile = {
         "decode": decode_profile,
         "slot_decode": slot_decode_profile,
         "score": score_profile,
         "train": train_profile,
         "reward_model": reward_model_profile,
-    }[_PROGRAM.value]
+    }[FLAGS.program]
     line = {
         "benchmark": "static_profile",
-        "program": _PROGRAM.value,
-        "target": _TARGET.value,
+        "program": FLAGS.program,
+        "target": FLAGS.target,
         "device_kind": device.device_kind,
-        "shape": _SHAPE.value,
-        "dtype": _DTYPE.value,
-        "param_dtype": "float32" if _PROGRAM.value in LEARNER_PROGRAMS else inference_param_dtype(),
-        "prompt": _PROMPT.value,
-        "new": _NEW.value,
+        "shape": FLAGS.shape,
+        "dtype": FLAGS.dtype,
+        "param_dtype": "float32" if FLAGS.program in LEARNER_PROGRAMS else inference_param_dtype(),
+        "prompt": FLAGS.prompt,
+        "new": FLAGS.new,
     }
     with compiling_for(device):
         line.update(profile(device))
@@ -572,4 +570,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

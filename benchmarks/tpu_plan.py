@@ -90,17 +90,23 @@ LIBTPU_HINT = (
 PROGRAMS = ("learner", "search")
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status when a program's plan exceeds the HBM
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
-_SLICE = flags.DEFINE_enum("slice", "v5e-4", [*SLICES, "local"], "The TPU slice to plan for.")
-_PROGRAMS = flags.DEFINE_list("programs", list(PROGRAMS), "Which programs: learner, search.")
-_ISOLATE = flags.DEFINE_boolean(
-    "isolate",
-    True,
-    "Compile each program in a child process, so a compiler that ends its process is "
-    "reported (compiled: false) instead of ending the plan.",
-)
-flags.mark_flag_as_required("config")
-flags.adopt_module_key_flags(cli)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
+    flags.DEFINE_enum("slice", "v5e-4", [*SLICES, "local"], "The TPU slice to plan for.")
+    flags.DEFINE_list("programs", list(PROGRAMS), "Which programs: learner, search.")
+    flags.DEFINE_boolean(
+        "isolate",
+        True,
+        "Compile each program in a child process, so a compiler that ends its process is "
+        "reported (compiled: false) instead of ending the plan.",
+    )
+    flags.mark_flag_as_required("config")
+    flags.adopt_module_key_flags(cli)
 
 
 def slice_devices(name: str) -> list:
@@ -266,18 +272,18 @@ def child_result(program: str, done: subprocess.CompletedProcess, figures: dict)
 
 def main(argv: list[str]) -> None:
     del argv
-    if _SLICE.value != "local":
+    if FLAGS.slice != "local":
         # A compile-only slice needs no accelerator backend: keep JAX from looking for one.
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         jax.config.update("jax_platforms", "cpu")
-    config = _CONFIG.value
+    config = FLAGS.config
     config_lib.check_config_kind(config)
-    unknown = set(_PROGRAMS.value) - set(PROGRAMS)
+    unknown = set(FLAGS.programs) - set(PROGRAMS)
     if unknown:
         raise cli.UsageError(f"--programs takes {', '.join(PROGRAMS)}, not {sorted(unknown)}")
-    config_lib.check_attention(config, backend="tpu" if _SLICE.value != "local" else None)
-    devices = slice_devices(_SLICE.value)
-    hbm_gib = None if _SLICE.value == "local" else SLICES[_SLICE.value].hbm_gib
+    config_lib.check_attention(config, backend="tpu" if FLAGS.slice != "local" else None)
+    devices = slice_devices(FLAGS.slice)
+    hbm_gib = None if FLAGS.slice == "local" else SLICES[FLAGS.slice].hbm_gib
     model, abstract = policy_model(config)
     meshes = mesh_lib.make_role_meshes(
         config.mesh.sampler_devices,
@@ -288,7 +294,7 @@ def main(argv: list[str]) -> None:
     )
     hosts = len({device.process_index for device in devices})
     print(
-        f"{_SLICE.value}: {len(devices)} {devices[0].device_kind} chips on {hosts} "
+        f"{FLAGS.slice}: {len(devices)} {devices[0].device_kind} chips on {hosts} "
         + ("host" if hosts == 1 else "hosts")
         + (f", {hbm_gib:g} GiB each" if hbm_gib else "")
         + f"; JAX {jax.__version__}; {param_count(model.config.num_params())} params",
@@ -299,9 +305,9 @@ def main(argv: list[str]) -> None:
         "search": (compile_search, meshes.sampler),
     }
     results = []
-    for program in _PROGRAMS.value:
+    for program in FLAGS.programs:
         compile_program, mesh = compilers[program]
-        if _ISOLATE.value:
+        if FLAGS.isolate:
             done = subprocess.run(
                 child_command(program), capture_output=True, text=True, env=child_env()
             )
@@ -312,7 +318,7 @@ def main(argv: list[str]) -> None:
         print(json.dumps(figures), flush=True)
     summary = {
         "bench": "tpu_plan",
-        "slice": _SLICE.value,
+        "slice": FLAGS.slice,
         "chips": len(devices),
         "hosts": hosts,
         "plans": results,
@@ -325,4 +331,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

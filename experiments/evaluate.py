@@ -64,32 +64,38 @@ SETTINGS_ID_HEX_DIGITS = 8
 # in its own key): left out of an evaluation's config_changes.
 LABEL_KEYS = ("variant",)
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's workdir.")
-_CHECKPOINT = flags.DEFINE_string(
-    "checkpoint",
-    None,
-    f"A checkpoint folder, <workdir>/{CHECKPOINTS_SUBDIR}/<step>: instead of --workdir and "
-    "--checkpoint_step.",
-)
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Optional config (path[:variant]) replacing <workdir>/config.json."
-)
-_CHECKPOINT_STEP = flags.DEFINE_integer("checkpoint_step", None, "Checkpoint; default: latest.")
-_NUM_SAMPLES = flags.DEFINE_integer(
-    "num_samples", None, "Sampled responses per problem for pass@k (0: greedy only)."
-)
-_KS = flags.DEFINE_list("ks", None, "The k of pass@k, e.g. 1,4,16 (each <= num_samples).")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Response length limit.")
-_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "First N test problems; 0: all.")
-_OUT = flags.DEFINE_string(
-    "out",
-    None,
-    f"Output JSON instead of <workdir>/{EVALS_SUBDIR}/step_<step>[_<id>].json (and "
-    f"<workdir>/{OUT_FILENAME}).",
-)
-flags.adopt_module_key_flags(cli)  # -v / --verbosity in --help
-distributed.define_flags()
-flags.adopt_module_key_flags(distributed)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    flags.DEFINE_string("workdir", None, "The training run's workdir.")
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        f"A checkpoint folder, <workdir>/{CHECKPOINTS_SUBDIR}/<step>: instead of --workdir and "
+        "--checkpoint_step.",
+    )
+    config_flags.DEFINE_config_file(
+        "config", None, "Optional config (path[:variant]) replacing <workdir>/config.json."
+    )
+    flags.DEFINE_integer("checkpoint_step", None, "Checkpoint; default: latest.")
+    flags.DEFINE_integer(
+        "num_samples", None, "Sampled responses per problem for pass@k (0: greedy only)."
+    )
+    flags.DEFINE_list("ks", None, "The k of pass@k, e.g. 1,4,16 (each <= num_samples).")
+    flags.DEFINE_integer("max_new_tokens", None, "Response length limit.")
+    flags.DEFINE_integer("num_examples", None, "First N test problems; 0: all.")
+    flags.DEFINE_string(
+        "out",
+        None,
+        f"Output JSON instead of <workdir>/{EVALS_SUBDIR}/step_<step>[_<id>].json (and "
+        f"<workdir>/{OUT_FILENAME}).",
+    )
+    flags.adopt_module_key_flags(cli)  # -v / --verbosity in --help
+    distributed.define_flags()
+    flags.adopt_module_key_flags(distributed)
 
 
 class OutputConflictError(Exception):
@@ -151,10 +157,10 @@ def parse_ks(values: list[str]) -> tuple[int, ...]:
 def flag_overrides() -> dict:
     """The evaluation settings given as flags, by their EvalSettings field name."""
     given = {
-        "max_new_tokens": _MAX_NEW_TOKENS.value,
-        "num_examples": _NUM_EXAMPLES.value,
-        "num_samples": _NUM_SAMPLES.value,
-        "ks": parse_ks(_KS.value) if _KS.value else None,
+        "max_new_tokens": FLAGS.max_new_tokens,
+        "num_examples": FLAGS.num_examples,
+        "num_samples": FLAGS.num_samples,
+        "ks": parse_ks(FLAGS.ks) if FLAGS.ks else None,
     }
     return {name: value for name, value in given.items() if value is not None}
 
@@ -355,16 +361,16 @@ USER_ERRORS = (
 
 def main(argv):
     del argv
-    if (flags.FLAGS.num_processes or 1) > 1 or distributed.cluster_detected():
+    if (FLAGS.num_processes or 1) > 1 or distributed.cluster_detected():
         # a run of any layout is evaluated from its checkpoint by one process
         raise cli.UsageError(
             "experiments/evaluate.py runs as one process (it reads the checkpoint of a run "
             "made by any number of processes); start it without tba_jax.launch / srun, on "
             "one host."
         )
-    workdir, step = run_and_step(_WORKDIR.value, _CHECKPOINT.value, _CHECKPOINT_STEP.value)
+    workdir, step = run_and_step(FLAGS.workdir, FLAGS.checkpoint, FLAGS.checkpoint_step)
     run_config = runs.load_config(workdir)
-    config = _CONFIG.value or run_config
+    config = FLAGS.config or run_config
     config_lib.check_config_kind(config)
     settings = runs.eval_settings(config, flag_overrides())
     evaluation.check_settings(settings)
@@ -374,7 +380,7 @@ def main(argv):
     def identify(step_read: int) -> EvalIdentity:
         """The evaluation's identity, its output checked (before anything is evaluated)."""
         identity = eval_identity(run_config, config, settings, step_read)
-        check_replaceable(_OUT.value or eval_path(workdir, identity), identity)
+        check_replaceable(FLAGS.out or eval_path(workdir, identity), identity)
         return identity
 
     identify(latest_step if step is None else step)  # before any data or checkpoint is read
@@ -382,7 +388,7 @@ def main(argv):
     with runs.steps_picked_with("--checkpoint_step"):
         result = evaluate_run(config, workdir, step, settings, identify)
     identity = EvalIdentity(result["step"], result["settings_id"], result["settings"])
-    written = write_result(workdir, _OUT.value, result, max(latest_step, identity.step))
+    written = write_result(workdir, FLAGS.out, result, max(latest_step, identity.step))
     logging.info("Wrote %s: %s", ", ".join(written), json.dumps(result, sort_keys=True))
     print(
         json.dumps({"step": identity.step, "settings_id": identity.settings_id, "files": written})
@@ -390,4 +396,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, user_errors=USER_ERRORS)

@@ -27,20 +27,27 @@ from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.train import check_only, train_and_evaluate
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and summary.json go.")
-_PRINT_CONFIG = cli.define_print_config_flag()
-_CHECK_ONLY = flags.DEFINE_bool(
-    "check_only",
-    False,
-    "Make every check the run makes before its first write (config values, meshes, Hugging "
-    "Face folders, the task's role models, the workdir), say what it would start from, and "
-    "exit without writing anything.",
-)
-flags.adopt_module_key_flags(cli)
-distributed.define_flags()
-flags.adopt_module_key_flags(distributed)
-flags.mark_flag_as_required("config")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
+    flags.DEFINE_string("workdir", None, "Where checkpoints, logs and summary.json go.")
+    cli.define_print_config_flag()
+    flags.DEFINE_bool(
+        "check_only",
+        False,
+        "Make every check the run makes before its first write (config values, meshes, Hugging "
+        "Face folders, the task's role models, the workdir), say what it would start from, and "
+        "exit without writing anything.",
+    )
+    flags.adopt_module_key_flags(cli)
+    distributed.define_flags()
+    flags.adopt_module_key_flags(distributed)
+    flags.mark_flag_as_required("config")
+
 
 # A missing file here (e.g. a model.hf_path folder without tokenizer files) is a user's.
 USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError)
@@ -48,23 +55,24 @@ USER_ERRORS = (ConfigError, CheckpointMismatchError, FileNotFoundError)
 
 def main(argv):
     del argv
-    if _PRINT_CONFIG.value:
-        cli.print_config(_CONFIG.value, flags.FLAGS[_CONFIG.name].config_filename)
+    if FLAGS.print_config:
+        cli.print_config(FLAGS.config, FLAGS["config"].config_filename)
         return
-    workdir = cli.required(_WORKDIR)
-    cli.check_output_dir(workdir, _WORKDIR.name)
+    workdir = cli.required(FLAGS["workdir"])
+    cli.check_output_dir(workdir, "workdir")
     try:
         distributed.initialize_from_flags()
     except ValueError as error:
         raise cli.UsageError(str(error)) from None
-    cli.note_unread_keys(sys.argv, _CONFIG.name)
-    if _CHECK_ONLY.value:
-        lines = check_only(_CONFIG.value, workdir)
+    cli.note_unread_keys(sys.argv, "config")
+    if FLAGS.check_only:
+        lines = check_only(FLAGS.config, workdir)
         if jax.process_index() == 0:  # one report, not one a process
             print("\n".join(lines))
         return
-    train_and_evaluate(_CONFIG.value, workdir)
+    train_and_evaluate(FLAGS.config, workdir)
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, user_errors=USER_ERRORS)

@@ -23,24 +23,32 @@ from tba_jax.checkpoint import CheckpointMismatchError
 from tba_jax.config_lib import ConfigError
 from tba_jax.train_reward_model import train_reward_model
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where the model, logs and rm_summary.json go.")
-_PRINT_CONFIG = cli.define_print_config_flag()
-flags.adopt_module_key_flags(cli)
-flags.mark_flag_as_required("config")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a script, so importing this module
+    for its functions registers nothing in absl's global flags)."""
+    config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
+    flags.DEFINE_string("workdir", None, "Where the model, logs and rm_summary.json go.")
+    cli.define_print_config_flag()
+    flags.adopt_module_key_flags(cli)
+    flags.mark_flag_as_required("config")
+
 
 USER_ERRORS = (ConfigError, FileNotFoundError, CheckpointMismatchError)
 
 
 def main(argv):
     del argv
-    if _PRINT_CONFIG.value:
-        cli.print_config(_CONFIG.value, flags.FLAGS[_CONFIG.name].config_filename)
+    if FLAGS.print_config:
+        cli.print_config(FLAGS.config, FLAGS["config"].config_filename)
         return
-    workdir = cli.required(_WORKDIR)
-    cli.check_output_dir(workdir, _WORKDIR.name)
-    train_reward_model(_CONFIG.value, workdir)  # its check_config: the kind, out_dir, ...
+    workdir = cli.required(FLAGS["workdir"])
+    cli.check_output_dir(workdir, "workdir")
+    train_reward_model(FLAGS.config, workdir)  # its check_config: the kind, out_dir, ...
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, user_errors=USER_ERRORS)

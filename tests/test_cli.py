@@ -5,6 +5,7 @@ a new run) can load. Unit tests of tba_jax.cli and tba_jax.config_keys follow.""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -342,6 +343,25 @@ def test_help_exits_0_and_shows_the_flags(script):
 
 def test_short_help_exits_0():
     assert run_script("train.py", "-h").returncode == 0
+
+
+def test_importing_every_launcher_and_benchmark_defines_no_flag():
+    """A notebook or a test imports a script for its functions: the scripts define their
+    flags in `define_flags()`, run only as a script, so two of them never clash."""
+    scripts = [
+        f"{folder}.{name[: -len('.py')]}"
+        for folder in ("experiments", "benchmarks")
+        for name in sorted(os.listdir(os.path.join(REPO_ROOT, folder)))
+        if name.endswith(".py") and name != "__init__.py"
+    ]
+    for script in scripts:
+        importlib.import_module(script)
+    defined_by_scripts = {
+        module: [flag.name for flag in module_flags]
+        for module, module_flags in flags.FLAGS.flags_by_module_dict().items()
+        if module.split(".")[0] in ("experiments", "benchmarks")
+    }
+    assert len(scripts) > 20 and defined_by_scripts == {}
 
 
 def test_print_config_lists_every_key_resolved(tmp_path):
