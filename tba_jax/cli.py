@@ -22,6 +22,9 @@
   notebook, or a script that calls `train.train_and_evaluate` itself).
 
 A launcher adopts these flags in its `--help` with `flags.adopt_module_key_flags(cli)`.
+Each launcher (experiments/) and benchmark (benchmarks/) defines its flags in its own
+`define_flags()`, which only its `if __name__ == "__main__":` calls: a notebook or a test
+imports any of them for its functions, and two of them never define the same flag twice.
 """
 
 from __future__ import annotations
