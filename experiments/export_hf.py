@@ -1,13 +1,13 @@
 r"""Exports a training run's policy as a Hugging Face folder transformers loads.
 
     python experiments/export_hf.py --workdir=/tmp/from_hf --out=/tmp/exported
-    python experiments/export_hf.py --workdir=W --out=DIR --dtype=bfloat16 --step=100 \
+    python experiments/export_hf.py --workdir=W --out=DIR --dtype=bfloat16 --checkpoint_step=100 \
         --hf_config_overrides='{"eos_token_id": 2}'
     python experiments/export_hf.py --workdir=W --out=DIR --critic   # a PPO run's critic
     python experiments/export_hf.py --workdir=W --out=DIR --overwrite  # replace an export
 
 Writes config.json and the weights (sharded with an index past 5 GB) of the latest (or
-`--step`'s) checkpoint in `--workdir`, and the run's tokenizer with its token ids in
+`--checkpoint_step`'s) checkpoint in `--workdir`, and the run's tokenizer with its token ids in
 config.json, so the export is usable as it is (in transformers, or as `model.hf_path` of a
 new run): a run started from a Hugging Face folder (`model.hf_path`) gets that folder's
 tokenizer files; a run with the built-in char tokenizer (the arithmetic demo) gets it as a
@@ -204,7 +204,10 @@ def define_flags() -> None:
     flags.DEFINE_string("workdir", None, "The training run's --workdir.")
     flags.DEFINE_string("out", None, "Output folder.")
     flags.DEFINE_enum("dtype", None, sorted(DTYPES), "Stored dtype; default the params'.")
-    flags.DEFINE_integer("step", None, "Checkpoint step; default the latest.")
+    flags.DEFINE_integer(
+        "checkpoint_step", None, "Checkpoint step; default the latest (as evaluate.py's)."
+    )
+    flags.DEFINE_alias("step", "checkpoint_step")  # its name before it matched evaluate.py's
     flags.DEFINE_string(
         "hf_config_overrides",
         None,
@@ -228,12 +231,12 @@ def main(argv):
     values = flags.FLAGS
     overrides = parse_overrides(values.hf_config_overrides)
     cli.check_output_dir(values.out, "out")
-    with runs.steps_picked_with("--step"):
+    with runs.steps_picked_with("--checkpoint_step"):
         result = export_run(
             values.workdir,
             values.out,
             dtype=values.dtype,
-            step=values.step,
+            step=values.checkpoint_step,
             hf_config_overrides=overrides,
             critic=values.critic,
             overwrite=values.overwrite,

@@ -697,7 +697,8 @@ def saved_step(workdir: str, step: int | None, steps: list[int]) -> int:
         return steps[-1]
     if step not in steps:
         raise FileNotFoundError(
-            f"No checkpoint for step {step} in workdir {workdir}; available steps: {steps}."
+            f"No checkpoint for step {step} in workdir {workdir}; available steps: {steps}; "
+            f"pass one as {STEP_OPTION.get()}, or none for the latest."
         )
     return step
 

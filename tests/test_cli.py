@@ -139,11 +139,12 @@ def test_a_folder_without_tokenizer_files_is_a_one_line_error(exported, tmp_path
     assert "tokenizer.json" in error_line(result)
 
 
-def test_export_names_the_steps_there_are(smoke_run, tmp_path):
+@pytest.mark.parametrize("flag", ["--checkpoint_step", "--step"])  # --step: its older name
+def test_export_names_the_steps_there_are(smoke_run, tmp_path, flag):
     workdir, _ = smoke_run
-    result = run_script("export_hf.py", f"--workdir={workdir}", f"--out={tmp_path}", "--step=3")
+    result = run_script("export_hf.py", f"--workdir={workdir}", f"--out={tmp_path}", f"{flag}=3")
     assert "No checkpoint for step 3" in error_line(result)
-    assert "available steps: [2, 4]" in error_line(result)
+    assert "available steps: [2, 4]; pass one as --checkpoint_step," in error_line(result)
 
 
 def test_evaluate_names_the_steps_there_are_and_an_unfinished_run(smoke_run, tmp_path):
