@@ -6,12 +6,16 @@ holds on a model deeper and wider than the smoke run's."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
-from support import REPO_ROOT, run_repo_script
+from support import run_repo_script
+
+from benchmarks import engine_speed
+from tba_jax.models import init_model, preset
+from tba_jax.models.tokenizers import CharTokenizer
 
 SCRIPT = "benchmarks/engine_speed.py"
 SMOKE_SECONDS = 120  # ~13 s on 2 CPU cores, most of it imports and compiling
@@ -100,52 +104,28 @@ def test_a_bad_engine_flag_is_one_error_line_naming_the_flag(flag, error):
     assert len(lines) == 1 and lines[0].startswith(error)
 
 
-# Run in its own process: importing the script defines its absl flags, which clash with
-# another script's (experiments/evaluate.py's --max_new_tokens) in a shared test worker.
-EOS_LOGITS_PROGRAM = """
-import json, sys
-import jax.numpy as jnp, numpy as np
-from benchmarks import engine_speed
-from tba_jax.models import init_model, preset
-from tba_jax.models.tokenizers import CharTokenizer
-
-tokenizer = CharTokenizer.for_text()
-config = preset("small", dtype="bfloat16", param_dtype="bfloat16",
-                vocab_size=tokenizer.vocab_size)
-model, params = init_model(config, seed=0)
-tokens = jnp.asarray(
-    np.random.default_rng(0).integers(3, tokenizer.vocab_size, size=(2, 48)), jnp.int32)
-positions = jnp.broadcast_to(jnp.arange(48), tokens.shape)
-valid = jnp.ones_like(tokens, bool)
-for bias in map(float, sys.argv[1:]):
-    biased = engine_speed.length_params(params, tokenizer.eos_id, bias)
-    logits = np.asarray(
-        model.head(biased, model.features(biased, tokens, positions, valid)), np.float32)
-    others = np.delete(logits, tokenizer.eos_id, axis=-1)
-    print(json.dumps({"bias": bias, "eos": logits[..., tokenizer.eos_id].ravel().tolist(),
-                      "largest_other": float(np.abs(others).max())}))
-"""
-
-
-def test_the_eos_bias_sets_the_eos_logit_at_every_position_of_a_deeper_model():
+@pytest.mark.parametrize("bias", [-50.0, 2.0])
+def test_the_eos_bias_sets_the_eos_logit_at_every_position_of_a_deeper_model(bias):
     """`length_params` on the `small` preset in bfloat16 (4 layers, width 256): the EOS
     logit is the bias at every position and the other logits stay near 0, so the EOS
     probability per step is what the mixes assume. With the old carrier (embedding column
     0 = 3) the EOS logit came out at -31 for a bias of -50 here, and near 0 on rho-1b."""
-    biases = [-50.0, 2.0]
-    result = subprocess.run(
-        [sys.executable, "-c", EOS_LOGITS_PROGRAM, *map(str, biases)],
-        capture_output=True,
-        text=True,
-        timeout=SMOKE_SECONDS,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
+    tokenizer = CharTokenizer.for_text()
+    config = preset(
+        "small", dtype="bfloat16", param_dtype="bfloat16", vocab_size=tokenizer.vocab_size
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
-    assert [line["bias"] for line in lines] == biases
-    for line in lines:
-        assert len(line["eos"]) == 2 * 48
-        for eos in line["eos"]:
-            assert abs(eos - line["bias"]) <= 0.05 * abs(line["bias"]), line["bias"]
-        assert line["largest_other"] < 0.05, line["bias"]
+    model, params = init_model(config, seed=0)
+    tokens = jnp.asarray(
+        np.random.default_rng(0).integers(3, tokenizer.vocab_size, size=(2, 48)), jnp.int32
+    )
+    positions = jnp.broadcast_to(jnp.arange(48), tokens.shape)
+    valid = jnp.ones_like(tokens, bool)
+    biased = engine_speed.length_params(params, tokenizer.eos_id, bias)
+    logits = np.asarray(
+        model.head(biased, model.features(biased, tokens, positions, valid)), np.float32
+    )
+    eos = logits[..., tokenizer.eos_id]
+    assert eos.shape == (2, 48)
+    np.testing.assert_allclose(eos, bias, atol=0.05 * abs(bias), rtol=0)
+    others = np.delete(logits, tokenizer.eos_id, axis=-1)
+    assert np.abs(others).max() < 0.05
