@@ -118,31 +118,6 @@ class EvalIdentity:
         return stored.get("step") == self.step and stored.get("settings") == self.settings
 
 
-def run_and_step(workdir: str | None, checkpoint: str | None, step: int | None):
-    """(workdir, step or None for the latest) from --workdir / --checkpoint_step or from a
-    --checkpoint folder `<workdir>/checkpoints/<step>`; ConfigError when they disagree."""
-    if checkpoint is None:
-        if workdir is None:
-            raise ConfigError("Pass --workdir (a training run's workdir) or --checkpoint.")
-        return workdir, step
-    folder = os.path.abspath(checkpoint.rstrip("/"))
-    parent, name = os.path.split(folder)
-    if not name.isdigit() or os.path.basename(parent) != CHECKPOINTS_SUBDIR:
-        raise ConfigError(
-            f"--checkpoint={checkpoint} is not a checkpoint folder <workdir>/"
-            f"{CHECKPOINTS_SUBDIR}/<step>; pass one of those, or --workdir (and "
-            "--checkpoint_step)."
-        )
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"--checkpoint={checkpoint} does not exist.")
-    derived_workdir, derived_step = os.path.dirname(parent), int(name)
-    if workdir is not None and os.path.abspath(workdir) != derived_workdir:
-        raise ConfigError(f"--checkpoint={checkpoint} is not in --workdir={workdir}.")
-    if step is not None and step != derived_step:
-        raise ConfigError(f"--checkpoint={checkpoint} is step {derived_step}, not {step}.")
-    return derived_workdir, derived_step
-
-
 # ------------------------------------------------------------------------ settings
 
 
@@ -368,7 +343,7 @@ def main(argv):
             "made by any number of processes); start it without tba_jax.launch / srun, on "
             "one host."
         )
-    workdir, step = run_and_step(FLAGS.workdir, FLAGS.checkpoint, FLAGS.checkpoint_step)
+    workdir, step = runs.run_and_step(FLAGS.workdir, FLAGS.checkpoint, FLAGS.checkpoint_step)
     run_config = runs.load_config(workdir)
     config = FLAGS.config or run_config
     config_lib.check_config_kind(config)

@@ -3,16 +3,18 @@ r"""Exports a training run's policy as a Hugging Face folder transformers loads.
     python experiments/export_hf.py --workdir=/tmp/from_hf --out=/tmp/exported
     python experiments/export_hf.py --workdir=W --out=DIR --dtype=bfloat16 --checkpoint_step=100 \
         --hf_config_overrides='{"eos_token_id": 2}'
+    python experiments/export_hf.py --checkpoint=W/checkpoints/100 --out=DIR  # one checkpoint
     python experiments/export_hf.py --workdir=W --out=DIR --critic   # a PPO run's critic
     python experiments/export_hf.py --workdir=W --out=DIR --overwrite  # replace an export
 
 Writes config.json and the weights (sharded with an index past 5 GB) of the latest (or
-`--checkpoint_step`'s) checkpoint in `--workdir`, and the run's tokenizer with its token ids in
-config.json, so the export is usable as it is (in transformers, or as `model.hf_path` of a
-new run): a run started from a Hugging Face folder (`model.hf_path`) gets that folder's
-tokenizer files; a run with the built-in char tokenizer (the arithmetic demo) gets it as a
-tokenizer.json with the same ids. Prints one JSON line: workdir, out, family, num_params
-and the files written.
+`--checkpoint_step`'s) checkpoint in `--workdir` (or of the `--checkpoint` folder
+`<workdir>/checkpoints/<step>`, as `evaluate.py` takes them), and the run's tokenizer with
+its token ids in config.json, so the export is usable as it is (in transformers, or as
+`model.hf_path` of a new run): a run started from a Hugging Face folder (`model.hf_path`)
+gets that folder's tokenizer files; a run with the built-in char tokenizer (the arithmetic
+demo) gets it as a tokenizer.json with the same ids. Prints one JSON line: workdir, the
+step exported, out, family, num_params and the files written.
 
 `--out` must be a new or empty folder, and never the run's workdir or a checkpoint folder
 the run reads (`model.hf_path`, `reference.hf_path`, any other `hf_path` of its config),
@@ -34,7 +36,11 @@ from typing import Any
 from absl import flags
 
 from tba_jax import cli, config_lib, runs
-from tba_jax.checkpoint import CheckpointMismatchError, CheckpointUnreadableError
+from tba_jax.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+)
 from tba_jax.config_lib import ConfigError
 from tba_jax.models import hf
 from tba_jax.models.config import DTYPES
@@ -85,9 +91,13 @@ def export_run(
     config = runs.load_config(workdir)
     check_out(config, workdir, out, overwrite=overwrite)
     if critic:
-        model_cfg, params = trained_critic(config, workdir, step)
+        check_trains_a_critic(config, workdir)
+    restored = runs.restore_run(config, workdir, step)
+    if critic:
+        critic_model, critic_params = restored.critic
+        model_cfg, params = critic_model.score_model(restored.params, critic_params)
     else:
-        model_cfg, params = runs.load_trained_policy(workdir, step)
+        model_cfg, params = restored.model.config, restored.params
     tokenizer = ExportedTokenizer.of_run(config, workdir)
     if overwrite:
         hf.remove_export_files(out)
@@ -96,6 +106,7 @@ def export_run(
     files += tokenizer.write(out)
     return dict(
         workdir=workdir,
+        step=restored.step,
         out=out,
         family=model_cfg.family,
         num_params=model_cfg.num_params(),
@@ -170,17 +181,13 @@ def same_folder(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def trained_critic(config, workdir: str, step: int | None):
-    """The score-head model (config, params) of a PPO run's critic; ConfigError for a run
-    of a method without one."""
+def check_trains_a_critic(config, workdir: str) -> None:
+    """ConfigError for --critic on a run of a method without a critic (a value model)."""
     if not runs.uses_critic(config):
         raise ConfigError(
             f"{workdir} is a method={config.method} run, which trains no critic; --critic "
             "exports the value model of a method=ppo run."
         )
-    restored = runs.restore_run(config, workdir, step)
-    critic, critic_params = restored.critic
-    return critic.score_model(restored.params, critic_params)
 
 
 def parse_overrides(text: str | None) -> dict[str, Any] | None:
@@ -202,6 +209,12 @@ def define_flags() -> None:
     """The command line's flags (defined only when run as a script, so importing this module
     for its functions registers nothing in absl's global flags)."""
     flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        f"A checkpoint folder, <workdir>/{CHECKPOINTS_SUBDIR}/<step>: instead of --workdir and "
+        "--checkpoint_step.",
+    )
     flags.DEFINE_string("out", None, "Output folder.")
     flags.DEFINE_enum("dtype", None, sorted(DTYPES), "Stored dtype; default the params'.")
     flags.DEFINE_integer(
@@ -223,20 +236,21 @@ def define_flags() -> None:
         "index, config.json and tokenizer files there (other files stay).",
     )
     flags.adopt_module_key_flags(cli)
-    flags.mark_flags_as_required(["workdir", "out"])
+    flags.mark_flags_as_required(["out"])  # and --workdir or --checkpoint
 
 
 def main(argv):
     del argv
     values = flags.FLAGS
+    workdir, step = runs.run_and_step(values.workdir, values.checkpoint, values.checkpoint_step)
     overrides = parse_overrides(values.hf_config_overrides)
     cli.check_output_dir(values.out, "out")
     with runs.steps_picked_with("--checkpoint_step"):
         result = export_run(
-            values.workdir,
+            workdir,
             values.out,
             dtype=values.dtype,
-            step=values.checkpoint_step,
+            step=step,
             hf_config_overrides=overrides,
             critic=values.critic,
             overwrite=values.overwrite,

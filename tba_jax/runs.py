@@ -688,6 +688,35 @@ def saved_steps(workdir: str) -> list[int]:
         return sorted(saved.all_steps())
 
 
+def run_and_step(
+    workdir: str | None, checkpoint: str | None, step: int | None
+) -> tuple[str, int | None]:
+    """(workdir, step or None for the latest) from a launcher's --workdir / --checkpoint_step
+    or from its --checkpoint folder `<workdir>/checkpoints/<step>` (evaluate.py's and
+    export_hf.py's); ConfigError when they disagree, FileNotFoundError when the folder
+    does not exist."""
+    if checkpoint is None:
+        if workdir is None:
+            raise ConfigError("Pass --workdir (a training run's workdir) or --checkpoint.")
+        return workdir, step
+    folder = os.path.abspath(checkpoint.rstrip("/"))
+    parent, name = os.path.split(folder)
+    if not name.isdigit() or os.path.basename(parent) != CHECKPOINTS_SUBDIR:
+        raise ConfigError(
+            f"--checkpoint={checkpoint} is not a checkpoint folder <workdir>/"
+            f"{CHECKPOINTS_SUBDIR}/<step>; pass one of those, or --workdir (and "
+            "--checkpoint_step)."
+        )
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--checkpoint={checkpoint} does not exist.")
+    derived_workdir, derived_step = os.path.dirname(parent), int(name)
+    if workdir is not None and os.path.abspath(workdir) != derived_workdir:
+        raise ConfigError(f"--checkpoint={checkpoint} is not in --workdir={workdir}.")
+    if step is not None and step != derived_step:
+        raise ConfigError(f"--checkpoint={checkpoint} is step {derived_step}, not {step}.")
+    return derived_workdir, derived_step
+
+
 def saved_step(workdir: str, step: int | None, steps: list[int]) -> int:
     """`step` (None: the latest) of a workdir's saved `steps`; FileNotFoundError when it has
     none or `step` is not one of them."""

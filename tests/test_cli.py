@@ -139,6 +139,17 @@ def test_a_folder_without_tokenizer_files_is_a_one_line_error(exported, tmp_path
     assert "tokenizer.json" in error_line(result)
 
 
+def test_export_of_a_checkpoint_folder_exports_that_step(smoke_run, exported, tmp_path):
+    workdir, _ = smoke_run
+    _, latest = exported
+    assert latest["step"] == 4  # the latest, where no step is named
+    folder = workdir / "checkpoints" / "2"
+    result = run_script("export_hf.py", f"--checkpoint={folder}", f"--out={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["workdir"], summary["step"]) == (str(workdir), 2)
+
+
 @pytest.mark.parametrize("flag", ["--checkpoint_step", "--step"])  # --step: its older name
 def test_export_names_the_steps_there_are(smoke_run, tmp_path, flag):
     workdir, _ = smoke_run

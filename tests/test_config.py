@@ -293,26 +293,6 @@ def test_launcher_reports_bad_config_in_one_line(tmp_path, args, message):
     assert not workdir.exists()  # a refused run leaves no workdir it made (data included)
 
 
-def test_evaluate_finds_workdir_and_step_from_a_checkpoint_folder(tmp_path):
-    from experiments import evaluate
-
-    folder = tmp_path / "run" / "checkpoints" / "40"
-    folder.mkdir(parents=True)
-    assert evaluate.run_and_step(None, str(folder), None) == (str(tmp_path / "run"), 40)
-    assert evaluate.run_and_step(str(tmp_path / "run"), str(folder) + "/", 40)[1] == 40
-    assert evaluate.run_and_step("/w", None, 3) == ("/w", 3)
-    with pytest.raises(ConfigError, match="Pass --workdir"):
-        evaluate.run_and_step(None, None, None)
-    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
-        evaluate.run_and_step(None, str(tmp_path / "run"), None)
-    with pytest.raises(ConfigError, match="is not in --workdir"):
-        evaluate.run_and_step(str(tmp_path / "other"), str(folder), None)
-    with pytest.raises(ConfigError, match="is step 40, not 20"):
-        evaluate.run_and_step(None, str(folder), 20)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        evaluate.run_and_step(None, str(tmp_path / "run" / "checkpoints" / "41"), None)
-
-
 def flat(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
     """{dotted path: value} of a config's leaves."""
     out = {}

@@ -547,12 +547,12 @@ from tba_jax.models.tokenizers import CharTokenizer
 
 hf_path, script, *argv = sys.argv[1:]
 
-def fake_load_trained_policy(workdir, step=None):
-    print(f"load_trained_policy({workdir!r}, {step!r})", file=sys.stderr)
+def fake_restore_run(config, workdir, step=None):
+    print(f"restore_run({workdir!r}, {step!r})", file=sys.stderr)
     model, params = hf.load_model(hf_path)
-    return model.config, params
+    return tba_jax.runs.RestoredRun(model, params, params, {}, 7 if step is None else step)
 
-tba_jax.runs.load_trained_policy = fake_load_trained_policy
+tba_jax.runs.restore_run = fake_restore_run
 # A run from a preset (no model.hf_path) with the char tokenizer of its task.
 tba_jax.runs.load_config = lambda workdir: ml_collections.ConfigDict({"model": {"hf_path": ""}})
 tba_jax.runs.run_tokenizer = lambda config, workdir: CharTokenizer.for_arithmetic()
@@ -572,9 +572,10 @@ def test_export_cli_writes_the_trained_policy(checkpoint, tmp_path):
         timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "load_trained_policy('/some/run', None)" in result.stderr
+    assert "restore_run('/some/run', None)" in result.stderr
     assert read_json(os.path.join(out, "config.json"))["eos_token_id"] == 2
     summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 7  # the latest, as the (fake) checkpoint read says
     assert summary["family"] == "llama" and "model.safetensors" in summary["files"]
     assert "tokenizer.json" in summary["files"]
     assert_trees_equal(hf.load_params(out, ckpt.model), ckpt.params)
@@ -629,12 +630,12 @@ def fake_run(checkpoint, tmp_path, monkeypatch):
     )
     restored = []
 
-    def load_trained_policy(workdir, step=None):
+    def restore_run(config, workdir, step=None):
         restored.append(step)
-        return ckpt.model.config, ckpt.params
+        return runs.RestoredRun(ckpt.model, ckpt.params, ckpt.params, {}, step or 1)
 
     monkeypatch.setattr(runs, "load_config", lambda workdir: config)
-    monkeypatch.setattr(runs, "load_trained_policy", load_trained_policy)
+    monkeypatch.setattr(runs, "restore_run", restore_run)
     return FakeRun(str(workdir), folders, restored)
 
 

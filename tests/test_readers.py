@@ -296,3 +296,22 @@ def test_a_run_stopped_in_its_warm_start_is_told_to_go_on(finished_run, tmp_path
     os.remove(workdir / "checkpoints" / "experiment.json")
     with told:
         runs.restore_run(config, str(workdir))
+
+
+def test_a_checkpoint_folder_gives_its_workdir_and_step(tmp_path):
+    """evaluate.py's and export_hf.py's --checkpoint, beside --workdir and --checkpoint_step."""
+    folder = tmp_path / "run" / "checkpoints" / "40"
+    folder.mkdir(parents=True)
+    assert runs.run_and_step(None, str(folder), None) == (str(tmp_path / "run"), 40)
+    assert runs.run_and_step(str(tmp_path / "run"), str(folder) + "/", 40)[1] == 40
+    assert runs.run_and_step("/w", None, 3) == ("/w", 3)
+    with pytest.raises(ConfigError, match="Pass --workdir"):
+        runs.run_and_step(None, None, None)
+    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+        runs.run_and_step(None, str(tmp_path / "run"), None)
+    with pytest.raises(ConfigError, match="is not in --workdir"):
+        runs.run_and_step(str(tmp_path / "other"), str(folder), None)
+    with pytest.raises(ConfigError, match="is step 40, not 20"):
+        runs.run_and_step(None, str(folder), 20)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        runs.run_and_step(None, str(tmp_path / "run" / "checkpoints" / "41"), None)
