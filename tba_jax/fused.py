@@ -38,7 +38,14 @@ from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.rewards import response_rewards
 from tba_jax.runtime import DROPPED_NONFINITE, RESTARTED_PROMPTS, is_finite
-from tba_jax.sampling.engine import Finished, Request, SlotEngine, bucket_length, rows_at_most
+from tba_jax.sampling.engine import (
+    NO_REQUEST_YET,
+    Finished,
+    Request,
+    SlotEngine,
+    bucket_length,
+    rows_at_most,
+)
 from tba_jax.trajectories import Trajectory
 
 
@@ -146,7 +153,9 @@ class FusedSearchWorker:
         """Scored samples of `examples` (read lazily; may be endless), whole prompts (a
         prompt's S samples once its last is scored), at least `prompts_per_hand_on` of them
         at a time (fewer at the end). Keys are the examples' indices in `examples`. Returns
-        the examples read but not handed on (none when `examples` ran out).
+        the examples read but not handed on (none when `examples` ran out). An item
+        `engine.NO_REQUEST_YET` among `examples` (no prompt may start yet) is the engine's:
+        it decodes its live samples on and reads `examples` again after a chunk.
 
         A prompt is handed on whole because the replay buffer draws a refreshed prompt's
         K rows from the samples it holds (with replacement when it holds fewer than K): a
@@ -172,10 +181,14 @@ class FusedSearchWorker:
         read_at: dict[int, float] = {}  # when each prompt was taken (time.monotonic)
         read = 0  # examples read
 
-        def requests() -> Iterator[Request]:
+        def requests() -> Iterator[Request | object]:
             nonlocal read
-            for key, example in enumerate(examples):
-                read = key + 1
+            for example in examples:
+                if example is NO_REQUEST_YET:  # passed on: the engine's live samples go on
+                    yield NO_REQUEST_YET
+                    continue
+                key = read
+                read += 1
                 tokens, mask = self._encode(example)
                 read_at[key] = time.monotonic()
                 by_key[key] = _Prompt(example, tokens, mask)

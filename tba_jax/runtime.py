@@ -28,6 +28,7 @@ from tba_jax.metrics import RateMeter, TimeSplit
 from tba_jax.models.tokenizers import Tokenizer
 from tba_jax.replay import ReplayBuffer
 from tba_jax.rewards import response_rewards
+from tba_jax.sampling.engine import NO_REQUEST_YET
 from tba_jax.trajectories import Trajectory
 
 DROPPED_NONFINITE = "samples_dropped_nonfinite"
@@ -260,8 +261,10 @@ class Searcher(threading.Thread):
     stream (a prompt starts over at most once: one that did finishes on its params), while
     prompts take less time to finish than the gap between publishes (`_restart_pays`);
     otherwise it finishes the live samples on the old params, then starts over with the
-    new ones. With a `limit` it starts prompts only while that has room; a stream that
-    finds none stops taking prompts (its live samples finish) until the learner draws.
+    new ones. With a `limit` it starts prompts only while that has room; while the slot
+    engine finds none, its live samples decode on and it asks again after each chunk
+    (`engine.NO_REQUEST_YET`), so the next prompts start beside the last ones' tail; with
+    no live sample left it waits for the learner's next draw.
     Prompts started over at a publish were counted when they first started: they do not
     wait for room.
     An exception stops the run: it is put on `errors` and `stop` is set, and the learner
@@ -341,12 +344,13 @@ class Searcher(threading.Thread):
 
             def prompts(version=version, first=restarted):
                 yield from first
-                while (
-                    not self.stop.is_set()
-                    and (self.in_flight_updates or self.store.get()[1] == version)
-                    and (self.limit is None or self.limit.try_start(self.samples_per_prompt))
+                while not self.stop.is_set() and (
+                    self.in_flight_updates or self.store.get()[1] == version
                 ):
-                    yield from self.stream.next_batch(1)
+                    if self.limit is None or self.limit.try_start(self.samples_per_prompt):
+                        yield from self.stream.next_batch(1)
+                    else:  # no room yet: the live samples decode on, the limit is asked again
+                        yield NO_REQUEST_YET
 
             restart = None
             if self.restart_on_publish:

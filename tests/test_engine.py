@@ -18,7 +18,13 @@ from support import SMALL_DECODER as CFG
 from support import TRACE_EVENT, recorded_durations
 
 from tba_jax.models import abstract_model, stack_layers
-from tba_jax.sampling.engine import EngineConfig, Request, SlotEngine, bucket_length
+from tba_jax.sampling.engine import (
+    NO_REQUEST_YET,
+    EngineConfig,
+    Request,
+    SlotEngine,
+    bucket_length,
+)
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
 from tba_jax.sampling.scoring import make_score_fn
 
@@ -208,6 +214,54 @@ def test_ending_early_yields_what_finished_and_reads_no_more_requests(setup, gre
     for item in finished:
         np.testing.assert_array_equal(item.tokens, greedy_reference[item.key][0])
     assert {item.key for item in finished} < set(read)
+
+
+def test_a_request_stream_that_has_none_yet_pauses_the_refills_not_the_decoding(
+    setup, greedy_reference
+):
+    """An async searcher bounded by the learner's draws: while its stream says no prompt
+    may start, the live samples decode on (chunks of chunk_steps, no compaction) and the
+    stream is read again after each chunk; the next prompts start beside the tail, in
+    the same run. Before, the stream ended at the bound and the tail ran out alone."""
+    engine = engine_for(
+        setup, GREEDY, slots=4, chunk_steps=2, compact_below=0.5, min_width=2, compact_min_steps=0
+    )
+    pauses_left = {4: 3, 9: 2}  # before prompt 4, three reads say "none yet"; before 9, two
+    reads = []
+
+    def requests():
+        for row in range(len(setup["prompt_tokens"])):
+            while pauses_left.get(row, 0):
+                pauses_left[row] -= 1
+                reads.append(("none yet", engine.counters.chunks))
+                yield NO_REQUEST_YET
+            reads.append((row, engine.counters.chunks))
+            yield Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], 1)
+
+    params_fn = lambda: (setup["params"], 0)
+    chunks = list(engine.run(params_fn, requests(), jax.random.key(0)))
+    finished = {item.key: item for chunk in chunks for item in chunk}
+    assert sorted(finished) == list(range(len(greedy_reference)))  # one run, every prompt
+    for row, (tokens, token_logp) in enumerate(greedy_reference):
+        np.testing.assert_array_equal(finished[row].tokens, tokens, err_msg=f"row {row}")
+        np.testing.assert_allclose(finished[row].token_logp, token_logp, atol=TOL)
+    # each "none yet" is read after a chunk of its own: the reads wait for decoding
+    paused_at = [chunk for item, chunk in reads if item == "none yet"]
+    assert len(paused_at) == 5 and len(set(paused_at)) == 5
+    # compaction only at the stream's end, once nothing more may come
+    assert engine.counters.compactions <= 1
+
+
+def test_a_stream_with_none_yet_and_no_live_sample_ends_the_run(setup):
+    """Nothing to decode while no prompt may start: the run ends (an async searcher then
+    waits for the learner's next draw before it starts another), without a chunk."""
+    engine = engine_for(setup, GREEDY, slots=4, chunk_steps=2)
+    row = 0
+    request = Request(row, setup["prompt_tokens"][row], setup["prompt_mask"][row], 1)
+    chunks = list(
+        engine.run(lambda: (setup["params"], 0), iter([NO_REQUEST_YET, request]), jax.random.key(0))
+    )
+    assert chunks == [] and engine.counters.chunks == 0 and engine.counters.prefills == 0
 
 
 def test_samples_of_a_prompt_share_its_prefill_and_each_comes_back_once(setup, greedy_reference):

@@ -18,6 +18,11 @@ keeps `width` decode slots, each holding one sample's KV cache:
 - finished samples (EOS or `max_new_tokens`) are handed to the caller while the next
   chunk runs (JAX dispatch is asynchronous), so scoring them overlaps decoding
   (`fused.py` does that);
+- a stream of requests may say that none can start yet (`NO_REQUEST_YET`, an async
+  searcher bounded by what the learner draws): the live samples go on decoding, in chunks
+  of `chunk_steps` steps, and the stream is asked again after each, so the next prompts
+  start as soon as they may, beside the tail of the last ones; with no live sample left
+  the run ends, and the caller starts another once requests can start;
 - **tail compaction**: once no prompt is waiting and the live samples fill at most
   `compact_below` of the width, they move into the smallest narrower width that holds
   them (halving down to `min_width`), so the tail stops paying for the full width; only
@@ -224,6 +229,10 @@ class SlotState(NamedTuple):
     live: jax.Array
     tokens: jax.Array
     token_logp: jax.Array
+
+
+# An item of `SlotEngine.run`'s requests: no request can start now, more may later.
+NO_REQUEST_YET = object()
 
 
 class Request(NamedTuple):
@@ -434,7 +443,10 @@ class SlotEngine:
 
         `params_fn() -> (params, version)` is called once at the start, and before every
         chunk with `in_flight_updates`. `requests` is read lazily (one refill at a time),
-        so it may be an endless stream; the caller stops by closing the generator. With
+        so it may be an endless stream; the caller stops by closing the generator. An item
+        `NO_REQUEST_YET` pauses the refills: the live samples decode for a chunk of
+        `chunk_steps` steps (no compaction: more requests may come), then the stream is
+        read again; with no live sample the run ends. With
         `should_stop`, the run also ends, its live samples given up, as soon as that
         returns True before a chunk: a stop arriving as the requests run out (an async
         run's end, a SIGTERM) does not wait for a tail chunk that may run to
@@ -459,8 +471,9 @@ class SlotEngine:
                 return
             if end_early is not None and end_early():
                 break
+            paused = False  # the stream said no request can start yet
             # Refill free slots, up to `most_prefill_prompts` prompts per prefill call.
-            while not exhausted and width == config.slots:
+            while not exhausted and not paused and width == config.slots:
                 batch: list[Request] = []
                 free = slots.free_count()
                 while len(batch) < config.most_prefill_prompts():
@@ -468,6 +481,9 @@ class SlotEngine:
                         waiting = next(pending, None)
                         if waiting is None:
                             exhausted = True
+                            break
+                        if waiting is NO_REQUEST_YET:
+                            waiting, paused = None, True
                             break
                         _check_request(waiting, config, self.max_prompt_len)
                     # a refill starts once the decode chunk's stop rule would return
@@ -504,6 +520,8 @@ class SlotEngine:
                 max_steps = config.tail_chunk_steps or self.max_new
                 stop_when_free = config.stop_to_compact(width)
                 min_steps_left = config.compact_min_steps
+            elif paused:  # no refill can start before the stream is read again
+                max_steps, stop_when_free, min_steps_left = config.chunk_steps, width + 1, 0
             else:
                 max_steps = config.chunk_steps
                 stop_when_free = config.stop_to_refill(_next_refill_size(waiting))
