@@ -129,8 +129,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_string("preset", "tiny", "Model preset (tba_jax.models.PRESETS).")
     flags.DEFINE_enum(
         "dtype", "float32", ["float32", "bfloat16"], "The model's compute (and params') dtype."

@@ -81,8 +81,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_list("sweeps", list(SWEEPS), f"Which sweeps to run, of {SWEEPS}.")
     flags.DEFINE_list("layers", ["2", "4", "8", "16"], "Depths of the depth sweep.")
     flags.DEFINE_integer("d_model", 128, "Model width.", lower_bound=1)

@@ -51,8 +51,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_enum("preset", "tiny", sorted(PRESETS), "Policy and critic shape.")
     flags.DEFINE_integer("rows", 128, "N: responses per learner step.", lower_bound=1)
     flags.DEFINE_integer("prompt_len", 10, "P: prompt tokens.", lower_bound=1)

@@ -45,8 +45,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_string("shape", "qwen2.5-0.5b", "Model preset whose tree is published.")
     flags.DEFINE_bool("full_width", False, "Keep the preset's own widths.")
     flags.DEFINE_bool("scan_layers", False, "Stacked layers (one leaf per kind).")

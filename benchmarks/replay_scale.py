@@ -57,8 +57,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_list("sizes", ["10000", "100000", "1000000"], "Buffer sizes N to fill.")
     flags.DEFINE_list("draw_rules", ["newest", "authors"], "replay.draw_rule values.")
     flags.DEFINE_integer("prompt_len", 64, "P: tokens per prompt.", lower_bound=1)

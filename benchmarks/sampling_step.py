@@ -37,8 +37,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_integer("rows", 64, "Rows sampled at once.", lower_bound=1)
     flags.DEFINE_integer("vocab", 128_256, "Vocabulary size.", lower_bound=2)
     flags.DEFINE_list("rules", list(RULES), f"Sampling rules, of {list(RULES)}.")

@@ -127,8 +127,7 @@ def compare(
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_string("hf_path", None, "The checkpoint folder (config.json, *.safetensors).")
     flags.DEFINE_integer("batch", DEFAULT_BATCH, "Rows in the batch.", lower_bound=1)
     flags.DEFINE_integer(

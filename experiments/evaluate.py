@@ -47,7 +47,6 @@ from ml_collections import config_flags
 
 from tba_jax import cli, compile_cache, config_lib, distributed, evaluation, runs, tasks
 from tba_jax.checkpoint import (
-    CHECKPOINTS_SUBDIR,
     CheckpointMismatchError,
     CheckpointUnreadableError,
 )
@@ -68,19 +67,11 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
-    flags.DEFINE_string("workdir", None, "The training run's workdir.")
-    flags.DEFINE_string(
-        "checkpoint",
-        None,
-        f"A checkpoint folder, <workdir>/{CHECKPOINTS_SUBDIR}/<step>: instead of --workdir and "
-        "--checkpoint_step.",
-    )
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
+    cli.define_checkpoint_flags()
     config_flags.DEFINE_config_file(
         "config", None, "Optional config (path[:variant]) replacing <workdir>/config.json."
     )
-    flags.DEFINE_integer("checkpoint_step", None, "Checkpoint; default: latest.")
     flags.DEFINE_integer(
         "num_samples", None, "Sampled responses per problem for pass@k (0: greedy only)."
     )

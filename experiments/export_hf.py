@@ -37,7 +37,6 @@ from absl import flags
 
 from tba_jax import cli, config_lib, runs
 from tba_jax.checkpoint import (
-    CHECKPOINTS_SUBDIR,
     CheckpointMismatchError,
     CheckpointUnreadableError,
 )
@@ -206,21 +205,11 @@ def parse_overrides(text: str | None) -> dict[str, Any] | None:
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
-    flags.DEFINE_string("workdir", None, "The training run's --workdir.")
-    flags.DEFINE_string(
-        "checkpoint",
-        None,
-        f"A checkpoint folder, <workdir>/{CHECKPOINTS_SUBDIR}/<step>: instead of --workdir and "
-        "--checkpoint_step.",
-    )
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
+    cli.define_checkpoint_flags()
+    flags.DEFINE_alias("step", "checkpoint_step")  # its name before it matched evaluate.py's
     flags.DEFINE_string("out", None, "Output folder.")
     flags.DEFINE_enum("dtype", None, sorted(DTYPES), "Stored dtype; default the params'.")
-    flags.DEFINE_integer(
-        "checkpoint_step", None, "Checkpoint step; default the latest (as evaluate.py's)."
-    )
-    flags.DEFINE_alias("step", "checkpoint_step")  # its name before it matched evaluate.py's
     flags.DEFINE_string(
         "hf_config_overrides",
         None,

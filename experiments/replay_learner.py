@@ -27,7 +27,7 @@ DIVERGED_EXIT_STATUS = 2
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_string("workdir", None, "The --workdir of a run with record_learner_batches.")
     flags.DEFINE_integer("from_step", None, "Checkpoint to start from; default the first.")
     flags.DEFINE_integer("to_step", None, "Last learner step to replay; default the last.")

@@ -28,7 +28,7 @@ from tba_jax.reproduce.runner import MissingSettings, reproduce
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     flags.DEFINE_enum("experiment", None, sorted(EXPERIMENTS), "The paper result to reproduce.")
     flags.DEFINE_enum("scale", "tiny", SCALES, "tiny: this CPU, minutes; paper: the paper's.")
     flags.DEFINE_string("out", None, "Where the runs, tables and plots go.")

@@ -257,8 +257,7 @@ def run_sweep(config, workdir_root: str, counts: list[int], eval_flags: list[str
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
     flags.DEFINE_string("workdir_root", None, "Each run trains in <workdir_root>/searchers_<n>.")
     flags.DEFINE_list("num_searchers", "1,2,4", "Searcher counts, e.g. 1,2,4.")

@@ -27,8 +27,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """The command line's flags (defined only when run as a script, so importing this module
-    for its functions registers nothing in absl's global flags)."""
+    """The command line's flags, defined only when run as a script (tba_jax.cli's rule)."""
     config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).")
     flags.DEFINE_string("workdir", None, "Where the model, logs and rm_summary.json go.")
     cli.define_print_config_flag()

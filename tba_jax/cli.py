@@ -11,6 +11,8 @@
 - `note_unread_keys(argv)`: a warning for each key the command line changed that the run
   does not read (`loss.grpo.*` with method=tb, a slot-engine knob with the batch engine,
   an async knob with mode=sync), which would otherwise change nothing without a word.
+- `define_checkpoint_flags()`: --workdir, --checkpoint_step and --checkpoint, for the
+  launchers that read one checkpoint of a run.
 - `define_print_config_flag()` / `print_config(config)`: `--print_config` prints every key
   of the resolved config (after the `:variant` and `--config.x=y` overrides) and exits.
 - `check_output_dir(path, flag_name)`: a folder a launcher will write can be made there;
@@ -47,7 +49,7 @@ from ml_collections.config_flags.config_flags import is_config_flag  # public, n
 
 import tba_jax
 from tba_jax import config_keys, config_lib, distributed
-from tba_jax.checkpoint import SIGNAL_EXIT_BASE, RunStopped
+from tba_jax.checkpoint import CHECKPOINTS_SUBDIR, SIGNAL_EXIT_BASE, RunStopped
 from tba_jax.config_lib import ConfigError, output_dir_problem
 from tba_jax.models import PRESETS
 from tba_jax.models.config import DECODE_KERNEL_KNOBS
@@ -376,6 +378,19 @@ def define_print_config_flag() -> flags.FlagHolder:
         False,
         "Print every key of the resolved config with its value (after the :variant and "
         "--config.key=value overrides) and exit without running.",
+    )
+
+
+def define_checkpoint_flags() -> None:
+    """--workdir, --checkpoint_step and --checkpoint, for a launcher that reads one checkpoint
+    of a training run (evaluate.py, export_hf.py; `runs.run_and_step` resolves them)."""
+    flags.DEFINE_string("workdir", None, "The training run's workdir.")
+    flags.DEFINE_integer("checkpoint_step", None, "The checkpoint's step; default: the latest.")
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        f"A checkpoint folder, <workdir>/{CHECKPOINTS_SUBDIR}/<step>: instead of --workdir and "
+        "--checkpoint_step.",
     )
 
 
