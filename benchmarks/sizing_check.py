@@ -125,27 +125,6 @@ class Layout:
 # ------------------------------------------------------------------------------ reading
 
 
-def read_json(path: str, what: str) -> dict:
-    """The JSON object in `path`; ValueError saying what `what` is when it is not one."""
-    with open(path) as f:
-        try:
-            values = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not {what} (not JSON: {error}).") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} is not {what} (not a JSON object).")
-    return values
-
-
-def read_profile(path: str) -> dict:
-    """The profile file's JSON object (its figures are checked by sizing.Profile)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"--profile={path} is not a file; make one with benchmarks/profile_roles.py."
-        )
-    return read_json(path, "a profile")
-
-
 def load_run(workdir: str) -> Run:
     """The finished run in `workdir`; ValueError / FileNotFoundError saying what is amiss."""
     if not os.path.isdir(workdir):
@@ -156,7 +135,7 @@ def load_run(workdir: str) -> Run:
             f"{path} is missing: {workdir} is not a finished run (experiments/train.py writes "
             f"{SUMMARY_FILENAME} when a run ends)."
         )
-    summary = read_json(path, "a run's summary")
+    summary = sizing.read_json_object(path, "a run's summary")
     needed = SUMMARY_KEYS
     if summary.get("topology") == ROLES_BY_PROCESS:
         needed += ("learner_processes", "searcher_processes")
@@ -380,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             learner_efficiency=args.learner_efficiency,
             colocated_sampler_share=args.colocated_sampler_share,
         )
-        profile_values = read_profile(args.profile)
+        profile_values = sizing.read_profile_values(args.profile)
         profile = sizing.Profile.from_dict(profile_values)
         checks = [check_run(profile_values, load_run(w), assumptions) for w in args.workdirs]
     except (OSError, ValueError) as error:

@@ -103,6 +103,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -192,10 +193,31 @@ def check_figures(profile: Profile) -> None:
         raise ValueError(f"the profile's recency_prob={profile.recency_prob} must be in [0, 1].")
 
 
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in `path`; ValueError saying what `what` is when it is not one."""
+    with open(path) as f:
+        try:
+            values = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not {what} (not JSON: {error}).") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} is not {what} (not a JSON object).")
+    return values
+
+
+def read_profile_values(path: str) -> dict:
+    """The JSON object of the profile file at `path` (its figures unchecked; `Profile`
+    checks them); FileNotFoundError or ValueError saying to make one."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"--profile={path} is not a file; make one with benchmarks/profile_roles.py."
+        )
+    return read_json_object(path, "a profile")
+
+
 def load_profile(path: str) -> Profile:
     """The profile JSON file at `path` (as benchmarks/profile_roles.py writes it)."""
-    with open(path) as f:
-        return Profile.from_dict(json.load(f))
+    return Profile.from_dict(read_profile_values(path))
 
 
 def with_exchange(profile: Profile, exchange_seconds: float) -> Profile:

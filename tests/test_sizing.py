@@ -527,6 +527,24 @@ def test_a_mistake_is_one_error_line(tmp_path, args, message):
     assert result.stderr.startswith("error: ") and message in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "is not a file; make one with benchmarks/profile_roles.py."),
+        ("not json", "is not a profile (not JSON: Expecting value"),
+        ("[1, 2]", "is not a profile (not a JSON object)."),
+    ],
+)
+def test_a_profile_that_is_missing_or_no_json_object_is_one_error_line(tmp_path, text, message):
+    path = tmp_path / "profile.json"
+    if text is not None:
+        path.write_text(text)
+    result = run_sizing(f"--profile={path}", "--devices=2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("error: ") and message in result.stderr
+
+
 def test_a_profile_without_the_models_keys_is_one_error_line(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"config": "x"}))
