@@ -71,6 +71,7 @@ def timed_ms(copy, repeats: int) -> tuple[float, float]:
 def main(argv: list[str]) -> None:
     del argv
     widths = {} if FLAGS.full_width else SHRUNK
+    cli.check_preset_flags(FLAGS.shape, widths.get("vocab_size"))
     dtype = dict(dtype=FLAGS.compute_dtype) if FLAGS.compute_dtype else {}
     config = preset(FLAGS.shape, scan_layers=FLAGS.scan_layers, **widths, **dtype)
     cast = compute_dtype_cast(config) if FLAGS.compute_dtype else None

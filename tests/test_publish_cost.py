@@ -7,7 +7,7 @@ import json
 import jax
 from support import run_repo_script
 
-from tba_jax.models import abstract_model, preset
+from tba_jax.models import PRESETS, abstract_model, preset
 
 RUN_SECONDS = 120
 
@@ -31,3 +31,11 @@ def test_publish_cost_reports_the_tree_it_published():
     for figure in ("publish_host_ms", "publish_ms", "device_put_ms"):
         assert result[figure] > 0
     assert result["publish_host_ms"] <= result["publish_ms"]
+
+
+def test_a_shape_that_is_no_preset_is_one_error_line():
+    done = run_repo_script("benchmarks/publish_cost.py", "--shape=nope", timeout=RUN_SECONDS)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --shape=nope: choose one of " + str(sorted(PRESETS)) + "."
+    ]
