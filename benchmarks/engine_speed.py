@@ -300,6 +300,9 @@ def read_settings() -> Settings:
         )
     if settings.score_rows < 1:
         raise cli.UsageError(f"--score_rows={settings.score_rows} must be >= 1.")
+    for name in ("eos_bias", "no_eos_bias"):  # an EOS logit of nan or inf samples no token
+        if not math.isfinite(getattr(settings, name)):
+            raise cli.UsageError(f"--{name}={getattr(settings, name)} must be a finite number.")
     engine_config(settings)  # its flags checked before any work
     model_config(settings, vocab_size=2)
     if settings.attention == "cudnn":

@@ -95,6 +95,8 @@ def test_a_width_that_does_not_hold_whole_prompts_is_a_one_line_error():
         ("--refill_free=2", "error: --refill_free=2.0 must be in [0, 1]."),
         ("--compact_below=1", "error: --compact_below=1.0 must be in [0, 1)."),
         ("--attention=cudnn", "error: model.attention='cudnn' needs a half-precision compute"),
+        ("--eos_bias=nan", "error: --eos_bias=nan must be a finite number."),
+        ("--no_eos_bias=-inf", "error: --no_eos_bias=-inf must be a finite number."),
     ],
 )
 def test_a_bad_engine_flag_is_one_error_line_naming_the_flag(flag, error):
