@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -814,9 +815,12 @@ def is_url(path: str) -> bool:
 
 
 def output_dir_problem(path: str) -> str | None:
-    """Why the folder `path` cannot be made or written (None if it can); creates nothing.
-    A URL is refused: runs write their folders (config, metrics, data, checkpoints)
-    through the filesystem, where gs://b/r would be a local folder named 'gs:'."""
+    """Why the folder `path` cannot be made or written (None if it can); leaves nothing
+    behind. A URL is refused: runs write their folders (config, metrics, data,
+    checkpoints) through the filesystem, where gs://b/r would be a local folder named
+    'gs:'. Writability is tried, not only asked: an empty folder is made and removed in
+    the nearest existing folder, since `os.access` says yes to root where making one
+    fails (/proc, /sys)."""
     if is_url(path):
         scheme = path.split("://", 1)[0]
         return (
@@ -828,8 +832,14 @@ def output_dir_problem(path: str) -> str | None:
     existing = nearest_existing_path(path)
     if not os.path.isdir(existing):
         return f"cannot be created: {existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        if existing == os.path.abspath(path):
-            return "is not writable"
-        return f"cannot be created: {existing} is not writable"
-    return None
+    why_not = None if os.access(existing, os.W_OK | os.X_OK) else ""
+    if why_not is None:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".tba_jax_probe_", dir=existing))
+        except OSError as error:
+            why_not = f" ({error.strerror or error})"
+    if why_not is None:
+        return None
+    if existing == os.path.abspath(path):
+        return f"is not writable{why_not}"
+    return f"cannot be created: {existing} is not writable{why_not}"

@@ -434,6 +434,7 @@ def test_leaf_items_are_dotted_sorted_and_keep_empty_sections():
 def test_output_dir_problem(tmp_path, a_file, monkeypatch):
     assert output_dir_problem(str(tmp_path / "new" / "deeper")) is None
     assert output_dir_problem(str(tmp_path)) is None
+    assert os.listdir(tmp_path) == [a_file.name]  # the folder made to try it is gone
     assert output_dir_problem(str(a_file)) == "is a file, not a folder"
     assert output_dir_problem(str(a_file / "run")) == f"cannot be created: {a_file} is a file"
     assert output_dir_problem("gs://bucket/runs/demo").startswith(
@@ -446,6 +447,13 @@ def test_output_dir_problem(tmp_path, a_file, monkeypatch):
     assert output_dir_problem(str(tmp_path / "run")) == (
         f"cannot be created: {tmp_path} is not writable"
     )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_output_dir_problem_tries_the_folder_as_root_cannot_trust_os_access():
+    # root's os.access says /proc is writable; making a folder there fails
+    problem = output_dir_problem("/proc/tba_run")
+    assert problem.startswith("cannot be created: /proc is not writable")
 
 
 def log_record(pathname: str, level: int, message: str = "a message") -> logging.LogRecord:
