@@ -832,14 +832,21 @@ def output_dir_problem(path: str) -> str | None:
     existing = nearest_existing_path(path)
     if not os.path.isdir(existing):
         return f"cannot be created: {existing} is a file"
-    why_not = None if os.access(existing, os.W_OK | os.X_OK) else ""
-    if why_not is None:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".tba_jax_probe_", dir=existing))
-        except OSError as error:
-            why_not = f" ({error.strerror or error})"
+    why_not = _folder_cannot_be_made_in(existing)
     if why_not is None:
         return None
     if existing == os.path.abspath(path):
         return f"is not writable{why_not}"
     return f"cannot be created: {existing} is not writable{why_not}"
+
+
+def _folder_cannot_be_made_in(folder: str) -> str | None:
+    """None if an empty folder can be made (and is removed again) in `folder`; else why
+    not: "" when `os.access` says so, " (the OS's reason)" when making one failed."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return ""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".tba_jax_probe_", dir=folder))
+    except OSError as error:
+        return f" ({error.strerror or error})"
+    return None
