@@ -13,7 +13,8 @@ setup(
     python_requires=">=3.11",  # JAX 0.10's
     packages=find_packages(include=["tba_jax", "tba_jax.*"]),
     # The JAX stack's floors are the releases CI tests (Python 3.11, 2026-11-28); the suite
-    # also passes with JAX 0.11.2 and 0.12.0.1 on Python 3.13. Older releases fail: flax
+    # also passes with JAX 0.11.2 and 0.12.0.1 on Python 3.13, and with 0.12.0.1 on Python
+    # 3.12 (2026-11-29). Older releases fail: flax
     # 0.11 has no nnx.List, and with JAX 0.10 flax 0.12.0 and orbax 0.11 do not import,
     # and tensorflow-datasets 4.9.7-4.9.8 want TensorFlow or another protobuf.
     install_requires=[
