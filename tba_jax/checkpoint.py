@@ -282,7 +282,7 @@ def make_workdir(workdir: str) -> str | None:
         created, path = path, os.path.dirname(path)
     try:
         os.makedirs(workdir, exist_ok=True)
-    except OSError as error:  # e.g. under /proc, which os.access lets root write
+    except OSError as error:  # e.g. the disk filled up or a parent went since the check
         raise ConfigError(
             f"--workdir={workdir} cannot be created ({error.strerror}); pass a folder you "
             "can write to."
