@@ -12,6 +12,13 @@ operand and are counted at that size:
   operands updates that buffer in place (XLA aliases them): it writes the update, not
   the whole buffer.
 
+A kernel outside XLA's fusions (a custom call: a Pallas kernel, a library call) whose
+output aliases one of its operands (`output_to_operand_aliasing`) updates that buffer in
+place, as the decode step's attention-input kernel writes the new keys and values into
+the KV cache; how much of it the kernel touches is not in the program, so the aliased
+buffer is counted neither read nor written (the kernel's other operands and outputs
+are).
+
 `while` loops are expanded into a tree: a loop's traffic per iteration is its body's
 instructions plus each nested loop's per-iteration traffic times that loop's known trip
 count. A decode loop (stopped when every row has ended) has no known trip count, so its
@@ -384,6 +391,18 @@ def _fusion_category(body: _FusionBody, fusion_kind: str | None, called: str) ->
     return "elementwise"
 
 
+def aliased_operands(instruction: Instruction) -> set[int]:
+    """The operands whose buffers `instruction`'s outputs alias whole
+    (`output_to_operand_aliasing={{1}: (11, {}), ...}`: operand 11 is output 1)."""
+    key = "output_to_operand_aliasing="
+    start = instruction.attributes.find(key)
+    if start < 0:
+        return set()
+    start += len(key)
+    text = instruction.attributes[start : _balanced_end(instruction.attributes, start) + 1]
+    return {int(operand) for operand in re.findall(r"\((\d+), \{\}\)", text)}
+
+
 def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) -> Access:
     operand_shapes = [shapes.get(operand, "") for operand in instruction.operands]
     if instruction.opcode == "fusion":
@@ -397,8 +416,13 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
         kind = "update in place"
         flops = 0
     else:
-        read = sum(array_bytes(shape) for shape in operand_shapes)
-        written = array_bytes(instruction.shape)
+        aliased = aliased_operands(instruction)
+        read = sum(
+            array_bytes(shape) for index, shape in enumerate(operand_shapes) if index not in aliased
+        )
+        written = array_bytes(instruction.shape) - sum(
+            array_bytes(operand_shapes[index]) for index in aliased if index < len(operand_shapes)
+        )
         flops = 0
         target = re.search(r'custom_call_target="([^"]+)"', instruction.attributes)
         if instruction.opcode in ("dot", "convolution") or (

@@ -229,6 +229,31 @@ def test_a_scatter_into_a_buffer_writes_the_updates_in_place():
     assert (access.read_bytes, access.written_bytes) == (8 * INDEX + 8 * ROW, 8 * ROW)
 
 
+# A Pallas-like kernel (a custom call) that reads x and writes y, and updates a [8, 1024]
+# cache in place: its second output aliases its second operand.
+ALIASED_CALL_MODULE = """
+HloModule aliased_call, entry_computation_layout={()->f32[8,1024]{1,0}}
+
+ENTRY %main (x: f32[1024], cache: f32[8,1024]) -> f32[8,1024] {
+  %x = f32[1024]{0} parameter(0)
+  %cache = f32[8,1024]{1,0} parameter(1)
+  %call = (f32[1024]{0}, f32[8,1024]{1,0}) custom-call(%x, %cache), TARGET, ALIASING
+  ROOT %out = f32[8,1024]{1,0} get-tuple-element(%call), index=1
+}
+""".replace("TARGET", 'custom_call_target="__gpu$xla.gpu.triton"')
+ALIASING = "output_to_operand_aliasing={{1}: (1, {})}"
+
+
+def test_a_kernel_updating_an_aliased_buffer_is_counted_without_it():
+    (access,) = hlo_traffic.program_traffic(
+        ALIASED_CALL_MODULE.replace("ALIASING", ALIASING)
+    ).accesses
+    assert (access.read_bytes, access.written_bytes) == (ROW, ROW)
+    unaliased = ALIASED_CALL_MODULE.replace(", ALIASING", "")
+    (access,) = hlo_traffic.program_traffic(unaliased).accesses
+    assert (access.read_bytes, access.written_bytes) == (9 * ROW, 9 * ROW)
+
+
 def test_operand_lists_with_index_marks_name_their_operands():
     """XLA marks every fifth operand with its index (`/*index=5*/%x`)."""
     line = (
