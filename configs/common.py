@@ -164,6 +164,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
     # its defaults; benchmarks/decode_projection_kernel.py times others on a GPU)
     config.model.decode_projection = "same"
     config.model.decode_projection_kernel = ""
+    # a decode step's attention input: the RMSNorm, the Q, K and V projections, the rotary
+    # embedding and the KV cache write (same: XLA's kernels; pallas: all in one kernel,
+    # GPU) and that kernel's settings, block_m:block_k:num_warps:num_stages ("": its
+    # defaults)
+    config.model.decode_qkv = "same"
+    config.model.decode_qkv_kernel = ""
     config.model.logprob_chunk = 0
 
     # π_ref: empty = the policy after the warm start; or a Hugging Face folder of the

@@ -220,6 +220,7 @@ _SETTINGS_HINTS = {
     "decode_kernel": "powers of two for block_k >= 16 and num_warps, e.g. 2:128:4:2",
     "decode_mlp_kernel": "powers of two, the blocks >= 16, e.g. 64:64:64:4:3",
     "decode_projection_kernel": "powers of two, the blocks >= 16, e.g. 64:64:64:4:4:3",
+    "decode_qkv_kernel": "powers of two, the blocks >= 16, e.g. 64:64:4:3",
 }
 
 

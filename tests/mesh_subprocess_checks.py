@@ -599,9 +599,10 @@ def check_roles() -> dict:
 
 
 def _kernel_calls(traced) -> dict:
-    """How many Pallas kernels a traced program runs, and how many of them inside a
-    shard_map (run per shard), found by walking its jaxpr and every jaxpr nested in it."""
-    counts = {"pallas": 0, "in_shard_map": 0}
+    """How many Pallas kernels a traced program runs, how many of them inside a shard_map
+    (run per shard), and their names, found by walking its jaxpr and every jaxpr nested
+    in it."""
+    counts = {"pallas": 0, "in_shard_map": 0, "names": []}
 
     def nested(value):
         if isinstance(value, jax.extend.core.ClosedJaxpr):
@@ -618,6 +619,9 @@ def _kernel_calls(traced) -> dict:
             if name == "pallas_call":
                 counts["pallas"] += 1
                 counts["in_shard_map"] += under_shard_map
+                kernel_name = eqn.params["name"]
+                if kernel_name not in counts["names"]:
+                    counts["names"].append(kernel_name)
                 continue
             for value in eqn.params.values():
                 for inner in nested(value):
@@ -629,8 +633,9 @@ def _kernel_calls(traced) -> dict:
 
 def check_kernels() -> dict:
     """4 devices: the model's Pallas kernels split over a mesh (`models.kernel_mesh`). A
-    (data 2, tensor 2) sampler mesh decodes greedily through the decode attention, gated
-    MLP and output projection kernels as the plain model does on one device; a (fsdp 2,
+    (data 2, tensor 2) sampler mesh decodes greedily through the attention-input, decode
+    attention, gated MLP and output projection kernels as the plain model does on one
+    device (heads of 32: the attention-input kernel's least); a (fsdp 2,
     tensor 2) learner mesh takes a TB step through splash attention as the plain model
     does on one device.
     Each kernel runs under a shard_map on the mesh (XLA refuses to split a Mosaic kernel,
@@ -646,15 +651,18 @@ def check_kernels() -> dict:
         vocab_size=16, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
         max_seq_len=32, init_std=0.5,
     )  # fmt: skip
+    decoder = dataclasses.replace(plain, head_dim=32, qkv_bias=True)
     kernels = dataclasses.replace(
-        plain,
+        decoder,
         decode_attention="pallas",
         decode_mlp="pallas",
         decode_mlp_kernel="16:16:16:2:2",
         decode_projection="pallas",  # the down projection's 32 split over tensor: 2 × 16
         decode_projection_kernel="16:16:16:2:2:2",
+        decode_qkv="pallas",  # one KV head and its 2 query heads a device
+        decode_qkv_kernel="16:16:2:2",
     )
-    model, params = init_model(plain, 0)
+    model, params = init_model(decoder, 0)
     kernel_model, _ = init_model(kernels, 0)
     one_device = mesh_lib.make_mesh(jax.devices()[:1], {})
     sampler = mesh_lib.make_mesh(jax.devices(), {"data": 2, "tensor": 2})
@@ -690,9 +698,12 @@ def check_kernels() -> dict:
     learner_mesh = mesh_lib.make_mesh(jax.devices(), {"fsdp": 2, "tensor": 2})
     batch = _random_batch(np.random.default_rng(1), 2, 4, 5, 6, vocab=16)
     rules = config.mesh.learner_rules
-    ref_state, ref_metrics, *_ = _run_train_step(model, params, batch, one_device, rules, 4)
+    plain_model, plain_params = init_model(plain, 0)
+    ref_state, ref_metrics, *_ = _run_train_step(
+        plain_model, plain_params, batch, one_device, rules, 4
+    )
     state, metrics, placed, _, step = _run_train_step(
-        splash_model, params, batch, learner_mesh, rules, 4
+        splash_model, plain_params, batch, learner_mesh, rules, 4
     )
     return {
         "sampler": sampler_result,

@@ -172,6 +172,12 @@ def test_bad_variants_are_clear_errors(variant, message):
             1,
             r"decode_projection_kernel='64:64:64:3:4:3' must be '' or block_m:block_n:block_k:k_s",
         ),
+        (
+            "model.decode_qkv=pallas",
+            1,
+            r"decode_qkv=pallas is a GPU kernel.*use model\.decode_qkv=same here",
+        ),
+        ("model.decode_qkv_kernel=64:64", 1, r"decode_qkv_kernel='64:64' must be '' or block_m"),
         ("search.max_samples_per_draw=-1.0", 1, r"max_samples_per_draw=-1\.0 must be"),
         (
             "search.max_samples_per_draw=1.0,distributed.topology=roles_by_process",
@@ -454,6 +460,8 @@ def test_config_files_load_by_path_without_the_repo_on_sys_path(tmp_path):
         ("model.decode_mlp=pallas", "model.decode_mlp_kernel", None),
         ("", "model.decode_projection_kernel", "only model.decode_projection=pallas reads it"),
         ("model.decode_projection=pallas", "model.decode_projection_kernel", None),
+        ("", "model.decode_qkv_kernel", "only model.decode_qkv=pallas reads it"),
+        ("model.decode_qkv=pallas", "model.decode_qkv_kernel", None),
     ],
 )
 def test_unread_key_reason(variant, key, reason):

@@ -452,17 +452,21 @@ def test_frozen_role_models_split_over_the_sampler_mesh_score_as_on_one_device(f
 
 
 def test_pallas_kernels_run_per_shard_on_a_mesh_and_match_one_device(fsdp_result):
-    """On a (data 2, tensor 2) sampler mesh the decode attention, gated MLP and projection
-    kernels (the down projection's contraction split over tensor, its sums added across
-    devices), and
-    on a (fsdp 2, tensor 2) learner mesh splash attention, run inside a shard_map (each
+    """On a (data 2, tensor 2) sampler mesh the attention-input (norm, Q/K/V, rotary and
+    cache write), decode attention, gated MLP and projection kernels (the down
+    projection's contraction split over tensor, its sums added across devices), and on a
+    (fsdp 2, tensor 2) learner mesh splash attention, run inside a shard_map (each
     device on its rows and heads; XLA refuses to split a TPU kernel and gathers a GPU
     kernel's inputs), and decode and train as the plain model does on one device; on one
     device the kernels are called as they are."""
     sampler, learner = fsdp_result["kernels"]["sampler"], fsdp_result["kernels"]["learner"]
     assert sampler["calls"]["pallas"] > 0
     assert sampler["calls"]["in_shard_map"] == sampler["calls"]["pallas"]
-    assert sampler["one_device_calls"] == {"pallas": sampler["calls"]["pallas"], "in_shard_map": 0}
+    one_device = {**sampler["calls"], "in_shard_map": 0}
+    assert sampler["one_device_calls"] == one_device
+    kernels = {"decode_qkv", "decode_attention", "gated_mlp", "decode_projection"}
+    assert set(sampler["calls"]["names"]) == kernels
+    assert all(name.startswith("splash_") for name in learner["calls"]["names"])
     assert sampler["same_tokens"] and sampler["max_logp_diff"] < 1e-4
     assert learner["calls"]["pallas"] > 0
     assert learner["calls"]["in_shard_map"] == learner["calls"]["pallas"]

@@ -38,6 +38,7 @@ from tba_jax.models.config import (
     KernelSettings,
     MlpKernelSettings,
     ProjectionKernelSettings,
+    QkvKernelSettings,
 )
 from tba_jax.sampling import engine, scoring
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
@@ -349,6 +350,35 @@ def test_pallas_decode_projections_decode_as_the_xla_ones(monkeypatch, biases):
     assert calls and set(calls) == {((2, 16), (16, 16), 1), ((2, 32), (32, 16), 2)}
 
 
+@pytest.mark.parametrize("biases", [False, True], ids=["llama", "qwen2"])
+def test_pallas_decode_qkv_decodes_as_the_xla_one(monkeypatch, biases):
+    """With `decode_qkv=pallas` every decode step's attention input (the block's RMSNorm,
+    the Q, K and V projections, the rotary embedding and the cache write) comes from the
+    Pallas kernel (its interpreter here), with `decode_qkv_kernel`'s settings, and
+    prefill's does not; the model decodes as the plain one (`assert_decodes_alike`: a
+    left-padded prompt, and a step with an offset per row), biases included. (Heads of
+    32: the kernel's least.)"""
+    plain_cfg = execution(head_dim=32, qkv_bias=biases)
+    _, params = init_model(plain_cfg, SEED)
+    if biases:  # nonzero, so a bias the kernel dropped would show
+        params = jax.tree.map_with_path(
+            lambda path, x: x + 0.5 if any(f"'b{n}'" in str(path) for n in "qkv") else x, params
+        )
+    pallas_cfg = dataclasses.replace(plain_cfg, decode_qkv="pallas", decode_qkv_kernel="16:16:2:2")
+    calls = []
+
+    def recording(x, *args, eps, settings):
+        calls.append(x.shape)
+        assert settings == QkvKernelSettings(16, 16, 2, 2) and eps == plain_cfg.norm_eps
+        return real(x, *args, eps=eps, settings=settings)
+
+    real = transformer.project_qkv
+    monkeypatch.setattr(transformer, "project_qkv", recording)
+    assert_decodes_alike(abstract_model(plain_cfg)[0], abstract_model(pallas_cfg)[0], params)
+    # 2 rows of d_model 16: the decode loop's and the one step's, never a prefill's 2 × 4
+    assert calls and set(calls) == {(2, 16)}
+
+
 @pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded
 def test_chunked_logprobs_and_their_gradient_match(plain, chunk):
     logp, grads, params = plain
@@ -603,6 +633,15 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(decode_projection="pallas", d_ff=40), "d_ff is 40, no multiple of it"),
         (dict(decode_projection_kernel="64:64:64:3:4:3"), "k_splits must be a power of two"),
         (dict(decode_projection_kernel="64:64:64:4:3"), "is not block_m:block_n:block_k:k_sp"),
+        (dict(decode_qkv="triton"), "model.decode_qkv"),
+        (dict(decode_qkv="pallas"), "a multiple of 32 .*are 4 and 16"),
+        (dict(decode_qkv="pallas", head_dim=32, norm="layer"), "this model's norm is 'layer'"),
+        (dict(decode_qkv="pallas", head_dim=32, rotary_pct=0.5), "rotates 16 of 32 dims"),
+        (
+            dict(decode_qkv="pallas", head_dim=32, scan_layers=True, scan_decode=True),
+            "decodes a stacked one",
+        ),
+        (dict(decode_qkv_kernel="64:64:4"), "decode_qkv_kernel: .*is not block_m:block_k"),
     ],
 )
 def test_bad_execution_fields_are_refused(fields, match):

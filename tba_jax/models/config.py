@@ -60,6 +60,12 @@ MIN_MLP_BLOCK = 16  # the Pallas MLP kernel's tiles, at least, on each side (Tri
 # other pass (XLA's matmuls), or "pallas" (`models.decode_projection`: the contraction split
 # between programs). Its tiles take MIN_MLP_BLOCK too.
 DECODE_PROJECTIONS = ("same", "pallas")
+# A decode step's attention input (the RMSNorm, the Q, K and V projections, the rotary
+# embedding and the cache write): "same" as every other pass (XLA's kernels), or "pallas"
+# (`models.decode_qkv`: all of it in one kernel). Head widths a multiple of this (each
+# half of a head is one of its matmuls' sides, which take MIN_MLP_BLOCK).
+DECODE_QKVS = ("same", "pallas")
+QKV_HEAD_MULTIPLE = 2 * MIN_MLP_BLOCK
 
 
 class KernelSettings(NamedTuple):
@@ -159,6 +165,39 @@ class ProjectionKernelSettings(NamedTuple):
         return ":".join(str(value) for value in self)
 
 
+class QkvKernelSettings(NamedTuple):
+    """How the Pallas attention-input kernel (`models.decode_qkv`) tiles its work (the
+    results are the same to float rounding): one program per block of rows and head.
+
+    - block_m: rows a program computes (a power of two >= `MIN_MLP_BLOCK`; rows are
+      padded up to a block);
+    - block_k: model-width entries a program reads at once (the largest power of two at
+      most this that divides d_model);
+    - num_warps, num_stages: Triton's launch settings (ignored by the interpreter).
+
+    `model.decode_qkv_kernel` sets them as "block_m:block_k:num_warps:num_stages".
+    """
+
+    block_m: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def spec(self) -> str:
+        """e.g. "64:64:4:3", as `model.decode_qkv_kernel` takes it."""
+        return ":".join(str(value) for value in self)
+
+
+def check_qkv_kernel_settings(settings: QkvKernelSettings) -> None:
+    """ValueError for settings the attention-input kernel cannot run with."""
+    if settings.num_stages < 1:
+        raise ValueError(f"{settings}: num_stages must be at least 1.")
+    _check_powers_of_two(settings, ("block_m", "block_k", "num_warps"))
+    for name in ("block_m", "block_k"):
+        if getattr(settings, name) < MIN_MLP_BLOCK:
+            raise ValueError(f"{settings}: {name} must be at least {MIN_MLP_BLOCK}.")
+
+
 def check_projection_kernel_settings(settings: ProjectionKernelSettings) -> None:
     """ValueError for settings the projection kernel cannot run with."""
     if settings.num_stages < 1:
@@ -204,6 +243,12 @@ def parse_mlp_kernel_settings(spec: str) -> MlpKernelSettings:
     return _settings_from_spec(spec, MlpKernelSettings, check_mlp_kernel_settings, "64:64:64:4:3")
 
 
+def parse_qkv_kernel_settings(spec: str) -> QkvKernelSettings:
+    """QkvKernelSettings from "block_m:block_k:num_warps:num_stages" (e.g. "64:64:4:3"),
+    checked (ValueError naming the spec)."""
+    return _settings_from_spec(spec, QkvKernelSettings, check_qkv_kernel_settings, "64:64:4:3")
+
+
 def parse_projection_kernel_settings(spec: str) -> ProjectionKernelSettings:
     """ProjectionKernelSettings from "block_m:block_n:block_k:k_splits:num_warps:num_stages"
     (e.g. "64:64:64:4:4:3"), checked (ValueError naming the spec)."""
@@ -237,6 +282,10 @@ DECODE_KERNEL_KNOBS = (
         "decode_projection", DECODE_PROJECTIONS, "decode_projection_kernel",
         ProjectionKernelSettings, parse_projection_kernel_settings,
     ),
+    DecodeKernelKnob(
+        "decode_qkv", DECODE_QKVS, "decode_qkv_kernel", QkvKernelSettings,
+        parse_qkv_kernel_settings,
+    ),
 )  # fmt: skip
 
 HALF_DTYPES = ("bfloat16", "float16")
@@ -247,6 +296,7 @@ PLATFORM_EXECUTION = {
     ("decode_attention", "pallas"): ("gpu", "same"),
     ("decode_mlp", "pallas"): ("gpu", "same"),
     ("decode_projection", "pallas"): ("gpu", "same"),
+    ("decode_qkv", "pallas"): ("gpu", "same"),
     ("attention", "splash"): ("tpu", "dot_product"),
 }
 
@@ -271,6 +321,8 @@ EXECUTION_FIELDS = (
     "decode_mlp_kernel",
     "decode_projection",
     "decode_projection_kernel",
+    "decode_qkv",
+    "decode_qkv_kernel",
     "logprob_chunk",
 )
 
@@ -376,6 +428,16 @@ class ModelConfig:
     - `decode_projection_kernel`: that kernel's `ProjectionKernelSettings` as
       "block_m:block_n:block_k:k_splits:num_warps:num_stages" ("": its defaults); read
       only with `decode_projection="pallas"`.
+    - `decode_qkv`: a decode step's attention input, the block's RMSNorm, the Q, K and V
+      projections with their biases, the rotary embedding and the write of the new key
+      and value into the cache: "same" as every other pass (XLA's kernels, five a
+      layer), or "pallas", all of it in one Pallas kernel (`models.decode_qkv`: Triton on
+      a GPU, Pallas' interpreter, slow, elsewhere). RMSNorm without a bias, full rotary
+      or no position rotation, head widths a multiple of `QKV_HEAD_MULTIPLE`, d_model a
+      multiple of `MIN_MLP_BLOCK`, and an unscanned decode (`scan_decode=False`).
+    - `decode_qkv_kernel`: that kernel's `QkvKernelSettings` as
+      "block_m:block_k:num_warps:num_stages" ("": its defaults); read only with
+      `decode_qkv="pallas"`.
     - `logprob_chunk`: teacher-forced log-probs (`sampling.scoring.token_logprobs`) project
       and normalise this many response slots at a time, so [rows, length, vocab] float32
       logits never exist at once (0: all slots in one go).
@@ -426,6 +488,8 @@ class ModelConfig:
     decode_mlp_kernel: str = ""
     decode_projection: str = "same"
     decode_projection_kernel: str = ""
+    decode_qkv: str = "same"
+    decode_qkv_kernel: str = ""
     logprob_chunk: int = 0
 
     def __post_init__(self):
@@ -538,6 +602,34 @@ class ModelConfig:
                     "use decode_projection='same'."
                 )
 
+    def _check_pallas_qkv_shape(self):
+        """ValueError for an attention input the Pallas attention-input kernel does not
+        compute: another norm, partial rotary, widths it cannot tile, a scanned decode."""
+        if self.norm != "rms" or self.norm_bias:
+            raise ValueError(
+                "model.decode_qkv='pallas' folds an RMSNorm without a bias into the "
+                f"projections, and this model's norm is {self.norm!r}"
+                f"{' with a bias' if self.norm_bias else ''}; use decode_qkv='same'."
+            )
+        if self.position_embedding == "rope" and self.rotary_dim != self.resolved_head_dim:
+            raise ValueError(
+                "model.decode_qkv='pallas' rotates whole heads, and this model rotates "
+                f"{self.rotary_dim} of {self.resolved_head_dim} dims; use decode_qkv='same'."
+            )
+        if self.resolved_head_dim % QKV_HEAD_MULTIPLE or self.d_model % MIN_MLP_BLOCK:
+            raise ValueError(
+                f"model.decode_qkv='pallas' needs a head width that is a multiple of "
+                f"{QKV_HEAD_MULTIPLE} and d_model a multiple of {MIN_MLP_BLOCK}, and this "
+                f"model's are {self.resolved_head_dim} and {self.d_model}; use "
+                "decode_qkv='same'."
+            )
+        if self.scan_decode:
+            raise ValueError(
+                "model.decode_qkv='pallas' writes each layer's own cache, and "
+                "model.scan_decode=True decodes a stacked one; use decode_qkv='same' or "
+                "scan_decode=False."
+            )
+
     def _check_execution(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
@@ -554,6 +646,10 @@ class ModelConfig:
             "decode_attention": ("('same': as model.attention)", self._check_pallas_decode_shape),
             "decode_mlp": (xla, self._check_pallas_mlp_shape),
             "decode_projection": (xla, self._check_pallas_projection_shape),
+            "decode_qkv": (
+                "('same': XLA's kernels, as every other pass)",
+                self._check_pallas_qkv_shape,
+            ),
         }
         for kernel in DECODE_KERNEL_KNOBS:
             value = getattr(self, kernel.knob)
@@ -602,6 +698,12 @@ class ModelConfig:
         """The Pallas projection kernel's settings (`decode_projection_kernel`, parsed)."""
         spec = self.decode_projection_kernel
         return parse_projection_kernel_settings(spec) if spec else ProjectionKernelSettings()
+
+    @property
+    def decode_qkv_kernel_settings(self) -> QkvKernelSettings:
+        """The Pallas attention-input kernel's settings (`decode_qkv_kernel`, parsed)."""
+        spec = self.decode_qkv_kernel
+        return parse_qkv_kernel_settings(spec) if spec else QkvKernelSettings()
 
     @property
     def resolved_head_dim(self) -> int:

@@ -93,14 +93,15 @@ def per_shard(
     kernel: Callable[..., jax.Array],
     args: Sequence[jax.Array],
     dims: Sequence[Dims],
-    out_dims: Dims,
+    out_dims: Dims | tuple[Dims, ...],
     *,
     rows: int,
     split: int,
 ) -> jax.Array:
     """kernel(*args), one call per shard of the mesh in context (`jax.set_mesh`; none, or
     one device: the call as it is). `dims`: each argument's dimensions (ROWS, SPLIT or
-    None, replicated), `out_dims` the output's. `rows`: the size of every ROWS dimension;
+    None, replicated), `out_dims` the output's (a tuple of them for a kernel with several
+    outputs). `rows`: the size of every ROWS dimension;
     `split`: how many equal parts the SPLIT dimensions may be cut into (KV heads; for
     hidden units, the kernel's least blocks), which the tensor axis must divide.
 
@@ -112,10 +113,12 @@ def per_shard(
     if mesh.empty or mesh.size == 1:
         return kernel(*args)
     axes = shard_axes(mesh, rows, split)
+    several = bool(out_dims) and isinstance(out_dims[0], tuple)
+    out_specs = tuple(spec(d, axes) for d in out_dims) if several else spec(out_dims, axes)
     return jax.shard_map(
         kernel,
         mesh=mesh,
         in_specs=tuple(spec(d, axes) for d in dims),
-        out_specs=spec(out_dims, axes),
+        out_specs=out_specs,
         check_vma=False,
     )(*args)

@@ -47,6 +47,7 @@ from tba_jax.models import splash_attention
 from tba_jax.models.config import MIN_MLP_BLOCK, REMAT_POLICIES, ModelConfig
 from tba_jax.models.decode_attention import decode_attention
 from tba_jax.models.decode_projection import project
+from tba_jax.models.decode_qkv import project_qkv
 from tba_jax.models.gated_mlp import gated_hidden
 
 # per layer {"k", "v"}, or with scan_decode one {"k", "v"} of stacked [L, ...] arrays
@@ -271,7 +272,39 @@ class Attention(nnx.Module):
             return x
         return rotary_embedding(x, positions, rotary_inv_freq(self.cfg))
 
-    def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None):
+    def _project_into_cache(self, x, norm, positions, cache_layer, cache_offset):
+        """(q [B, 1, H, hd], the layer's cache with the new keys and values written) of a
+        decode step through `models.decode_qkv`'s kernel: `x` [B, 1, D] is the block's
+        input before `norm` (its RMSNorm), which the kernel applies."""
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        batch = x.shape[0]
+        weights = [getattr(self, name)[...].astype(dt) for name in ("wq", "wk", "wv")]
+        if cfg.qkv_bias:
+            biases = tuple(getattr(self, name)[...].astype(dt) for name in ("bq", "bk", "bv"))
+        else:
+            biases = tuple(jnp.zeros(w.shape[1:], dt) for w in weights)
+        cos = sin = None
+        if cfg.position_embedding == "rope":
+            angles = positions[:, 0].astype(jnp.float32)[:, None] * rotary_inv_freq(cfg)
+            cos, sin = jnp.cos(angles), jnp.sin(angles)
+        slots = jnp.broadcast_to(jnp.asarray(cache_offset, jnp.int32), (batch,))
+        q, cache_k, cache_v = project_qkv(
+            x[:, 0].astype(dt),
+            norm.scale[...],
+            *weights,
+            biases,
+            cos,
+            sin,
+            cache_layer["k"],
+            cache_layer["v"],
+            slots,
+            eps=cfg.norm_eps,
+            settings=cfg.decode_qkv_kernel_settings,
+        )
+        return q[:, None], {"k": cache_k, "v": cache_v}
+
+    def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None, norm=None):
         """x: [B, S, D]; positions: [B, S]; key_valid: [B, S_kv] bool.
 
         Without a cache S_kv == S and the queries sit in slots 0..S-1. With a
@@ -284,7 +317,9 @@ class Attention(nnx.Module):
         ([B, S_att], S_att <= S_kv, the new slots inside it) attends over the cache's
         first S_att slots only: a decode step whose later slots are all still empty need
         not read them (with a fused `cfg.attention` kernel they are masked instead: the
-        kernel reads the whole cache).
+        kernel reads the whole cache). With `norm` (the block's RMSNorm, a decode step with
+        `cfg.decode_qkv="pallas"`) x is the block's input before it, and one kernel
+        normalises it, projects, rotates and writes the cache (`_project_into_cache`).
         """
         cfg = self.cfg
         decode_step = cache_layer is not None and x.shape[1] == 1
@@ -292,16 +327,22 @@ class Attention(nnx.Module):
         # whole cache as the fused kernels do (its loop stops at the last visible slot)
         pallas_step = decode_step and cfg.decode_attention == "pallas"
         fused = cfg.attention in FUSED_ATTENTION_IMPLEMENTATIONS or pallas_step
-        q = self._rotate(self._project(x, self.wq, "bq"), positions)
-        k = self._rotate(self._project(x, self.wk, "bk"), positions)
-        v = self._project(x, self.wv, "bv")
+        if norm is not None:
+            q, cache_layer = self._project_into_cache(x, norm, positions, cache_layer, cache_offset)
+            k, v = cache_layer["k"], cache_layer["v"]
+        else:
+            q = self._rotate(self._project(x, self.wq, "bq"), positions)
+            k = self._rotate(self._project(x, self.wk, "bk"), positions)
+            v = self._project(x, self.wv, "bv")
         if cache_layer is None and fused:
             out = fused_attention(q, k, v, key_valid, cfg)
         else:
             query_slots = jnp.arange(x.shape[1])[None]  # [1, S]
             if cache_layer is not None:
                 offsets = jnp.asarray(cache_offset)
-                if layer is None:
+                if norm is not None:  # the kernel wrote the new keys and values
+                    pass
+                elif layer is None:
                     k = write_cache(cache_layer["k"], k, offsets)
                     v = write_cache(cache_layer["v"], v, offsets)
                     cache_layer = {"k": k, "v": v}
@@ -515,10 +556,16 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None):
-        attn_out, cache_layer = self.attn(
-            self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer
-        )
         decode_step = cache_layer is not None and x.shape[1] == 1
+        if decode_step and layer is None and self.attn.cfg.decode_qkv == "pallas":
+            # one kernel applies the norm, projects, rotates and writes the cache
+            attn_out, cache_layer = self.attn(
+                x, positions, key_valid, cache_layer, cache_offset, norm=self.attn_norm
+            )
+        else:
+            attn_out, cache_layer = self.attn(
+                self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer
+            )
         if self.parallel_residual:  # GPT-NeoX: both branches read the block's input.
             return x + attn_out + self.mlp(self.mlp_norm(x), decode_step), cache_layer
         x = x + attn_out
