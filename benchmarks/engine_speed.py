@@ -62,10 +62,10 @@ what scoring is left bounds
 the speed-up where the device cannot run it alongside decoding, as on a CPU, whose cores
 do both.
 
-`--attention`, `--decode_attention`, `--decode_mlp` and `--decode_projection` (and their
-kernels' settings) set the model's kernels for both paths (e.g. `--attention=cudnn
---decode_attention=pallas` on a GPU: the Pallas kernel stops at each slot's last visible
-cache slot, where cuDNN's reads the whole cache).
+`--attention`, `--decode_attention`, `--decode_mlp`, `--decode_projection` and
+`--decode_qkv` (and their kernels' settings) set the model's kernels for both paths (e.g.
+`--attention=cudnn --decode_attention=pallas` on a GPU: the Pallas kernel stops at each
+slot's last visible cache slot, where cuDNN's reads the whole cache).
 
 The last stdout line is JSON: {"benchmark": "engine_speed", "mixes": {mix: {"batch": {...},
 "fused": {...}, "fused_over_batch", ...}}, then the settings and the device}. Run it on a
@@ -214,6 +214,8 @@ class Settings:
     decode_mlp_kernel: str
     decode_projection: str
     decode_projection_kernel: str
+    decode_qkv: str
+    decode_qkv_kernel: str
     max_prompt_len: int
     max_new_tokens: int
     width: int
@@ -257,6 +259,8 @@ def read_settings() -> Settings:
             "decode_mlp_kernel",
             "decode_projection",
             "decode_projection_kernel",
+            "decode_qkv",
+            "decode_qkv_kernel",
             "max_prompt_len",
             "max_new_tokens",
             "width",
@@ -330,6 +334,8 @@ def model_config(settings: Settings, vocab_size: int):
             decode_mlp_kernel=settings.decode_mlp_kernel,
             decode_projection=settings.decode_projection,
             decode_projection_kernel=settings.decode_projection_kernel,
+            decode_qkv=settings.decode_qkv,
+            decode_qkv_kernel=settings.decode_qkv_kernel,
             vocab_size=vocab_size,
             max_seq_len=max(PRESETS[settings.preset]["max_seq_len"], sequence),
         )

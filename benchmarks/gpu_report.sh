@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in ten parts that each fit a 10-minute command:
+# in eleven parts that each fit a 10-minute command:
 #
 #   bash benchmarks/gpu_report.sh mlp            # the Pallas MLP kernel alone under a grid of
 #                                                # settings beside XLA's, then decode with it
@@ -10,6 +10,12 @@
 #                                                # matmul, then decode with it (at the down
 #                                                # projection's fastest) beside without it,
 #                                                # and a profile of decode with all three
+#   bash benchmarks/gpu_report.sh qkv            # the Pallas attention-input kernel (norm,
+#                                                # Q/K/V, rotary, cache write) alone under a
+#                                                # grid of settings beside XLA's kernels,
+#                                                # then decode with all four decode kernels
+#                                                # (it at its fastest) beside the other
+#                                                # three, and a profile of decode with four
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
 #                                                # shapes (cudnn; the kernel at its fastest
@@ -37,7 +43,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="mlp | projection | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
+PARTS="mlp | projection | qkv | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -105,6 +111,31 @@ case "$part" in
       --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
       --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas \
       --decode_projection_kernel="$profile_kernel" --profile=30
+    ;;
+  qkv)
+    # a decode step's attention input as one Pallas kernel (XLA: five kernels a layer, the
+    # norm, the Q|K|V matmul and one each for Q, K and V's sums, rotary and cache writes);
+    # decode then takes its fastest settings at 256 rows, beside decode without it (both
+    # with the other three decode kernels at their defaults); then one more 0.5b run with
+    # all four, profiled kernel by kernel (command buffers off)
+    profile_kernel=""
+    for shape in qwen2.5-0.5b qwen2.5-1.5b; do
+      kernel_lines=$(mktemp)
+      run python3 benchmarks/decode_qkv_kernel.py --shape=$shape --rows=64,256 | tee "$kernel_lines"
+      fastest=$(fastest_in "$kernel_lines" '"rows": 256')
+      rm -f "$kernel_lines"
+      for qkv in same pallas; do
+        run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
+          --attention=cudnn --decode_attention=pallas --decode_mlp=pallas \
+          --decode_projection=pallas --decode_qkv=$qkv \
+          --decode_qkv_kernel="$([ $qkv = pallas ] && echo "${fastest:-}")"
+      done
+      [ $shape = qwen2.5-0.5b ] && profile_kernel=${fastest:-}
+    done
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
+      --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
+      --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas \
+      --decode_qkv=pallas --decode_qkv_kernel="$profile_kernel" --profile=30
     ;;
   decode)
     [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"

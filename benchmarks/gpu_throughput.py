@@ -23,7 +23,8 @@ figures (`roofline.DEVICE_PEAKS`: H100, H200, A100, TPU v4-v6e; an H100 SXM's fo
 device), named in the first line's `peaks`. `--layers` changes the preset's depth, and
 `--scan_layers`, `--scan_decode`, `--remat`, `--attention`, `--decode_attention`,
 `--decode_kernel`, `--decode_mlp`, `--decode_mlp_kernel`, `--decode_projection`,
-`--decode_projection_kernel` and `--logprob_chunk` set those execution knobs
+`--decode_projection_kernel`, `--decode_qkv`, `--decode_qkv_kernel` and `--logprob_chunk`
+set those execution knobs
 (`benchmarks/static_profile.py` gives each one's MFU ceiling; decode reports its compile
 seconds, `compile_s`, lowered and compiled ahead of the first run).
 """
@@ -220,6 +221,8 @@ def main() -> None:
             decode_mlp_kernel=decoder.decode_mlp_kernel_settings.spec(),
             decode_projection=decoder.decode_projection,
             decode_projection_kernel=decoder.decode_projection_kernel_settings.spec(),
+            decode_qkv=decoder.decode_qkv,
+            decode_qkv_kernel=decoder.decode_qkv_kernel_settings.spec(),
             param_dtype=param_dtype,
             batch=args.batch,
             prompt=args.prompt,

@@ -21,7 +21,7 @@ def error_lines(done: subprocess.CompletedProcess) -> list[str]:
         (
             (),
             "error: name the part to run; usage: bash benchmarks/gpu_report.sh mlp | projection "
-            "| decode PEER",
+            "| qkv | decode PEER",
         ),
         (("foo",), "error: unknown part 'foo'; usage: "),
         (("decode",), "error: decode needs the peer script's path (PEER); usage: "),
