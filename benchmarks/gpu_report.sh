@@ -67,23 +67,34 @@ line = json.loads(sys.stdin.readline())
 print(line.get("fastest_cold", line["fastest"]))' 2>/dev/null
 }
 
+kernel_then_decode() {  # KNOB BENCHMARK PATTERN FLAGS: for 0.5b and 1.5b, the decode
+  # kernel's benchmark (benchmarks/BENCHMARK at 64 and 256 rows), then decode with
+  # --KNOB=same and --KNOB=pallas (at the settings the benchmark's first line with PATTERN
+  # timed fastest), both with FLAGS; profile_kernel: the 0.5b fastest
+  local knob=$1 benchmark=$2 pattern=$3 flags=$4 shape value kernel_lines fastest
+  profile_kernel=""
+  for shape in qwen2.5-0.5b qwen2.5-1.5b; do
+    kernel_lines=$(mktemp)
+    run python3 "benchmarks/$benchmark" --shape=$shape --rows=64,256 | tee "$kernel_lines"
+    fastest=$(fastest_in "$kernel_lines" "$pattern")
+    rm -f "$kernel_lines"
+    for value in same pallas; do
+      # shellcheck disable=SC2086  # FLAGS: several flags
+      run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train $flags \
+        --$knob=$value --${knob}_kernel="$([ $value = pallas ] && echo "${fastest:-}")"
+    done
+    [ $shape = qwen2.5-0.5b ] && profile_kernel=${fastest:-}
+  done
+}
+
 case "$part" in
   mlp)
     # a decode step's gated hidden layer, act(x W_gate) * (x W_up), as one Pallas kernel
     # against float64 and beside XLA's merged gate|up matmul and its multiply (22 + 5 us a
     # layer on an H100 at 0.5b, batch 256, where the weights' bytes take 5 us); decode then
     # takes the fastest settings at 256 rows, beside decode without the kernel
-    for shape in qwen2.5-0.5b qwen2.5-1.5b; do
-      kernel_lines=$(mktemp)
-      run python3 benchmarks/gated_mlp_kernel.py --shape=$shape --rows=64,256 | tee "$kernel_lines"
-      fastest=$(fastest_in "$kernel_lines" '"rows": 256')
-      rm -f "$kernel_lines"
-      for mlp in same pallas; do
-        run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
-          --attention=cudnn --decode_attention=pallas --decode_mlp=$mlp \
-          --decode_mlp_kernel="$([ $mlp = pallas ] && echo "${fastest:-}")"
-      done
-    done
+    kernel_then_decode decode_mlp gated_mlp_kernel.py '"rows": 256' \
+      "--attention=cudnn --decode_attention=pallas"
     ;;
   projection)
     # a decode step's output projections (attention's W_o, the MLP's W_down) as one Pallas
@@ -92,21 +103,9 @@ case "$part" in
     # weights take 1.8 us); decode then takes the down projection's fastest settings at 256
     # rows, beside decode without the kernel (both with the other two decode kernels); then
     # one more 0.5b run with it, profiled kernel by kernel (command buffers off)
-    profile_kernel=""
-    for shape in qwen2.5-0.5b qwen2.5-1.5b; do
-      kernel_lines=$(mktemp)
-      run python3 benchmarks/decode_projection_kernel.py --shape=$shape --rows=64,256 \
-        | tee "$kernel_lines"
-      fastest=$(fastest_in "$kernel_lines" '"projection": "mlp_down", "rows": 256')
-      rm -f "$kernel_lines"
-      for projection in same pallas; do
-        run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
-          --attention=cudnn --decode_attention=pallas --decode_mlp=pallas \
-          --decode_projection=$projection \
-          --decode_projection_kernel="$([ $projection = pallas ] && echo "${fastest:-}")"
-      done
-      [ $shape = qwen2.5-0.5b ] && profile_kernel=${fastest:-}
-    done
+    kernel_then_decode decode_projection decode_projection_kernel.py \
+      '"projection": "mlp_down", "rows": 256' \
+      "--attention=cudnn --decode_attention=pallas --decode_mlp=pallas"
     XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
       --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
       --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas \
@@ -118,20 +117,8 @@ case "$part" in
     # decode then takes its fastest settings at 256 rows, beside decode without it (both
     # with the other three decode kernels at their defaults); then one more 0.5b run with
     # all four, profiled kernel by kernel (command buffers off)
-    profile_kernel=""
-    for shape in qwen2.5-0.5b qwen2.5-1.5b; do
-      kernel_lines=$(mktemp)
-      run python3 benchmarks/decode_qkv_kernel.py --shape=$shape --rows=64,256 | tee "$kernel_lines"
-      fastest=$(fastest_in "$kernel_lines" '"rows": 256')
-      rm -f "$kernel_lines"
-      for qkv in same pallas; do
-        run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train \
-          --attention=cudnn --decode_attention=pallas --decode_mlp=pallas \
-          --decode_projection=pallas --decode_qkv=$qkv \
-          --decode_qkv_kernel="$([ $qkv = pallas ] && echo "${fastest:-}")"
-      done
-      [ $shape = qwen2.5-0.5b ] && profile_kernel=${fastest:-}
-    done
+    kernel_then_decode decode_qkv decode_qkv_kernel.py '"rows": 256' \
+      "--attention=cudnn --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas"
     XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
       --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
       --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas \
