@@ -634,7 +634,8 @@ def test_execution_fields_stay_out_of_the_checkpoint_identity():
         (dict(decode_projection_kernel="64:64:64:3:4:3"), "k_splits must be a power of two"),
         (dict(decode_projection_kernel="64:64:64:4:3"), "is not block_m:block_n:block_k:k_sp"),
         (dict(decode_qkv="triton"), "model.decode_qkv"),
-        (dict(decode_qkv="pallas"), "a multiple of 32 .*are 4 and 16"),
+        (dict(decode_qkv="pallas"), "a power of two of at least 32 .*are 4 and 16"),
+        (dict(decode_qkv="pallas", head_dim=96), "are 96 and 16"),  # 48 a half: no array
         (dict(decode_qkv="pallas", head_dim=32, norm="layer"), "this model's norm is 'layer'"),
         (dict(decode_qkv="pallas", head_dim=32, rotary_pct=0.5), "rotates 16 of 32 dims"),
         (

@@ -62,10 +62,11 @@ MIN_MLP_BLOCK = 16  # the Pallas MLP kernel's tiles, at least, on each side (Tri
 DECODE_PROJECTIONS = ("same", "pallas")
 # A decode step's attention input (the RMSNorm, the Q, K and V projections, the rotary
 # embedding and the cache write): "same" as every other pass (XLA's kernels), or "pallas"
-# (`models.decode_qkv`: all of it in one kernel). Head widths a multiple of this (each
-# half of a head is one of its matmuls' sides, which take MIN_MLP_BLOCK).
+# (`models.decode_qkv`: all of it in one kernel). Head widths a power of two and at least
+# this (each half of a head is one side of its matmuls, which take MIN_MLP_BLOCK, and an
+# array of Triton's, whose sizes are powers of two).
 DECODE_QKVS = ("same", "pallas")
-QKV_HEAD_MULTIPLE = 2 * MIN_MLP_BLOCK
+QKV_MIN_HEAD = 2 * MIN_MLP_BLOCK
 
 
 class KernelSettings(NamedTuple):
@@ -433,7 +434,7 @@ class ModelConfig:
       and value into the cache: "same" as every other pass (XLA's kernels, five a
       layer), or "pallas", all of it in one Pallas kernel (`models.decode_qkv`: Triton on
       a GPU, Pallas' interpreter, slow, elsewhere). RMSNorm without a bias, full rotary
-      or no position rotation, head widths a multiple of `QKV_HEAD_MULTIPLE`, d_model a
+      or no position rotation, head widths a power of two >= `QKV_MIN_HEAD`, d_model a
       multiple of `MIN_MLP_BLOCK`, and an unscanned decode (`scan_decode=False`).
     - `decode_qkv_kernel`: that kernel's `QkvKernelSettings` as
       "block_m:block_k:num_warps:num_stages" ("": its defaults); read only with
@@ -616,11 +617,12 @@ class ModelConfig:
                 "model.decode_qkv='pallas' rotates whole heads, and this model rotates "
                 f"{self.rotary_dim} of {self.resolved_head_dim} dims; use decode_qkv='same'."
             )
-        if self.resolved_head_dim % QKV_HEAD_MULTIPLE or self.d_model % MIN_MLP_BLOCK:
+        head_dim = self.resolved_head_dim
+        if head_dim < QKV_MIN_HEAD or head_dim & (head_dim - 1) or self.d_model % MIN_MLP_BLOCK:
             raise ValueError(
-                f"model.decode_qkv='pallas' needs a head width that is a multiple of "
-                f"{QKV_HEAD_MULTIPLE} and d_model a multiple of {MIN_MLP_BLOCK}, and this "
-                f"model's are {self.resolved_head_dim} and {self.d_model}; use "
+                "model.decode_qkv='pallas' needs a head width that is a power of two of at "
+                f"least {QKV_MIN_HEAD} (Triton's arrays) and d_model a multiple of "
+                f"{MIN_MLP_BLOCK}, and this model's are {head_dim} and {self.d_model}; use "
                 "decode_qkv='same'."
             )
         if self.scan_decode:

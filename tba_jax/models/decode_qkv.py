@@ -17,8 +17,8 @@ program writes its rotated head to the output; a key or value head's writes its 
 into the cache at each row's slot, in place.
 
 It takes RMSNorm without a bias, full rotary (rotary dims = head dim) or none, and
-head dims that are multiples of 32. On a GPU it lowers through Triton; elsewhere it runs
-in Pallas' interpreter (slow: for tests on a CPU).
+head dims that are powers of two of at least 32. On a GPU it lowers through Triton;
+elsewhere it runs in Pallas' interpreter (slow: for tests on a CPU).
 """
 
 from __future__ import annotations
