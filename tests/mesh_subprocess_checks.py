@@ -685,12 +685,22 @@ def check_kernels() -> dict:
     reference, _ = decode(model, one_device)
     split, split_calls = decode(kernel_model, sampler)
     _, one_device_calls = decode(kernel_model, one_device)
+    # projections in one part, which add the residual in the kernel, on rows split 4 ways
+    one_part = dataclasses.replace(kernels, decode_projection_kernel="16:16:16:1:2:2")
+    one_part_model, _ = init_model(one_part, 0)
+    rows_split = mesh_lib.make_mesh(jax.devices(), {"data": 4})
+    one_part_split, one_part_calls = decode(one_part_model, rows_split)
     rows = len(prompts)
     sampler_result = {
         "same_tokens": bool((split.tokens[:rows] == reference.tokens).all()),
         "max_logp_diff": float(np.max(np.abs(split.token_logp[:rows] - reference.token_logp))),
         "calls": split_calls,
         "one_device_calls": one_device_calls,
+        "one_part_same_tokens": bool((one_part_split.tokens[:rows] == reference.tokens).all()),
+        "one_part_max_logp_diff": float(
+            np.max(np.abs(one_part_split.token_logp[:rows] - reference.token_logp))
+        ),
+        "one_part_calls": one_part_calls,
     }
 
     splash = dataclasses.replace(plain, attention="splash")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 from support import run_repo_script
 
 from tba_jax.models import decode_projection as kernel
@@ -50,6 +51,58 @@ def test_the_kernel_computes_x_w_over_parts_of_the_contraction(
     )
     assert out.shape == (rows, outputs) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), x @ w, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "settings, fused",
+    [
+        (ProjectionKernelSettings(16, 16, 32, 1, 2, 2), True),  # one part: in the kernel
+        (ProjectionKernelSettings(16, 16, 16, 2, 2, 2), False),  # two: XLA adds it
+    ],
+    ids=["one-part", "two-parts"],
+)
+def test_a_residual_is_added_in_the_kernel_with_one_part(monkeypatch, settings, fused):
+    """With the residual stream the result is residual + x W in the residual's dtype: the
+    kernel adds it where it computes the whole contraction in one part (rounded once),
+    XLA otherwise (the product rounded first, as the model adds it)."""
+    x, w = random_case(5, 64, 48, seed=4)
+    residual = np.random.default_rng(5).normal(size=(5, 48))
+    fused_calls = []
+    real = kernel._with_residual
+
+    def recording(*args, **kwargs):
+        fused_calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "_with_residual", recording)
+    out = kernel.project(
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(w, jnp.float32),
+        split=1,
+        residual=jnp.asarray(residual, jnp.bfloat16),
+        settings=settings,
+        interpret=True,
+    )
+    assert out.dtype == jnp.bfloat16 and bool(fused_calls) == fused
+    product = x @ w
+    expected = np.asarray(jnp.asarray(residual, jnp.bfloat16).astype(jnp.float32)) + product
+    error = np.abs(np.asarray(out.astype(jnp.float32)) - expected)
+    rounded = np.abs(expected) + (0 if fused else np.abs(product))  # bfloat16: 8 bits
+    assert (error <= 2**-8 * rounded + 1e-5).all()
+
+
+def test_the_residual_is_fused_only_where_no_device_splits_the_contraction():
+    """One part on one device, or on a mesh whose tensor axis does not cut the
+    contraction (it does not divide its `split` parts, or there is none); never with
+    more parts."""
+    one_part, two_parts = (ProjectionKernelSettings(16, 16, 16, k, 2, 2) for k in (1, 2))
+    assert kernel.fuses_residual(32, 2, 4, one_part)
+    assert not kernel.fuses_residual(32, 2, 4, two_parts)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((2, 2), ("data", "tensor"))):
+        assert not kernel.fuses_residual(32, 2, 4, one_part)  # 2 devices' parts to add
+        assert kernel.fuses_residual(32, 1, 4, one_part)  # tensor 2 cannot split 1 part
+    with jax.sharding.use_abstract_mesh(AbstractMesh((4,), ("data",))):
+        assert kernel.fuses_residual(32, 2, 4, one_part)
 
 
 def test_bfloat16_inputs_give_bfloat16_rounded_once():
@@ -121,7 +174,7 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         assert set(line["kernel_cold_us"]) == set(line["kernel_us"]) and line["xla_cold_us"] > 0
         assert line["fastest_cold"] in line["kernel_cold_us"] and line["cold_copies"] == 64
         width, rows = line["width"], line["rows"]
-        assert line["bytes"] == 4 * (width * 128 + rows * (width + 128))
+        assert line["bytes"] == 4 * (width * 128 + rows * (width + 2 * 128))  # residual in, sum out
     refused = run_repo_script(
         "benchmarks/decode_projection_kernel.py", "--settings=64:64:64:4", timeout=60
     )

@@ -56,6 +56,24 @@ def test_the_kernel_computes_the_gated_hidden_layer(rows, width, hidden, setting
     )
 
 
+@pytest.mark.parametrize("settings", [MlpKernelSettings(16, 32, 16, 2, 2), MlpKernelSettings()])
+def test_the_kernel_applies_a_folded_rmsnorm(settings):
+    """With the block's RMSNorm (scale, epsilon) the kernel takes the rows before it: the
+    hidden layer of x / rms(x) * scale, as written in NumPy."""
+    x, w_gate, w_up = random_case(21, 64, 48, seed=2)
+    x = 3 * x + 1  # far from unit RMS, so a norm left out would show
+    scale = 1 + 0.2 * np.random.default_rng(3).normal(size=64)
+    eps = 1e-5
+    as_f32 = [jnp.asarray(a, jnp.float32) for a in (x, w_gate, w_up)]
+    norm = (jnp.asarray(scale, jnp.float32), eps)
+    out = kernel.gated_hidden(
+        *as_f32, ACTIVATION_FNS["silu"], norm=norm, settings=settings, interpret=True
+    )
+    normed = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+    expected = reference(normed, w_gate, w_up, "silu")
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
+
+
 def test_bfloat16_inputs_give_bfloat16_rounded_once():
     """In bfloat16 the products are accumulated in float32 and rounded once, at the end:
     within a bfloat16 rounding of the float64 result, as close as XLA's path (which rounds
@@ -131,8 +149,8 @@ def test_the_benchmark_checks_the_kernel_against_float64_and_times_it():
         assert line["timing"] == "wall_clock_median"  # a CPU's trace has no device kernels
         assert set(line["kernel_cold_us"]) == set(line["kernel_us"]) and line["xla_cold_us"] > 0
         assert line["fastest_cold"] in line["kernel_cold_us"] and line["cold_copies"] == 64
-        # tiny: d_model 128, d_ff 384; float32 weights and rows
-        assert line["bytes"] == 4 * (2 * 128 * 384 + line["rows"] * (128 + 384))
+        # tiny: d_model 128, d_ff 384; float32 weights and rows, the norm's float32 scale
+        assert line["bytes"] == 4 * (2 * 128 * 384 + line["rows"] * (128 + 384)) + 4 * 128
     refused = run_repo_script("benchmarks/gated_mlp_kernel.py", "--settings=64:64:64", timeout=60)
     assert refused.returncode != 0 and "is not block_m:block_n" in refused.stderr
     refused = run_repo_script("benchmarks/gated_mlp_kernel.py", "--shape=gpt2", timeout=60)

@@ -468,6 +468,10 @@ def test_pallas_kernels_run_per_shard_on_a_mesh_and_match_one_device(fsdp_result
     assert set(sampler["calls"]["names"]) == kernels
     assert all(name.startswith("splash_") for name in learner["calls"]["names"])
     assert sampler["same_tokens"] and sampler["max_logp_diff"] < 1e-4
+    # the projections in one part add the residual in the kernel, per shard of 4 row blocks
+    assert sampler["one_part_same_tokens"] and sampler["one_part_max_logp_diff"] < 1e-4
+    one_part = sampler["one_part_calls"]
+    assert one_part["in_shard_map"] == one_part["pallas"] == sampler["calls"]["pallas"]
     assert learner["calls"]["pallas"] > 0
     assert learner["calls"]["in_shard_map"] == learner["calls"]["pallas"]
     assert abs(learner["loss_ratio"] - 1) < 1e-6 and abs(learner["grad_norm_ratio"] - 1) < 1e-5

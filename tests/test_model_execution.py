@@ -24,6 +24,7 @@ from tba_jax import mesh as mesh_lib
 from tba_jax.models import (
     ModelConfig,
     abstract_model,
+    decode_projection,
     init_model,
     params_in_compute_dtype,
     positions_from_mask,
@@ -296,9 +297,10 @@ def test_pallas_decode_attention_decodes_as_the_einsum_one(plain):
 
 def test_pallas_decode_mlp_decodes_as_the_xla_one(monkeypatch):
     """With `decode_mlp=pallas` every decode step's gated hidden layer comes from the Pallas
-    kernel (its interpreter here), with `decode_mlp_kernel`'s settings, and prefill's does
-    not; the model decodes as the plain one (`assert_decodes_alike`). (d_ff 32: the kernel
-    tiles widths in blocks of 16.)"""
+    kernel (its interpreter here), with `decode_mlp_kernel`'s settings and the block's
+    RMSNorm folded in (the kernel applies it), and prefill's does not; the model decodes
+    as the plain one (`assert_decodes_alike`). (d_ff 32: the kernel tiles widths in blocks
+    of 16.)"""
     plain_cfg = execution(d_ff=32)
     _, params = init_model(plain_cfg, SEED)
     pallas_cfg = dataclasses.replace(
@@ -306,10 +308,11 @@ def test_pallas_decode_mlp_decodes_as_the_xla_one(monkeypatch):
     )
     row_counts = []
 
-    def recording(x, *args, settings):
+    def recording(x, *args, norm, settings):
         row_counts.append(x.shape[0])
         assert settings == MlpKernelSettings(16, 16, 16, 2, 2)
-        return real(x, *args, settings=settings)
+        assert norm[0].shape == (plain_cfg.d_model,) and norm[1] == plain_cfg.norm_eps
+        return real(x, *args, norm=norm, settings=settings)
 
     real = transformer.gated_hidden
     monkeypatch.setattr(transformer, "gated_hidden", recording)
@@ -324,7 +327,10 @@ def test_pallas_decode_projections_decode_as_the_xla_ones(monkeypatch, biases):
     projections come from the Pallas kernel (its interpreter here), with
     `decode_projection_kernel`'s settings, the down projection's contraction in 2 parts,
     and prefill's do not; the model decodes as the plain one (`assert_decodes_alike`),
-    biases added after the kernel. (d_ff 32: the kernel tiles widths in blocks of 16.)"""
+    biases added after the kernel. Without biases the projections take the residual
+    stream and return it with their output added (the parts' sums and the residual added
+    together after the kernel, at 2 parts); with them XLA adds it after the bias. (d_ff
+    32: the kernel tiles widths in blocks of 16.)"""
     plain_cfg = execution(d_ff=32, mlp_bias=biases, attn_out_bias=biases)
     _, params = init_model(plain_cfg, SEED)
     if biases:  # nonzero, so a bias the kernel path dropped would show
@@ -336,10 +342,12 @@ def test_pallas_decode_projections_decode_as_the_xla_ones(monkeypatch, biases):
     )
     calls = []
 
-    def recording(x, w, *, split, settings):
+    def recording(x, w, *, split, residual, settings):
         calls.append((x.shape, w.shape, split))
         assert settings == ProjectionKernelSettings(16, 16, 16, 2, 2, 2)
-        return real(x, w, split=split, settings=settings)
+        assert (residual is None) == biases
+        assert residual is None or residual.shape == (x.shape[0], w.shape[1])
+        return real(x, w, split=split, residual=residual, settings=settings)
 
     real = transformer.project
     monkeypatch.setattr(transformer, "project", recording)
@@ -377,6 +385,37 @@ def test_pallas_decode_qkv_decodes_as_the_xla_one(monkeypatch, biases):
     assert_decodes_alike(abstract_model(plain_cfg)[0], abstract_model(pallas_cfg)[0], params)
     # 2 rows of d_model 16: the decode loop's and the one step's, never a prefill's 2 × 4
     assert calls and set(calls) == {(2, 16)}
+
+
+def test_all_four_decode_kernels_with_one_part_projections_decode_as_xla(monkeypatch):
+    """With every decode kernel and the projections in one part, a layer's decode step is
+    five kernels: the attention input (norm, Q/K/V, rotary, cache write), attention, W_o
+    adding the residual, the gated MLP applying the second norm, and W_down adding the
+    residual; the model decodes as the plain one (`assert_decodes_alike`)."""
+    plain_cfg = execution(head_dim=32, d_ff=32)
+    _, params = init_model(plain_cfg, SEED)
+    pallas_cfg = dataclasses.replace(
+        plain_cfg,
+        decode_attention="pallas",
+        decode_mlp="pallas",
+        decode_mlp_kernel="16:16:16:2:2",
+        decode_projection="pallas",
+        decode_projection_kernel="16:16:16:1:2:2",
+        decode_qkv="pallas",
+        decode_qkv_kernel="16:16:2:2",
+    )
+    fused = []
+    real = decode_projection._with_residual
+
+    def recording(x, w, residual, **kwargs):
+        fused.append((x.shape, w.shape))
+        return real(x, w, residual, **kwargs)
+
+    monkeypatch.setattr(decode_projection, "_with_residual", recording)
+    assert_decodes_alike(abstract_model(plain_cfg)[0], abstract_model(pallas_cfg)[0], params)
+    # both projections of 2 rows added their residual in the kernel: W_o [4 heads × 32, 16]
+    # and W_down [32, 16]
+    assert set(fused) == {((2, 128), (128, 16)), ((2, 32), (32, 16))}
 
 
 @pytest.mark.parametrize("chunk", [3])  # three chunks, the last one padded

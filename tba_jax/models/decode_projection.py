@@ -13,6 +13,11 @@ adds the parts (a reduce over [k_splits, rows, outputs] float32 that fuses with 
 and rounds the sum to the compute dtype once, as XLA's own matmul rounds its float32
 accumulator.
 
+Given the block's residual stream, the result is residual + x W. With one part (and no
+split of the contraction between devices) the kernel adds it itself and writes the sum
+in the residual's dtype: no partial sums, and no kernel after it. Otherwise XLA adds it
+with the parts.
+
 On a GPU it lowers through Triton; elsewhere it runs in Pallas' interpreter (slow: for
 tests on a CPU).
 """
@@ -31,7 +36,14 @@ from tba_jax.models.config import (
     check_projection_kernel_settings,
 )
 from tba_jax.models.gated_mlp import block_for, pad_to_row_blocks
-from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard, triton_launch
+from tba_jax.models.kernel_mesh import (
+    ROWS,
+    SPLIT,
+    on_platform,
+    per_shard,
+    shard_axes,
+    triton_launch,
+)
 
 # What the model runs with unless `model.decode_projection_kernel` says otherwise.
 SETTINGS = ProjectionKernelSettings()
@@ -59,11 +71,37 @@ def _kernel(x_ref, w_ref, out_ref, *, block_k: int):
     out_ref[...] = jax.lax.fori_loop(0, part // block_k, body, zeros)
 
 
+def _kernel_with_residual(x_ref, w_ref, residual_ref, out_ref, *, block_k: int):
+    """One (block of rows, block of outputs) of residual + x w, the whole contraction:
+    x_ref [block_m, K]; w_ref [K, block_n]; residual_ref, out_ref [block_m, block_n]."""
+    width = x_ref.shape[1]
+
+    def body(step, total):
+        cols = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
+        return total + jnp.dot(x_ref[:, cols], w_ref[cols, :], preferred_element_type=jnp.float32)
+
+    total = jax.lax.fori_loop(0, width // block_k, body, residual_ref[...].astype(jnp.float32))
+    out_ref[...] = total.astype(out_ref.dtype)
+
+
+def fuses_residual(width: int, split: int, rows: int, settings: ProjectionKernelSettings) -> bool:
+    """Whether `project` adds a residual inside the kernel: one part of a contraction of
+    `width`, which no device split of the mesh in context cuts (`kernel_mesh.shard_axes`
+    over `split` parts)."""
+    if parts_for(width, settings.k_splits) != 1:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return True
+    return not shard_axes(mesh, rows, split)[SPLIT]
+
+
 def project(
     x: jax.Array,
     w: jax.Array,
     *,
     split: int,
+    residual: jax.Array | None = None,
     settings: ProjectionKernelSettings = SETTINGS,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -77,7 +115,15 @@ def project(
     and XLA adds the devices' partial sums with the parts. `settings`: the kernel's tiles,
     parts and launch (`ProjectionKernelSettings`). `interpret`: None runs the Triton kernel
     where the program is lowered for a CUDA GPU and Pallas' interpreter elsewhere (as
-    `gated_mlp`)."""
+    `gated_mlp`). `residual` [M, N]: returns residual + x w in the residual's dtype, added
+    in the kernel where it computes the whole contraction in one part (`fuses_residual`),
+    else to the parts' sum rounded to its dtype (as the model adds a projection's output)."""
+    rows, width = x.shape
+    if residual is not None and fuses_residual(width, split, rows, settings):
+        run = functools.partial(_with_residual, settings=settings)
+        kernel = on_platform(run, "cuda", interpret)
+        dims = ((ROWS, None), (None, None), (ROWS, None))
+        return per_shard(kernel, (x, w, residual), dims, (ROWS, None), rows=rows, split=split)
     kernel = on_platform(functools.partial(_partial_sums, settings=settings), "cuda", interpret)
     partials = per_shard(
         kernel,
@@ -87,7 +133,44 @@ def project(
         rows=x.shape[0],
         split=split,
     )
-    return partials.sum(axis=0).astype(x.dtype)
+    if residual is None:
+        return partials.sum(axis=0).astype(x.dtype)
+    # the sum rounded first, as the model adds a projection to its residual stream
+    return residual + partials.sum(axis=0).astype(residual.dtype)
+
+
+def _with_residual(
+    x: jax.Array,
+    w: jax.Array,
+    residual: jax.Array,
+    *,
+    settings: ProjectionKernelSettings,
+    interpret: bool,
+) -> jax.Array:
+    """[M, N] in the residual's dtype: residual + x w, the whole contraction in one part."""
+    check_projection_kernel_settings(settings)
+    rows, width = x.shape
+    outputs = w.shape[1]
+    block_k = block_for(width, settings.block_k)
+    block_n = block_for(outputs, settings.block_n)
+    x, block_m = pad_to_row_blocks(x, settings.block_m)
+    residual = pad_to_row_blocks(residual, block_m)[0]
+    padded_rows = x.shape[0]
+    out = pl.pallas_call(
+        functools.partial(_kernel_with_residual, block_k=block_k),
+        grid=(padded_rows // block_m, outputs // block_n),
+        in_specs=[
+            pl.BlockSpec((block_m, width), lambda i, j: (i, 0)),
+            pl.BlockSpec((width, block_n), lambda i, j: (0, j)),
+            pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((padded_rows, outputs), residual.dtype),
+        interpret=interpret,
+        name="decode_projection",
+        **triton_launch(settings, interpret),
+    )(x, w, residual)
+    return out[:rows]
 
 
 def _partial_sums(

@@ -8,7 +8,13 @@ activation and the product (on an H100 at qwen2.5-0.5b's shape, batch 256: 22 µ
 both products of a tile in registers and writes only the hidden layer: one program per
 (block of rows, block of hidden units) walks the model width in blocks of `block_k`,
 accumulating x·W_gate and x·W_up in float32, and writes act(gate) * up in x's dtype.
-The down projection stays XLA's.
+The down projection stays XLA's (or `models.decode_projection`'s).
+
+Given the block's RMSNorm (its scale and epsilon), the kernel takes the block's input
+before the norm and applies it itself, as `models.decode_qkv` does: it accumulates the
+products over x * scale and the rows' sums of squares beside them, and scales both
+products by each row's inverse RMS before the activation (the RMS is a factor of each
+row). So XLA's kernel before it need not write the normalised rows.
 
 On a GPU it lowers through Triton; elsewhere it runs in Pallas' interpreter (slow: for
 tests on a CPU).
@@ -55,21 +61,31 @@ def pad_to_row_blocks(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
     return x, block_m
 
 
-def _kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, activation: Callable):
+def _kernel(x_ref, gate_ref, up_ref, *refs, block_k: int, activation: Callable, eps: float | None):
     """One (block of rows, block of hidden units): x_ref [block_m, d]; gate_ref, up_ref
-    [d, block_n]; out_ref [block_m, block_n]."""
-    width = x_ref.shape[1]
+    [d, block_n]; then (with `eps`, the RMSNorm's) scale_ref [d]; out_ref [block_m,
+    block_n]."""
+    *scale_ref, out_ref = refs
+    block_m, width = x_ref.shape
 
     def body(step, sums):
-        gate_sum, up_sum = sums
+        gate_sum, up_sum, squares = sums
         cols = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
         x = x_ref[:, cols]
+        if eps is not None:  # the norm's scale now, its inverse RMS after the sums
+            x32 = x.astype(jnp.float32)
+            squares += jnp.sum(x32 * x32, axis=1)
+            x = (x32 * scale_ref[0][cols].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
         gate_sum += jnp.dot(x, gate_ref[cols, :], preferred_element_type=jnp.float32)
         up_sum += jnp.dot(x, up_ref[cols, :], preferred_element_type=jnp.float32)
-        return gate_sum, up_sum
+        return gate_sum, up_sum, squares
 
     zeros = jnp.zeros(out_ref.shape, jnp.float32)
-    gate_sum, up_sum = jax.lax.fori_loop(0, width // block_k, body, (zeros, zeros))
+    init = (zeros, zeros, jnp.zeros((block_m,), jnp.float32))
+    gate_sum, up_sum, squares = jax.lax.fori_loop(0, width // block_k, body, init)
+    if eps is not None:
+        inverse_rms = jax.lax.rsqrt(squares / width + eps)[:, None]
+        gate_sum, up_sum = gate_sum * inverse_rms, up_sum * inverse_rms
     out_ref[...] = (activation(gate_sum) * up_sum).astype(out_ref.dtype)
 
 
@@ -79,6 +95,7 @@ def gated_hidden(
     w_up: jax.Array,
     activation: Callable[[jax.Array], jax.Array],
     *,
+    norm: tuple[jax.Array, float] | None = None,
     settings: MlpKernelSettings = SETTINGS,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -90,14 +107,22 @@ def gated_hidden(
     to the largest power of two that tiles each axis). `interpret`: None runs the Triton
     kernel where the program is lowered for a CUDA GPU and Pallas' interpreter elsewhere
     (chosen as the program is lowered, as `decode_attention`). On a mesh of several devices
-    each runs it on its rows and hidden units (`kernel_mesh.per_shard`)."""
-    run = functools.partial(_gated_hidden, activation=activation, settings=settings)
+    each runs it on its rows and hidden units (`kernel_mesh.per_shard`). `norm` (scale
+    [d], epsilon): x is the block's input before its RMSNorm, which the kernel applies
+    (x * scale rounded to x's dtype for the products, which are scaled by each row's
+    inverse RMS in float32)."""
+    eps = None if norm is None else norm[1]
+    run = functools.partial(_gated_hidden, activation=activation, eps=eps, settings=settings)
     kernel = on_platform(run, "cuda", interpret)
+    args, dims = [x, w_gate, w_up], [(ROWS, None), (None, SPLIT), (None, SPLIT)]
+    if norm is not None:
+        args.append(norm[0])
+        dims.append((None,))
     # the tensor axis splits the hidden units into parts of whole blocks of the least size
     return per_shard(
         kernel,
-        (x, w_gate, w_up),
-        ((ROWS, None), (None, SPLIT), (None, SPLIT)),
+        tuple(args),
+        tuple(dims),
         (ROWS, SPLIT),
         rows=x.shape[0],
         split=w_gate.shape[1] // MIN_MLP_BLOCK,
@@ -108,12 +133,13 @@ def _gated_hidden(
     x: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
-    *,
+    *scale: jax.Array,
     activation: Callable[[jax.Array], jax.Array],
+    eps: float | None,
     settings: MlpKernelSettings,
     interpret: bool,
 ) -> jax.Array:
-    """`gated_hidden` with Pallas' interpreter or not."""
+    """`gated_hidden` with Pallas' interpreter or not; `scale` (with `eps`): the norm's."""
     check_mlp_kernel_settings(settings)
     rows, width = x.shape
     hidden = w_gate.shape[1]
@@ -122,14 +148,20 @@ def _gated_hidden(
     x, block_m = pad_to_row_blocks(x, settings.block_m)
     padded_rows = x.shape[0]
     weight_spec = pl.BlockSpec((width, block_n), lambda i, j: (0, j))
+    scale_specs = [pl.BlockSpec((width,), lambda i, j: (0,))] * len(scale)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, activation=activation),
+        functools.partial(_kernel, block_k=block_k, activation=activation, eps=eps),
         grid=(padded_rows // block_m, hidden // block_n),
-        in_specs=[pl.BlockSpec((block_m, width), lambda i, j: (i, 0)), weight_spec, weight_spec],
+        in_specs=[
+            pl.BlockSpec((block_m, width), lambda i, j: (i, 0)),
+            weight_spec,
+            weight_spec,
+            *scale_specs,
+        ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((padded_rows, hidden), x.dtype),
         interpret=interpret,
         name="gated_mlp",
         **triton_launch(settings, interpret),
-    )(x, w_gate, w_up)
+    )(x, w_gate, w_up, *scale)
     return out[:rows]

@@ -166,16 +166,26 @@ def output_projection(
     decode_step: bool,
     split: int,
     in_dims: int = 1,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
-    """`dense(x, weight, in_dims)`; in a decode step with `cfg.decode_projection="pallas"`
+    """`dense(x, weight, in_dims)`, plus `residual` (the block's residual stream, of the
+    output's shape) if given; in a decode step with `cfg.decode_projection="pallas"`
     through `models.decode_projection`'s kernel (`split`: how many equal parts a mesh's
-    tensor axis may cut the contraction into)."""
+    tensor axis may cut the contraction into), which adds the residual itself where it
+    computes the whole contraction in one part."""
     if not (decode_step and cfg.decode_projection == "pallas"):
-        return dense(x, weight, in_dims)
+        out = dense(x, weight, in_dims)
+        return out if residual is None else residual + out.astype(residual.dtype)
     width = math.prod(weight.shape[:in_dims])
-    settings = cfg.decode_projection_kernel_settings
-    flat = project(x.reshape(-1, width), weight.reshape(width, -1), split=split, settings=settings)
-    return flat.reshape(*x.shape[: x.ndim - in_dims], *weight.shape[in_dims:])
+    out_shape = (*x.shape[: x.ndim - in_dims], *weight.shape[in_dims:])
+    flat = project(
+        x.reshape(-1, width),
+        weight.reshape(width, -1),
+        split=split,
+        residual=None if residual is None else residual.reshape(-1, out_shape[-1]),
+        settings=cfg.decode_projection_kernel_settings,
+    )
+    return flat.reshape(out_shape)
 
 
 def _add_bias(x: jax.Array, bias: nnx.Param | None) -> jax.Array:
@@ -304,7 +314,10 @@ class Attention(nnx.Module):
         )
         return q[:, None], {"k": cache_k, "v": cache_v}
 
-    def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None, norm=None):
+    def __call__(
+        self, x, positions, key_valid, cache_layer, cache_offset, layer=None, norm=None,
+        residual=None,
+    ):  # fmt: skip
         """x: [B, S, D]; positions: [B, S]; key_valid: [B, S_kv] bool.
 
         Without a cache S_kv == S and the queries sit in slots 0..S-1. With a
@@ -320,6 +333,8 @@ class Attention(nnx.Module):
         kernel reads the whole cache). With `norm` (the block's RMSNorm, a decode step with
         `cfg.decode_qkv="pallas"`) x is the block's input before it, and one kernel
         normalises it, projects, rotates and writes the cache (`_project_into_cache`).
+        With `residual` (the block's input, [B, S, D]) the output is residual + attention's
+        output, added by the output projection (`output_projection`).
         """
         cfg = self.cfg
         decode_step = cache_layer is not None and x.shape[1] == 1
@@ -382,6 +397,7 @@ class Attention(nnx.Module):
             # whole heads, in parts that are whole blocks of the kernel's least tile
             split=math.gcd(cfg.num_heads, cfg.num_heads * cfg.resolved_head_dim // MIN_MLP_BLOCK),
             in_dims=2,
+            residual=residual,
         )
         return _add_bias(out, self.bo if cfg.attn_out_bias else None), cache_layer
 
@@ -519,11 +535,14 @@ class MLP(nnx.Module):
         out = dense(x, getattr(self, f"w_{name}")[...].astype(dt))
         return _add_bias(out, getattr(self, f"b_{name}") if self.cfg.mlp_bias else None)
 
-    def __call__(self, x, decode_step: bool = False):
+    def __call__(self, x, decode_step: bool = False, norm=None, residual=None):
         """x [B, S, D] -> [B, S, D]. `decode_step` (one query slot over a KV cache) with
         `cfg.decode_mlp="pallas"` computes the gated hidden layer with
         `models.gated_mlp`'s kernel, and with `cfg.decode_projection="pallas"` the down
-        projection with `models.decode_projection`'s."""
+        projection with `models.decode_projection`'s. With `norm` (the block's RMSNorm,
+        there) x is the block's stream before it, and the MLP kernel applies it; with
+        `residual` ([B, S, D]) the output is residual + the MLP's, added by the down
+        projection."""
         cfg = self.cfg
         activation = ACTIVATION_FNS[cfg.activation]
         if decode_step and cfg.decode_mlp == "pallas":
@@ -531,7 +550,8 @@ class MLP(nnx.Module):
             rows = x.reshape(-1, x.shape[-1]).astype(dt)
             weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt))
             settings = cfg.decode_mlp_kernel_settings
-            hidden = gated_hidden(rows, *weights, activation, settings=settings)
+            folded = None if norm is None else (norm.scale[...], cfg.norm_eps)
+            hidden = gated_hidden(rows, *weights, activation, norm=folded, settings=settings)
             hidden = hidden.reshape(*x.shape[:-1], cfg.d_ff)
         elif cfg.mlp == "gated":
             hidden = activation(self._linear(x, "gate")) * self._linear(x, "up")
@@ -543,6 +563,7 @@ class MLP(nnx.Module):
             cfg,
             decode_step=decode_step,
             split=cfg.d_ff // MIN_MLP_BLOCK,
+            residual=residual,
         )
         return _add_bias(down, self.b_down if cfg.mlp_bias else None)
 
@@ -556,20 +577,49 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None):
+        cfg = self.attn.cfg
         decode_step = cache_layer is not None and x.shape[1] == 1
-        if decode_step and layer is None and self.attn.cfg.decode_qkv == "pallas":
+        # the additions and the MLP's norm a decode step's kernels take over
+        residual_in_projections, norm_in_mlp = decode_fusions(cfg, decode_step)
+        if self.parallel_residual:
+            residual_in_projections = False
+        residual = x if residual_in_projections else None
+        if decode_step and layer is None and cfg.decode_qkv == "pallas":
             # one kernel applies the norm, projects, rotates and writes the cache
             attn_out, cache_layer = self.attn(
-                x, positions, key_valid, cache_layer, cache_offset, norm=self.attn_norm
-            )
+                x, positions, key_valid, cache_layer, cache_offset, norm=self.attn_norm,
+                residual=residual,
+            )  # fmt: skip
         else:
             attn_out, cache_layer = self.attn(
-                self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer
-            )
+                self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer,
+                residual=residual,
+            )  # fmt: skip
         if self.parallel_residual:  # GPT-NeoX: both branches read the block's input.
             return x + attn_out + self.mlp(self.mlp_norm(x), decode_step), cache_layer
-        x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x), decode_step), cache_layer
+        x = attn_out if residual_in_projections else x + attn_out
+        residual = x if residual_in_projections else None
+        if norm_in_mlp:
+            out = self.mlp(x, decode_step, norm=self.mlp_norm, residual=residual)
+        else:
+            out = self.mlp(self.mlp_norm(x), decode_step, residual=residual)
+        return (out if residual_in_projections else x + out), cache_layer
+
+
+def decode_fusions(cfg: ModelConfig, decode_step: bool) -> tuple[bool, bool]:
+    """(whether a decode step's output projections add the residual stream, whether its
+    MLP kernel applies the block's second norm): with `decode_projection="pallas"` and no
+    bias after either projection (the kernel adds the residual where it computes the
+    whole contraction in one part, `decode_projection.fuses_residual`; XLA with the parts
+    otherwise), and with `decode_mlp="pallas"` and an RMSNorm without a bias. A
+    parallel-residual block (GPT-NeoX) adds its branches itself."""
+    residual = (
+        decode_step
+        and cfg.decode_projection == "pallas"
+        and not (cfg.attn_out_bias or cfg.mlp_bias)
+    )
+    norm = decode_step and cfg.decode_mlp == "pallas" and cfg.norm == "rms" and not cfg.norm_bias
+    return residual, norm
 
 
 def stack_blocks(blocks: list[Block]) -> Block:
