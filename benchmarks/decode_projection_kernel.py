@@ -1,6 +1,8 @@
 r"""The Pallas projection kernel (`model.decode_projection=pallas`) on this machine's
 backend: a decode step's two output projections (attention's W_o, the MLP's W_down) at a
-model's widths, against x W in float64 NumPy, and their time beside XLA's matmul.
+model's widths, each added to the block's residual stream as the model adds it (since
+2026-11-29: in the kernel where it computes the whole contraction in one part), against
+residual + x W in float64 NumPy, and their time beside XLA's matmul and addition.
 
     python benchmarks/decode_projection_kernel.py                  # qwen2.5-0.5b, 256 rows
     python benchmarks/decode_projection_kernel.py --shape=qwen2.5-1.5b --rows=64,256
@@ -16,11 +18,12 @@ x [d_ff, d_model]): `max_abs_error` (against float64, on the inputs rounded to
 `models.config.ProjectionKernelSettings`, keyed so, the adding of the parts and the
 cast included; `fastest`: the key of the least, a `model.decode_projection_kernel`
 value; `model_settings`: the kernel's defaults, `decode_projection.SETTINGS`) and
-`xla_us` (XLA's matmul, as the model computes it without the kernel), each one call's
+`xla_us` (XLA's matmul and the addition, as the model computes them without the
+kernel), each one call's
 time after a compiling one (`timing`: on an accelerator the mean of its kernels' device
 time over `--repeats` traced calls, on a CPU the median of `--repeats` timed calls;
 `decode_attention_kernel.call_us`). `bytes` is what the product must move (the weight,
-the rows in and the outputs out) and `hbm_bound_us` its time at the HBM bandwidth of
+the rows and the residual in, the outputs out) and `hbm_bound_us` its time at the HBM bandwidth of
 `peaks` (the device's datasheet figure; `roofline.peaks_for`). Each is timed cold too,
 the calls cycling through copies of the inputs that no cache holds (`kernel_cold_us`,
 `xla_cold_us`, `fastest_cold`, `cold_copies`; `--cold_mb`, 0: not): inside a decode
@@ -29,7 +32,6 @@ step a layer's weights are read once, from device memory.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -51,17 +53,23 @@ sys.path.insert(0, REPO_ROOT)
 from benchmarks.gated_mlp_kernel import measured, row_kernel_command_line  # noqa: E402
 
 # block_m:block_n:block_k:k_splits:num_warps:num_stages. The model's settings first, then
-# no split and more parts, wider and narrower output tiles, shorter and longer walks, more
-# warps and stages.
+# no split (the residual added in the kernel: one XLA kernel fewer) with tiles of 64, 32
+# and 16 rows by 64 and 32 outputs (more programs, as the split gives), more parts,
+# narrower output tiles, taller row tiles, shorter walks, more warps and stages.
 DEFAULT_SETTINGS = (
-    "64:64:64:4:4:3,64:64:64:1:4:3,64:64:64:2:4:3,64:64:64:8:4:3,64:32:64:8:4:3,"
-    "64:128:64:4:4:3,128:64:64:4:8:3,64:64:128:4:4:3,64:64:32:8:4:4,32:64:64:8:4:3"
+    "64:64:64:4:4:3,64:64:64:1:4:3,32:32:64:1:4:3,16:64:64:1:2:3,64:64:64:2:4:3,"
+    "64:64:64:8:4:3,64:32:64:8:4:3,128:64:64:4:8:3,64:64:32:8:4:4,32:64:64:8:4:3"
 )
 
 
 def xla_projection():
-    """The product as the model computes it without the kernel (`transformer.dense`)."""
-    return jax.jit(transformer.dense)
+    """The product and the addition as the model computes them without the kernel
+    (`transformer.dense`, then the residual stream plus its output)."""
+
+    def projected(x, w, residual):
+        return residual + transformer.dense(x, w)
+
+    return jax.jit(projected)
 
 
 def main() -> None:
@@ -81,17 +89,21 @@ def main() -> None:
     )
     for name, width, split in projections:
         kernels = {
-            each.spec(): jax.jit(functools.partial(project, split=split, settings=each))
+            each.spec(): jax.jit(
+                lambda x, w, residual, each=each, split=split: project(
+                    x, w, split=split, residual=residual, settings=each
+                )
+            )
             for each in settings
         }
         w = jnp.asarray(rng.normal(size=(width, cfg.d_model)) / np.sqrt(width), args.dtype)
         for rows in row_counts:
             x = jnp.asarray(rng.normal(size=(rows, width)), args.dtype)
-            inputs = (x, w)
-            expected = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(
-                w.astype(jnp.float32), np.float64
-            )
-            moved = item_bytes * (width * cfg.d_model + rows * (width + cfg.d_model))
+            residual = jnp.asarray(rng.normal(size=(rows, cfg.d_model)), args.dtype)
+            inputs = (x, w, residual)
+            as_f64 = [np.asarray(a.astype(jnp.float32), np.float64) for a in inputs]
+            expected = as_f64[2] + as_f64[0] @ as_f64[1]
+            moved = item_bytes * (width * cfg.d_model + rows * (width + 2 * cfg.d_model))
             line = {
                 "bench": "decode_projection_kernel",
                 "backend": jax.default_backend(),

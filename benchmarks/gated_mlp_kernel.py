@@ -1,6 +1,8 @@
 r"""The Pallas MLP kernel (`model.decode_mlp=pallas`) on this machine's backend: its output
 against act(x W_gate) * (x W_up) in float64 NumPy, and its time beside XLA's, one decode
-step's layer at a time.
+step's layer at a time. x is the block's stream normalised by its RMSNorm, which the
+kernel applies itself as the model runs it (since 2026-11-29; `gated_mlp.gated_hidden`'s
+`norm`), and XLA's path before its products.
 
     python benchmarks/gated_mlp_kernel.py                        # qwen2.5-0.5b's layer, 256 rows
     python benchmarks/gated_mlp_kernel.py --shape=qwen2.5-1.5b --rows=64,256
@@ -13,14 +15,14 @@ beside it: XLA's path rounds each product to `--dtype` first), `kernel_us` (one 
 `--settings` entry `block_m:block_n:block_k:num_warps:num_stages`,
 `models.config.MlpKernelSettings`, keyed so; `fastest`: the key of the least, a
 `model.decode_mlp_kernel` value; `model_settings`: the kernel's defaults,
-`gated_mlp.SETTINGS`) and `xla_us` (the model's own gated hidden layer, as XLA compiles
-it), each one call's time after a compiling one (`timing`: on an accelerator the mean of
-its kernels' device time over `--repeats` traced calls, on a CPU the median of `--repeats`
-timed calls; `decode_attention_kernel.call_us`). `bytes` is what the
-layer must move (both weights, the rows in and the hidden layer out) and `hbm_bound_us`
-its time at the HBM bandwidth of `peaks` (the device's datasheet figure;
-`roofline.peaks_for`). Each is timed cold too, the calls cycling through copies of the
-inputs that no cache holds (`kernel_cold_us`, `xla_cold_us`, `fastest_cold`,
+`gated_mlp.SETTINGS`) and `xla_us` (the model's own norm and gated hidden layer, as XLA
+compiles them), each one call's time after a compiling one (`timing`: on an accelerator
+the mean of its kernels' device time over `--repeats` traced calls, on a CPU the median
+of `--repeats` timed calls; `decode_attention_kernel.call_us`). `bytes` is what the layer
+must move (both weights, the rows in, the norm's float32 scale and the hidden layer out)
+and `hbm_bound_us` its time at the HBM bandwidth of `peaks` (the device's datasheet
+figure; `roofline.peaks_for`). Each is timed cold too, the calls cycling through copies
+of the inputs that no cache holds (`kernel_cold_us`, `xla_cold_us`, `fastest_cold`,
 `cold_copies`; `--cold_mb`, 0: not; `decode_attention_kernel.timed`): inside a decode
 step a layer's weights are read once, from device memory.
 """
@@ -28,7 +30,6 @@ step a layer's weights are read once, from device memory.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -58,10 +59,14 @@ DEFAULT_SETTINGS = (
 )
 
 
-def reference(x, w_gate, w_up, activation) -> np.ndarray:
+def reference(x, w_gate, w_up, activation, norm=None) -> np.ndarray:
     """act(x W_gate) * (x W_up) in float64 (`activation` applied through JAX in float64
-    would need x64: silu and the gelus are written out here)."""
+    would need x64: silu and the gelus are written out here); with `norm` (scale,
+    epsilon), of x normalised by that RMSNorm."""
     x, w_gate, w_up = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w_gate, w_up))
+    if norm is not None:
+        scale, eps = norm
+        x = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * np.asarray(scale)
     gate, up = x @ w_gate, x @ w_up
     if activation == "silu":
         return gate / (1.0 + np.exp(-gate)) * up
@@ -73,13 +78,26 @@ def reference(x, w_gate, w_up, activation) -> np.ndarray:
     return 0.5 * gate * (1.0 + np.tanh(inner)) * up
 
 
-def xla_hidden(activation):
-    """The model's gated hidden layer as `transformer.MLP` computes it outside the kernel:
-    each product rounded to the compute dtype, then act(gate) * up."""
+def xla_hidden(activation, eps: float):
+    """The model's norm and gated hidden layer as `transformer.Norm` and `transformer.MLP`
+    compute them outside the kernel: the rows normalised in float32 and rounded, each
+    product rounded to the compute dtype, then act(gate) * up."""
     act = transformer.ACTIVATION_FNS[activation]
 
-    def hidden(x, w_gate, w_up):
+    def hidden(x, w_gate, w_up, scale):
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        x = (x32 * jax.lax.rsqrt(variance + eps) * scale).astype(x.dtype)
         return act(transformer.dense(x, w_gate)) * transformer.dense(x, w_up)
+
+    return jax.jit(hidden)
+
+
+def kernel_with_norm(activation, eps: float, settings):
+    """The kernel as the model calls it: the norm folded in."""
+
+    def hidden(x, w_gate, w_up, scale):
+        return gated_hidden(x, w_gate, w_up, activation, norm=(scale, eps), settings=settings)
 
     return jax.jit(hidden)
 
@@ -137,21 +155,23 @@ def main() -> None:
     )
     rng = np.random.default_rng(args.seed)
     act = transformer.ACTIVATION_FNS[cfg.activation]
-    kernels = {
-        each.spec(): jax.jit(functools.partial(gated_hidden, activation=act, settings=each))
-        for each in settings
-    }
-    xla = xla_hidden(cfg.activation)
+    eps = cfg.norm_eps
+    kernels = {each.spec(): kernel_with_norm(act, eps, each) for each in settings}
+    xla = xla_hidden(cfg.activation, eps)
     scale = 1.0 / np.sqrt(cfg.d_model)  # unit-variance products, as a trained layer's
     w_gate, w_up = (
         jnp.asarray(rng.normal(size=(cfg.d_model, cfg.d_ff)) * scale, args.dtype) for _ in "gu"
     )
+    norm_scale = jnp.asarray(1 + 0.1 * rng.normal(size=cfg.d_model), jnp.float32)
     item_bytes = jnp.dtype(args.dtype).itemsize
     for rows in row_counts:
-        x = jnp.asarray(rng.normal(size=(rows, cfg.d_model)), args.dtype)
-        inputs = (x, w_gate, w_up)
-        expected = reference(*inputs, cfg.activation)
-        moved = item_bytes * (2 * cfg.d_model * cfg.d_ff + rows * (cfg.d_model + cfg.d_ff))
+        x = jnp.asarray(3 * rng.normal(size=(rows, cfg.d_model)), args.dtype)
+        inputs = (x, w_gate, w_up, norm_scale)
+        expected = reference(x, w_gate, w_up, cfg.activation, norm=(norm_scale, eps))
+        moved = (
+            item_bytes * (2 * cfg.d_model * cfg.d_ff + rows * (cfg.d_model + cfg.d_ff))
+            + norm_scale.nbytes
+        )
         line = {
             "bench": "gated_mlp_kernel",
             "backend": jax.default_backend(),

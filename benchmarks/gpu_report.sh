@@ -15,7 +15,8 @@
 #                                                # grid of settings beside XLA's kernels,
 #                                                # then decode with all four decode kernels
 #                                                # (it at its fastest) beside the other
-#                                                # three, and a profile of decode with four
+#                                                # three, and with one-part projections (five
+#                                                # kernels a layer), profiled so at 0.5b
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
 #                                                # shapes (cudnn; the kernel at its fastest
@@ -67,11 +68,12 @@ line = json.loads(sys.stdin.readline())
 print(line.get("fastest_cold", line["fastest"]))' 2>/dev/null
 }
 
-kernel_then_decode() {  # KNOB BENCHMARK PATTERN FLAGS: for 0.5b and 1.5b, the decode
-  # kernel's benchmark (benchmarks/BENCHMARK at 64 and 256 rows), then decode with
+kernel_then_decode() {  # KNOB BENCHMARK PATTERN FLAGS [MORE]: for 0.5b and 1.5b, the
+  # decode kernel's benchmark (benchmarks/BENCHMARK at 64 and 256 rows), then decode with
   # --KNOB=same and --KNOB=pallas (at the settings the benchmark's first line with PATTERN
-  # timed fastest), both with FLAGS; profile_kernel: the 0.5b fastest
-  local knob=$1 benchmark=$2 pattern=$3 flags=$4 shape value kernel_lines fastest
+  # timed fastest), both with FLAGS, and with MORE flags a third time with --KNOB=pallas;
+  # profile_kernel: the 0.5b fastest
+  local knob=$1 benchmark=$2 pattern=$3 flags=$4 more=${5:-} shape value kernel_lines fastest
   profile_kernel=""
   for shape in qwen2.5-0.5b qwen2.5-1.5b; do
     kernel_lines=$(mktemp)
@@ -83,6 +85,11 @@ kernel_then_decode() {  # KNOB BENCHMARK PATTERN FLAGS: for 0.5b and 1.5b, the d
       run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train $flags \
         --$knob=$value --${knob}_kernel="$([ $value = pallas ] && echo "${fastest:-}")"
     done
+    if [ -n "$more" ]; then
+      # shellcheck disable=SC2086
+      run $G --shape=$shape --batch=256 --prompt=256 --new=256 --skip=score,train $flags \
+        --$knob=pallas --${knob}_kernel="${fastest:-}" $more
+    fi
     [ $shape = qwen2.5-0.5b ] && profile_kernel=${fastest:-}
   done
 }
@@ -115,13 +122,17 @@ case "$part" in
     # a decode step's attention input as one Pallas kernel (XLA: five kernels a layer, the
     # norm, the Q|K|V matmul and one each for Q, K and V's sums, rotary and cache writes);
     # decode then takes its fastest settings at 256 rows, beside decode without it (both
-    # with the other three decode kernels at their defaults); then one more 0.5b run with
-    # all four, profiled kernel by kernel (command buffers off)
+    # with the other three decode kernels at their defaults), and once more with the
+    # output projections in one part, which add the residual stream themselves (five
+    # kernels a layer); then one more 0.5b run so, profiled kernel by kernel (command
+    # buffers off)
+    one_part=--decode_projection_kernel=64:64:64:1:4:3
     kernel_then_decode decode_qkv decode_qkv_kernel.py '"rows": 256' \
-      "--attention=cudnn --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas"
+      "--attention=cudnn --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas" \
+      "$one_part"
     XLA_FLAGS=--xla_gpu_enable_command_buffer= run $G --shape=qwen2.5-0.5b --batch=256 \
       --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
-      --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas \
+      --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas $one_part \
       --decode_qkv=pallas --decode_qkv_kernel="$profile_kernel" --profile=30
     ;;
   decode)
