@@ -35,7 +35,7 @@ from tba_jax.models.config import (
     ProjectionKernelSettings,
     check_projection_kernel_settings,
 )
-from tba_jax.models.gated_mlp import block_for, pad_to_row_blocks
+from tba_jax.models.gated_mlp import pad_to_row_blocks, row_tiles
 from tba_jax.models.kernel_mesh import (
     ROWS,
     SPLIT,
@@ -151,9 +151,7 @@ def _with_residual(
     check_projection_kernel_settings(settings)
     rows, width = x.shape
     outputs = w.shape[1]
-    block_k = block_for(width, settings.block_k)
-    block_n = block_for(outputs, settings.block_n)
-    x, block_m = pad_to_row_blocks(x, settings.block_m)
+    x, block_m, block_n, block_k = row_tiles(x, outputs, width, settings)
     residual = pad_to_row_blocks(residual, block_m)[0]
     padded_rows = x.shape[0]
     out = pl.pallas_call(
@@ -182,9 +180,7 @@ def _partial_sums(
     outputs = w.shape[1]
     parts = parts_for(width, settings.k_splits)
     part = width // parts
-    block_k = block_for(part, settings.block_k)
-    block_n = block_for(outputs, settings.block_n)
-    x, block_m = pad_to_row_blocks(x, settings.block_m)
+    x, block_m, block_n, block_k = row_tiles(x, outputs, part, settings)
     padded_rows = x.shape[0]
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k),

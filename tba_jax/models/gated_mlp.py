@@ -61,6 +61,17 @@ def pad_to_row_blocks(x: jax.Array, block_m: int) -> tuple[jax.Array, int]:
     return x, block_m
 
 
+def row_tiles(x: jax.Array, outputs: int, walk: int, settings) -> tuple[jax.Array, int, int, int]:
+    """(x padded with zero rows to whole row blocks, block_m, block_n, block_k): the tiles
+    of a kernel over x's rows that computes `outputs` columns walking a contraction of
+    `walk` entries, from `settings`' block_m, block_n and block_k (`block_for`,
+    `pad_to_row_blocks`)."""
+    block_k = block_for(walk, settings.block_k)
+    block_n = block_for(outputs, settings.block_n)
+    x, block_m = pad_to_row_blocks(x, settings.block_m)
+    return x, block_m, block_n, block_k
+
+
 def _kernel(x_ref, gate_ref, up_ref, *refs, block_k: int, activation: Callable, eps: float | None):
     """One (block of rows, block of hidden units): x_ref [block_m, d]; gate_ref, up_ref
     [d, block_n]; then (with `eps`, the RMSNorm's) scale_ref [d]; out_ref [block_m,
@@ -143,9 +154,7 @@ def _gated_hidden(
     check_mlp_kernel_settings(settings)
     rows, width = x.shape
     hidden = w_gate.shape[1]
-    block_k = block_for(width, settings.block_k)
-    block_n = block_for(hidden, settings.block_n)
-    x, block_m = pad_to_row_blocks(x, settings.block_m)
+    x, block_m, block_n, block_k = row_tiles(x, hidden, width, settings)
     padded_rows = x.shape[0]
     weight_spec = pl.BlockSpec((width, block_n), lambda i, j: (0, j))
     scale_specs = [pl.BlockSpec((width,), lambda i, j: (0,))] * len(scale)
