@@ -19,12 +19,12 @@ x [d_ff, d_model]): `max_abs_error` (against float64, on the inputs rounded to
 cast included; `fastest`: the key of the least, a `model.decode_projection_kernel`
 value; `model_settings`: the kernel's defaults, `decode_projection.SETTINGS`) and
 `xla_us` (XLA's matmul and the addition, as the model computes them without the
-kernel), each one call's
-time after a compiling one (`timing`: on an accelerator the mean of its kernels' device
-time over `--repeats` traced calls, on a CPU the median of `--repeats` timed calls;
-`decode_attention_kernel.call_us`). `bytes` is what the product must move (the weight,
-the rows and the residual in, the outputs out) and `hbm_bound_us` its time at the HBM bandwidth of
-`peaks` (the device's datasheet figure; `roofline.peaks_for`). Each is timed cold too,
+kernel), each one call's time after a compiling one (`timing`: on an accelerator the
+mean of its kernels' device time over `--repeats` traced calls, on a CPU the median of
+`--repeats` timed calls; `decode_attention_kernel.call_us`). `bytes` is what the product
+must move (the weight, the rows and the residual in, the outputs out) and
+`hbm_bound_us` its time at the HBM bandwidth of `peaks` (the device's datasheet figure;
+`roofline.peaks_for`). Each is timed cold too,
 the calls cycling through copies of the inputs that no cache holds (`kernel_cold_us`,
 `xla_cold_us`, `fastest_cold`, `cold_copies`; `--cold_mb`, 0: not): inside a decode
 step a layer's weights are read once, from device memory.

@@ -132,16 +132,14 @@ def kernel_step(settings, eps: float):
 
 
 def xla_step(cfg):
-    """The same work as the model does it without the kernel: `transformer.Norm`'s
-    arithmetic, `transformer.dense`, the rotary embedding of `transformer.rotary_embedding`
-    from the same angles, and `transformer.write_cache` at one offset for every row (a
-    decode loop's)."""
+    """The same work as the model does it without the kernel: `transformer.normalise`
+    (`transformer.Norm`'s arithmetic), `transformer.dense`, the rotary embedding of
+    `transformer.rotary_embedding` from the same angles, and `transformer.write_cache` at
+    one offset for every row (a decode loop's)."""
     dt = cfg.compute_dtype
 
     def step(x, scale, wq, wk, wv, bq, bk, bv, cos, sin, slots, cache_k, cache_v):
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(variance + cfg.norm_eps) * scale).astype(dt)
+        normed = transformer.normalise(x, scale, cfg.norm_eps)
 
         def rotate(t):
             t32 = t.astype(jnp.float32)

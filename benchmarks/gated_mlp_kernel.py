@@ -80,14 +80,13 @@ def reference(x, w_gate, w_up, activation, norm=None) -> np.ndarray:
 
 def xla_hidden(activation, eps: float):
     """The model's norm and gated hidden layer as `transformer.Norm` and `transformer.MLP`
-    compute them outside the kernel: the rows normalised in float32 and rounded, each
+    compute them outside the kernel: the rows normalised in float32 and rounded
+    (`transformer.normalise`), each
     product rounded to the compute dtype, then act(gate) * up."""
     act = transformer.ACTIVATION_FNS[activation]
 
     def hidden(x, w_gate, w_up, scale):
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        x = (x32 * jax.lax.rsqrt(variance + eps) * scale).astype(x.dtype)
+        x = transformer.normalise(x, scale, eps)
         return act(transformer.dense(x, w_gate)) * transformer.dense(x, w_up)
 
     return jax.jit(hidden)

@@ -130,7 +130,7 @@ def project(
         (x, w),
         ((ROWS, SPLIT), (SPLIT, None)),
         (SPLIT, ROWS, None),
-        rows=x.shape[0],
+        rows=rows,
         split=split,
     )
     if residual is None:

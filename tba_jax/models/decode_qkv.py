@@ -31,7 +31,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tba_jax.models.config import QkvKernelSettings, check_qkv_kernel_settings
-from tba_jax.models.gated_mlp import block_for, pad_to_row_blocks
+from tba_jax.models.gated_mlp import (
+    block_for,
+    inverse_rms,
+    pad_to_row_blocks,
+    scaled_for_folded_norm,
+)
 from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard, triton_launch
 
 # What the model runs with unless `model.decode_qkv_kernel` says otherwise.
@@ -77,9 +82,8 @@ def _kernel(
         def body(step, sums):
             first, second, squares = sums
             cols = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
-            x = x_ref[:, cols].astype(jnp.float32)
-            squares += jnp.sum(x * x, axis=1)
-            scaled = (x * scale_ref[cols].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
+            scaled, block_squares = scaled_for_folded_norm(x_ref[:, cols], scale_ref[cols])
+            squares += block_squares
             first += jnp.dot(scaled, w_ref[cols, :half], preferred_element_type=jnp.float32)
             second += jnp.dot(scaled, w_ref[cols, half:], preferred_element_type=jnp.float32)
             return first, second, squares
@@ -87,9 +91,9 @@ def _kernel(
         zeros = jnp.zeros((block_m, half), jnp.float32)
         init = (zeros, zeros, jnp.zeros((block_m,), jnp.float32))
         first, second, squares = jax.lax.fori_loop(0, width // block_k, body, init)
-        inverse_rms = jax.lax.rsqrt(squares / width + eps)[:, None]
-        first = first * inverse_rms + b_ref[:half].astype(jnp.float32)[None, :]
-        second = second * inverse_rms + b_ref[half:].astype(jnp.float32)[None, :]
+        row_scale = inverse_rms(squares, width, eps)
+        first = first * row_scale + b_ref[:half].astype(jnp.float32)[None, :]
+        second = second * row_scale + b_ref[half:].astype(jnp.float32)[None, :]
         return first, second
 
     def rotated(first, second):

@@ -72,6 +72,21 @@ def row_tiles(x: jax.Array, outputs: int, walk: int, settings) -> tuple[jax.Arra
     return x, block_m, block_n, block_k
 
 
+def scaled_for_folded_norm(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x * scale rounded to x's dtype, each row's sum of squares [rows] float32): one
+    block [rows, cols] of a kernel's walk over the model width that applies the block's
+    RMSNorm after its products (`inverse_rms`; the RMS is a factor of each row). Used in
+    the kernels' bodies (here and `models.decode_qkv`)."""
+    x32 = x.astype(jnp.float32)
+    scaled = (x32 * scale.astype(jnp.float32)[None, :]).astype(x.dtype)
+    return scaled, jnp.sum(x32 * x32, axis=1)
+
+
+def inverse_rms(squares: jax.Array, width: int, eps: float) -> jax.Array:
+    """[rows, 1] float32: 1 / RMS of each row from its sum of squares over `width`."""
+    return jax.lax.rsqrt(squares / width + eps)[:, None]
+
+
 def _kernel(x_ref, gate_ref, up_ref, *refs, block_k: int, activation: Callable, eps: float | None):
     """One (block of rows, block of hidden units): x_ref [block_m, d]; gate_ref, up_ref
     [d, block_n]; then (with `eps`, the RMSNorm's) scale_ref [d]; out_ref [block_m,
@@ -84,9 +99,8 @@ def _kernel(x_ref, gate_ref, up_ref, *refs, block_k: int, activation: Callable, 
         cols = pl.ds(pl.multiple_of(step * block_k, block_k), block_k)
         x = x_ref[:, cols]
         if eps is not None:  # the norm's scale now, its inverse RMS after the sums
-            x32 = x.astype(jnp.float32)
-            squares += jnp.sum(x32 * x32, axis=1)
-            x = (x32 * scale_ref[0][cols].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
+            x, block_squares = scaled_for_folded_norm(x, scale_ref[0][cols])
+            squares += block_squares
         gate_sum += jnp.dot(x, gate_ref[cols, :], preferred_element_type=jnp.float32)
         up_sum += jnp.dot(x, up_ref[cols, :], preferred_element_type=jnp.float32)
         return gate_sum, up_sum, squares
@@ -95,8 +109,8 @@ def _kernel(x_ref, gate_ref, up_ref, *refs, block_k: int, activation: Callable, 
     init = (zeros, zeros, jnp.zeros((block_m,), jnp.float32))
     gate_sum, up_sum, squares = jax.lax.fori_loop(0, width // block_k, body, init)
     if eps is not None:
-        inverse_rms = jax.lax.rsqrt(squares / width + eps)[:, None]
-        gate_sum, up_sum = gate_sum * inverse_rms, up_sum * inverse_rms
+        row_scale = inverse_rms(squares, width, eps)
+        gate_sum, up_sum = gate_sum * row_scale, up_sum * row_scale
     out_ref[...] = (activation(gate_sum) * up_sum).astype(out_ref.dtype)
 
 

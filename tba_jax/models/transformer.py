@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -202,15 +203,30 @@ class Norm(nnx.Module):
             self.bias = _constant_param(cfg, (cfg.d_model,), ("norm",), 0.0)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        if self.cfg.norm == "layer":
-            x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = x32 * jax.lax.rsqrt(variance + self.cfg.norm_eps)
-        normed = normed * self.scale[...].astype(jnp.float32)
-        if self.cfg.norm_bias:
-            normed = normed + self.bias[...].astype(jnp.float32)
-        return normed.astype(x.dtype)
+        cfg = self.cfg
+        bias = self.bias[...] if cfg.norm_bias else None
+        return normalise(x, self.scale[...], cfg.norm_eps, center=cfg.norm == "layer", bias=bias)
+
+
+def normalise(
+    x: jax.Array,
+    scale: jax.Array,
+    eps: float,
+    *,
+    center: bool = False,
+    bias: jax.Array | None = None,
+) -> jax.Array:
+    """x [..., D] normalised over its last axis in float32 (RMSNorm; LayerNorm's centring
+    first if `center`), times `scale` [D], plus `bias` [D]; in x's dtype. `Norm`'s
+    arithmetic, and the benchmarks' baseline for the decode kernels that fold it in."""
+    x32 = x.astype(jnp.float32)
+    if center:
+        x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(variance + eps) * scale.astype(jnp.float32)
+    if bias is not None:
+        normed = normed + bias.astype(jnp.float32)
+    return normed.astype(x.dtype)
 
 
 def llama3_scaled_inv_freq(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -577,49 +593,52 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, key_valid, cache_layer, cache_offset, layer=None):
-        cfg = self.attn.cfg
         decode_step = cache_layer is not None and x.shape[1] == 1
-        # the additions and the MLP's norm a decode step's kernels take over
-        residual_in_projections, norm_in_mlp = decode_fusions(cfg, decode_step)
-        if self.parallel_residual:
-            residual_in_projections = False
-        residual = x if residual_in_projections else None
-        if decode_step and layer is None and cfg.decode_qkv == "pallas":
-            # one kernel applies the norm, projects, rotates and writes the cache
-            attn_out, cache_layer = self.attn(
-                x, positions, key_valid, cache_layer, cache_offset, norm=self.attn_norm,
-                residual=residual,
-            )  # fmt: skip
-        else:
-            attn_out, cache_layer = self.attn(
-                self.attn_norm(x), positions, key_valid, cache_layer, cache_offset, layer,
-                residual=residual,
-            )  # fmt: skip
+        # the norms and additions a decode step's kernels take over from XLA
+        fused = decode_fusions(self.attn.cfg, decode_step)
+        residual = x if fused.residual else None
+        attn_out, cache_layer = self.attn(
+            x if fused.attn_norm else self.attn_norm(x), positions, key_valid, cache_layer,
+            cache_offset, layer, norm=self.attn_norm if fused.attn_norm else None,
+            residual=residual,
+        )  # fmt: skip
         if self.parallel_residual:  # GPT-NeoX: both branches read the block's input.
             return x + attn_out + self.mlp(self.mlp_norm(x), decode_step), cache_layer
-        x = attn_out if residual_in_projections else x + attn_out
-        residual = x if residual_in_projections else None
-        if norm_in_mlp:
-            out = self.mlp(x, decode_step, norm=self.mlp_norm, residual=residual)
-        else:
-            out = self.mlp(self.mlp_norm(x), decode_step, residual=residual)
-        return (out if residual_in_projections else x + out), cache_layer
+        x = attn_out if fused.residual else x + attn_out
+        out = self.mlp(
+            x if fused.mlp_norm else self.mlp_norm(x),
+            decode_step,
+            norm=self.mlp_norm if fused.mlp_norm else None,
+            residual=x if fused.residual else None,
+        )
+        return (out if fused.residual else x + out), cache_layer
 
 
-def decode_fusions(cfg: ModelConfig, decode_step: bool) -> tuple[bool, bool]:
-    """(whether a decode step's output projections add the residual stream, whether its
-    MLP kernel applies the block's second norm): with `decode_projection="pallas"` and no
-    bias after either projection (the kernel adds the residual where it computes the
-    whole contraction in one part, `decode_projection.fuses_residual`; XLA with the parts
-    otherwise), and with `decode_mlp="pallas"` and an RMSNorm without a bias. A
-    parallel-residual block (GPT-NeoX) adds its branches itself."""
-    residual = (
-        decode_step
+class DecodeFusions(NamedTuple):
+    """What a decode step's Pallas kernels take over from XLA's in a block (`decode_fusions`)."""
+
+    attn_norm: bool  # the attention-input kernel applies the first norm (`decode_qkv`)
+    mlp_norm: bool  # the MLP kernel applies the second norm
+    residual: bool  # the output projections add the residual stream
+
+
+def decode_fusions(cfg: ModelConfig, decode_step: bool) -> DecodeFusions:
+    """Which norms and additions a decode step's kernels take over: the first norm with
+    `decode_qkv="pallas"` (which the config takes only for an RMSNorm without a bias and
+    an unscanned decode); the second with `decode_mlp="pallas"` and an RMSNorm without a
+    bias; the residual additions with `decode_projection="pallas"`, no bias after either
+    projection and a sequential block (a parallel-residual block, GPT-NeoX's, adds its
+    branches itself). The projection kernel adds the residual where it computes the whole
+    contraction in one part (`decode_projection.fuses_residual`), XLA with the parts
+    otherwise."""
+    rms = cfg.norm == "rms" and not cfg.norm_bias
+    return DecodeFusions(
+        attn_norm=decode_step and cfg.decode_qkv == "pallas",
+        mlp_norm=decode_step and cfg.decode_mlp == "pallas" and rms,
+        residual=decode_step
         and cfg.decode_projection == "pallas"
-        and not (cfg.attn_out_bias or cfg.mlp_bias)
+        and not (cfg.attn_out_bias or cfg.mlp_bias or cfg.parallel_residual),
     )
-    norm = decode_step and cfg.decode_mlp == "pallas" and cfg.norm == "rms" and not cfg.norm_bias
-    return residual, norm
 
 
 def stack_blocks(blocks: list[Block]) -> Block:
