@@ -30,7 +30,10 @@ profiles (a decode loop casts the weights once, before it: `Model.for_decoding`)
   decode step's bytes (the mean over the response's steps, segment by segment with
   `--decode_segments`) against `roofline.decode_step_bytes`: `static_step_bytes`,
   `roofline_step_bytes`, `static_over_roofline`, and `static_ceiling_percent`, the share of
-  the memory roofline a decode moving these bytes at full bandwidth reaches.
+  the memory roofline a decode moving these bytes at full bandwidth reaches. The program
+  gives the decode-attention kernel (`--decode_attention=pallas`) the whole cache, and it
+  reads each row's only up to its last visible slot: its cache and mask are counted at
+  each step's length, in whole blocks of the kernel (XLA's attention reads them whole).
 - `--program=slot_decode`: one step of the slot engine's decode chunk
   (`sampling.engine.decode_program`) over `--batch` slots of `--prompt` + `--new` cache
   positions, against the same roofline: the same figures, its one loop's step.
@@ -76,7 +79,7 @@ from absl import flags
 
 from tba_jax import cli, hlo_traffic, learner, roofline, train_reward_model
 from tba_jax import mesh as mesh_lib
-from tba_jax.models import abstract_model, preset
+from tba_jax.models import abstract_model, decode_attention, preset
 from tba_jax.models.config import ATTENTIONS, REMAT_POLICIES
 from tba_jax.sampling import engine
 from tba_jax.sampling.generate import SamplingConfig, make_generate_fn
@@ -404,10 +407,27 @@ def print_kernels(loop: hlo_traffic.Loop, title: str) -> list[hlo_traffic.Access
     return largest
 
 
-def segment_steps(sampling: SamplingConfig) -> list[int]:
-    """Decode steps each of generate's loops runs when every row runs to the limit."""
+def segment_steps(sampling: SamplingConfig) -> list[range]:
+    """The decode steps each of generate's loops runs when every row runs to the limit."""
     ends = sampling.segment_ends()
-    return [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    return [range(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def attention_at_length(loop: hlo_traffic.Loop, decoder, steps: range) -> hlo_traffic.Loop:
+    """`loop` (decode steps `steps`) with the decode-attention kernel's cache and mask
+    counted as it reads them: at step t a row sees its --prompt slots and t + 1 more, and
+    the kernel walks whole blocks up to the last of them (`decode_attention.slots_read`),
+    where the program gives it the whole --prompt + --new slots. Other kernels, XLA's
+    attention among them, read the whole cache and are left as they are."""
+    cache_len = FLAGS.prompt + FLAGS.new
+    settings = decoder.decode_kernel_settings
+    read = sum(
+        decode_attention.slots_read(FLAGS.prompt + t + 1, cache_len, settings) for t in steps
+    )
+    share = read / (len(steps) * cache_len)
+    return hlo_traffic.with_operand_reads_scaled(
+        loop, decode_attention.KERNEL_NAME, decode_attention.LENGTH_BOUNDED_OPERANDS, share
+    )
 
 
 def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) -> dict:
@@ -443,25 +463,27 @@ def decode_profile(device: jax.Device) -> dict:
         raise RuntimeError(
             f"expected {len(steps)} decode loops in the compiled program, found {len(loops)}"
         )
-    moved = sum(loop.bytes_per_iteration() * n for loop, n in zip(loops, steps, strict=True))
+    loops = [attention_at_length(loop, decoder, n) for loop, n in zip(loops, steps, strict=True)]
+    moved = sum(loop.bytes_per_iteration() * len(n) for loop, n in zip(loops, steps, strict=True))
     last = loops[-1]  # the last segment attends over the whole cache: its kernels are listed
     title = f"decode step on {device.device_kind} (kernels: the last segment's)"
     return {
         "decode_segments": FLAGS.decode_segments,
         "segment_step_bytes": [loop.bytes_per_iteration() for loop in loops],
-        **decode_step_figures(compiled, decoder, moved / sum(steps), last, title),
+        **decode_step_figures(compiled, decoder, moved / FLAGS.new, last, title),
     }
 
 
 def slot_decode_profile(device: jax.Device) -> dict:
     """One step of the slot engine's decode chunk against the same roofline as `generate`'s
     step (the weights and each row's cache at its mean length); like `generate` with one
-    segment, every slot attends over its whole cache row."""
+    segment, every slot's cache row is --prompt + --new slots long, and the
+    decode-attention kernel's reads are counted at the lengths of `generate`'s rows."""
     compiled, decoder = compile_slot_decode(device)
     loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(compiled.as_text()))
     if len(loops) != 1:
         raise RuntimeError(f"expected 1 decode loop in the compiled chunk, found {len(loops)}")
-    (loop,) = loops
+    loop = attention_at_length(loops[0], decoder, range(FLAGS.new))
     title = f"slot decode step on {device.device_kind}"
     return decode_step_figures(compiled, decoder, loop.bytes_per_iteration(), loop, title)
 

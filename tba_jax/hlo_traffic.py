@@ -118,6 +118,8 @@ class Access:
     written_bytes: int
     shape: str
     flops: int = 0  # of its matmuls (2 per multiply-add); elementwise work is not counted
+    kernel: str = ""  # a custom call's kernel name (a Pallas kernel's `name`), else empty
+    operand_read_bytes: tuple[int, ...] = ()  # a custom call's: what it reads of each operand
 
     @property
     def bytes(self) -> int:
@@ -403,6 +405,14 @@ def aliased_operands(instruction: Instruction) -> set[int]:
     return {int(operand) for operand in re.findall(r"\((\d+), \{\}\)", text)}
 
 
+def kernel_name(instruction: Instruction) -> str:
+    """A custom call's kernel name as its backend config gives it (a Pallas kernel's
+    `name`: `name = "decode_attention"` for Triton, `"name": "..."` in JSON configs), or
+    empty."""
+    found = re.search(r'\bname"?\s*[=:]\s*"([^"]+)"', instruction.attributes)
+    return found.group(1) if found else ""
+
+
 def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) -> Access:
     operand_shapes = [shapes.get(operand, "") for operand in instruction.operands]
     if instruction.opcode == "fusion":
@@ -417,9 +427,11 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
         flops = 0
     else:
         aliased = aliased_operands(instruction)
-        read = sum(
-            array_bytes(shape) for index, shape in enumerate(operand_shapes) if index not in aliased
+        operand_read = tuple(
+            0 if index in aliased else array_bytes(shape)
+            for index, shape in enumerate(operand_shapes)
         )
+        read = sum(operand_read)
         written = array_bytes(instruction.shape) - sum(
             array_bytes(operand_shapes[index]) for index in aliased if index < len(operand_shapes)
         )
@@ -438,7 +450,44 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
             kind = "copy"
         else:
             kind = "other"
+        if instruction.opcode == "custom-call":
+            return Access(
+                instruction.name,
+                kind,
+                read,
+                written,
+                instruction.shape,
+                flops,
+                kernel_name(instruction),
+                operand_read,
+            )
     return Access(instruction.name, kind, read, written, instruction.shape, flops)
+
+
+def with_operand_reads_scaled(
+    loop: Loop, kernel: str, operands: tuple[int, ...], share: float
+) -> Loop:
+    """`loop` with each run of custom-call kernel `kernel` reading `share` of `operands`
+    (their indices) where the program gives it whole buffers: a kernel that reads a
+    buffer only up to a bound the program does not hold, as the decode-attention kernel
+    reads each row's KV cache up to its last visible slot."""
+
+    def scaled(access: Access) -> Access:
+        if access.kernel != kernel:
+            return access
+        reads = tuple(
+            round(read * share) if index in operands else read
+            for index, read in enumerate(access.operand_read_bytes)
+        )
+        return dataclasses.replace(access, read_bytes=sum(reads), operand_read_bytes=reads)
+
+    return dataclasses.replace(
+        loop,
+        accesses=tuple(scaled(access) for access in loop.accesses),
+        loops=tuple(
+            with_operand_reads_scaled(nested, kernel, operands, share) for nested in loop.loops
+        ),
+    )
 
 
 def computation_traffic(module: Module, name: str, trip_count: int | None = 1) -> Loop:

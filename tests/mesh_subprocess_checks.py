@@ -676,15 +676,17 @@ def check_kernels() -> dict:
         shardings = mesh_lib.param_shardings(m.logical_axes, _abstract(tree), mesh, rules)
         return jax.device_put(tree, shardings)
 
-    def decode(m, mesh):
+    def decode(m, mesh, run=True):
+        """The greedy decode of `prompts` on `mesh` (`run`: else None) and the Pallas
+        calls of its traced program."""
         generate = make_generate_fn(m, greedy, eos_id=2, pad_id=0)
         args = (on(mesh, params, m), *mesh_lib.split_rows(mesh, prompts, mask))
-        out = jax.device_get(generate(*args, jax.random.key(0)))
+        out = jax.device_get(generate(*args, jax.random.key(0))) if run else None
         return out, _kernel_calls(generate.trace(*args, jax.random.key(0)))
 
     reference, _ = decode(model, one_device)
     split, split_calls = decode(kernel_model, sampler)
-    _, one_device_calls = decode(kernel_model, one_device)
+    _, one_device_calls = decode(kernel_model, one_device, run=False)
     # projections in one part, which add the residual in the kernel, on rows split 4 ways
     one_part = dataclasses.replace(kernels, decode_projection_kernel="16:16:16:1:2:2")
     one_part_model, _ = init_model(one_part, 0)

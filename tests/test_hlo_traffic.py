@@ -254,6 +254,32 @@ def test_a_kernel_updating_an_aliased_buffer_is_counted_without_it():
     assert (access.read_bytes, access.written_bytes) == (9 * ROW, 9 * ROW)
 
 
+# The same call with a Triton backend config naming its Pallas kernel (as XLA writes a
+# pallas_call's: metadata's op_name and scheduling_name are not the kernel's name).
+NAMED_CALL_MODULE = ALIASED_CALL_MODULE.replace(
+    "ALIASING",
+    'metadata={op_name="jit(f)/walk/pallas_call" scheduling_name="call"}, '
+    'backend_config={debug = false, grid_x = 8 : i32, name = "walk", num_warps = 4 : i32}',
+)
+
+
+def test_a_kernel_is_named_and_its_reads_of_chosen_operands_can_be_scaled():
+    loop = hlo_traffic.program_traffic(NAMED_CALL_MODULE)
+    (access,) = loop.accesses
+    assert access.kernel == "walk"
+    assert access.operand_read_bytes == (ROW, 8 * ROW)
+    # the kernel reads half the cache (operand 1): the cache's reads halve, x's stay
+    half = hlo_traffic.with_operand_reads_scaled(loop, "walk", (1,), 0.5)
+    (scaled,) = half.accesses
+    assert scaled.operand_read_bytes == (ROW, 4 * ROW)
+    assert (scaled.read_bytes, scaled.written_bytes) == (5 * ROW, 9 * ROW)
+    assert half.bytes_per_iteration() == loop.bytes_per_iteration() - 4 * ROW
+    # another kernel's name leaves it as it is; XLA's own instructions have no name
+    assert hlo_traffic.with_operand_reads_scaled(loop, "other", (1,), 0.5) == loop
+    (xla_access, *_) = hlo_traffic.program_traffic(LOOP_MODULE).loops[0].accesses
+    assert (xla_access.kernel, xla_access.operand_read_bytes) == ("", ())
+
+
 def test_operand_lists_with_index_marks_name_their_operands():
     """XLA marks every fifth operand with its index (`/*index=5*/%x`)."""
     line = (

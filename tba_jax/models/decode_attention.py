@@ -38,6 +38,10 @@ from tba_jax.models.kernel_mesh import ROWS, SPLIT, on_platform, per_shard, trit
 # heads against it).
 QUERY_TILE = PALLAS_DECODE_TILE
 QK_DIMS = (((1,), (1,)), ((), ()))  # [tile, hd] · [block_k, hd] over hd
+KERNEL_NAME = "decode_attention"  # the pallas_call's name, which its compiled program keeps
+# The kernel's operands (q, k, v, visible, length) that it reads only up to each row's
+# length, a block at a time (`slots_read`): the cache and the mask of visible slots.
+LENGTH_BOUNDED_OPERANDS = (1, 2, 3)
 
 
 # What the model runs with unless `model.decode_kernel` says otherwise (the library kernel's
@@ -55,6 +59,14 @@ def block_k_for(cache_len: int, block_k: int = SETTINGS.block_k) -> int:
     if cache_len >= MIN_BLOCK_K:
         return 1 << (cache_len.bit_length() - 1)
     return cache_len
+
+
+def slots_read(length: int, cache_len: int, settings: KernelSettings = SETTINGS) -> int:
+    """Cache slots a row's walk reads when its last visible slot is `length - 1`: whole
+    blocks up to that one (the last block of a cache that is no multiple of the block
+    starts early, so a walk through it reads the slots it shares twice)."""
+    block_k = block_k_for(cache_len, settings.block_k)
+    return min(-(-length // block_k), -(-cache_len // block_k)) * block_k
 
 
 def _kernel(
@@ -242,7 +254,7 @@ def _decode_attention(
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        name="decode_attention",
+        name=KERNEL_NAME,
         **triton_launch(settings, interpret),
     )(q_groups, k, v, visible.astype(jnp.int32), length[:, None])
     if splits > 1:
