@@ -33,7 +33,9 @@ profiles (a decode loop casts the weights once, before it: `Model.for_decoding`)
   the memory roofline a decode moving these bytes at full bandwidth reaches. The program
   gives the decode-attention kernel (`--decode_attention=pallas`) the whole cache, and it
   reads each row's only up to its last visible slot: its cache and mask are counted at
-  each step's length, in whole blocks of the kernel (XLA's attention reads them whole).
+  each step's length, in whole blocks of the kernel (XLA's attention reads them whole):
+  `attention_read_share`, the share of them it reads over the response's steps (1 where
+  the program has no such kernel: XLA's attention, or Pallas' interpreter on a CPU).
 - `--program=slot_decode`: one step of the slot engine's decode chunk
   (`sampling.engine.decode_program`) over `--batch` slots of `--prompt` + `--new` cache
   positions, against the same roofline: the same figures, its one loop's step.
@@ -413,20 +415,30 @@ def segment_steps(sampling: SamplingConfig) -> list[range]:
     return [range(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def attention_at_length(loop: hlo_traffic.Loop, decoder, steps: range) -> hlo_traffic.Loop:
-    """`loop` (decode steps `steps`) with the decode-attention kernel's cache and mask
-    counted as it reads them: at step t a row sees its --prompt slots and t + 1 more, and
-    the kernel walks whole blocks up to the last of them (`decode_attention.slots_read`),
-    where the program gives it the whole --prompt + --new slots. Other kernels, XLA's
-    attention among them, read the whole cache and are left as they are."""
+def attention_read_share(decoder, steps: range) -> float:
+    """The share of its cache (and mask) the decode-attention kernel reads, on average over
+    decode steps `steps`: at step t a row sees its --prompt slots and t + 1 more, and the
+    kernel walks whole blocks up to the last of them (`decode_attention.slots_read`), where
+    the program gives it the whole --prompt + --new slots. 1 for XLA's attention, which
+    reads them whole."""
+    if decoder.decode_attention != "pallas":
+        return 1.0
     cache_len = FLAGS.prompt + FLAGS.new
     settings = decoder.decode_kernel_settings
     read = sum(
         decode_attention.slots_read(FLAGS.prompt + t + 1, cache_len, settings) for t in steps
     )
-    share = read / (len(steps) * cache_len)
+    return read / (len(steps) * cache_len)
+
+
+def attention_at_length(loop: hlo_traffic.Loop, decoder, steps: range) -> hlo_traffic.Loop:
+    """`loop` (decode steps `steps`) with the decode-attention kernel's cache and mask
+    counted at `attention_read_share`; other kernels are left as they are."""
     return hlo_traffic.with_operand_reads_scaled(
-        loop, decode_attention.KERNEL_NAME, decode_attention.LENGTH_BOUNDED_OPERANDS, share
+        loop,
+        decode_attention.KERNEL_NAME,
+        decode_attention.LENGTH_BOUNDED_OPERANDS,
+        attention_read_share(decoder, steps),
     )
 
 
@@ -444,6 +456,9 @@ def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) 
     return {
         "batch": FLAGS.batch,
         "scan_decode": FLAGS.scan_decode,
+        "attention_read_share": round(attention_read_share(decoder, range(FLAGS.new)), 4)
+        if any(access.kernel == decode_attention.KERNEL_NAME for access, _ in loop.all_accesses())
+        else 1.0,
         "static_step_bytes": round(step_bytes),
         "roofline_step_bytes": round(ideal),
         "static_over_roofline": round(step_bytes / ideal, 3),

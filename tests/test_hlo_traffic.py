@@ -349,6 +349,7 @@ def test_decode_profile_at_micro_size_on_this_machine():
     )
     assert sum(line["by_kind"].values()) == line["segment_step_bytes"][1]
     assert len(line["largest"]) == 3
+    assert line["attention_read_share"] == 1.0  # XLA's attention reads the whole cache
 
 
 def test_slot_decode_step_writes_its_cache_in_place():
@@ -469,6 +470,32 @@ def run_in_a_fresh_process(snippet: str, jax_platforms: str | None) -> subproces
         capture_output=True,
         text=True,
         timeout=120,
+    )
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_the_decode_attention_kernel_is_counted_reading_each_rows_cache_to_its_length():
+    """Compiled for an H100: a 2-layer qwen2.5-0.5b decode, 8 rows of 64 + 192 tokens,
+    the Pallas decode-attention kernel (a 256-slot cache: K and V 512 KB a layer, the
+    visible mask 8 KB). Rows see 65 to 256 slots: in blocks of 128 the walk reads
+    (64 · 128 + 128 · 256) / 192 = 213.3 slots a step on average, in blocks of 64 it reads
+    192; each step's bytes differ by just that share of the two layers' cache and mask."""
+    shape = ("--shape=qwen2.5-0.5b", "--layers=2", "--batch=8", "--prompt=64", "--new=192")
+
+    def profile(*kernel: str) -> dict:
+        done = run_repo_script(
+            "benchmarks/static_profile.py", "--target=h100", *shape, "--top=0",
+            "--decode_attention=pallas", *kernel, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    blocks_of_128, blocks_of_64 = profile(), profile("--decode_kernel=1:64:4:2")
+    assert blocks_of_128["attention_read_share"] == pytest.approx(640 / 768, abs=1e-4)
+    assert blocks_of_64["attention_read_share"] == 0.75
+    cache_and_mask = 2 * (2 * 8 * 256 * 2 * 64 * 2 + 8 * 256 * 4)
+    assert blocks_of_128["static_step_bytes"] - blocks_of_64["static_step_bytes"] == (
+        pytest.approx(cache_and_mask * (640 / 768 - 0.75), abs=8)
     )
 
 
