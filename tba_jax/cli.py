@@ -18,8 +18,10 @@
 - `check_output_dir(path, flag_name)`: a folder a launcher will write can be made there;
   checked before anything is written.
 - `configure_console()`: our own logs at INFO without absl's prefix, other libraries'
-  (orbax, jax, TFDS) only from WARNING and no library progress bars, unless `--verbosity`
-  (`-v`) is given: then absl logs everything at that level, in its own format.
+  (orbax, jax, TFDS) only from WARNING and no library progress bars, and JAX's traceback
+  for an accelerator plugin that did not start as one `warning:` line, unless
+  `--verbosity` (`-v`) is given: then absl logs everything at that level, in its own
+  format.
   `configure_interactive_console()`: the same console where no launcher parses flags (a
   notebook, or a script that calls `train.train_and_evaluate` itself).
 
@@ -66,6 +68,9 @@ INFO_PREFIX_FLAG = "showprefixforinfo"  # absl's: the "I0102 12:00:00.0 123 file
 # each time a builder is given a config object, which is how tba_jax.data builders work,
 # and about a dataset folder that is not prepared yet, which tba_jax.data then prepares.
 EXPECTED_LIBRARY_WARNINGS = ("Using custom data configuration", "Variant folder ")
+# JAX's record for a PJRT plugin (e.g. jax_plugins.xla_cuda12) whose initialize() raised,
+# with the traceback: JAX then runs on the platforms it still has.
+PLUGIN_ERROR_PREFIX = "Jax plugin configuration error"
 VERBOSITY_HELP = (
     "absl's log level (-1 warning, 0 info, 1 debug). Unset: our progress and notices at info, "
     "other libraries' logs (orbax, jax, TFDS) from warning; set: every log at that level."
@@ -450,19 +455,42 @@ class LibraryLogFilter(logging.Filter):
             return True
         if record.levelno < self.library_level:
             return False
-        return not record.getMessage().startswith(EXPECTED_LIBRARY_WARNINGS)
+        message = record.getMessage()
+        if message.startswith(PLUGIN_ERROR_PREFIX):
+            as_plugin_notice(record)
+        return not message.startswith(EXPECTED_LIBRARY_WARNINGS)
+
+
+def as_plugin_notice(record: logging.LogRecord) -> None:
+    """Rewrites JAX's plugin-error record (a traceback through the plugin's version checks)
+    as our one-line warning: which plugin, its error, and what to do. JAX goes on without
+    it, on the CPU where no other accelerator is there."""
+    plugin = re.search(r"jax_plugins\.(\w+)", record.getMessage())
+    error = record.exc_info[1] if record.exc_info else None
+    record.msg = (
+        f"JAX's {plugin.group(1) if plugin else 'accelerator'} plugin did not start"
+        f"{f' ({one_line(str(error))})' if error else ''}, so JAX runs without it (on the CPU "
+        "if nothing else is there); set JAX_PLATFORMS=cpu to skip it, or fix the GPU's driver "
+        "to use it."
+    )
+    record.args = None
+    record.exc_info = record.exc_text = None
+    record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+    record.tba_notice = True
 
 
 class OwnNoticeFormatter(absl_logging.PythonFormatter):
-    """absl's format, except our own warnings and errors (without a traceback): one
-    `warning: ...` / `error: ...` line, as the launchers print a user's mistake."""
+    """absl's format, except our own warnings and errors (without a traceback) and the
+    library records we rewrite as ours (`as_plugin_notice`): one `warning: ...` /
+    `error: ...` line, as the launchers print a user's mistake."""
 
     def __init__(self, own: LibraryLogFilter):
         super().__init__()
         self.own = own
 
     def format(self, record: logging.LogRecord) -> str:
-        if record.levelno >= logging.WARNING and not record.exc_info and self.own.is_own(record):
+        ours = self.own.is_own(record) or getattr(record, "tba_notice", False)
+        if record.levelno >= logging.WARNING and not record.exc_info and ours:
             return f"{record.levelname.lower()}: {record.getMessage()}"
         return super().format(record)
 

@@ -473,6 +473,36 @@ def test_library_logs_pass_only_from_warning(tmp_path):
     assert not log_filter.filter(log_record(library, logging.WARNING, expected))
 
 
+def test_a_plugin_that_did_not_start_is_one_warning_line_not_jaxs_traceback(tmp_path):
+    """JAX's record for jax[cuda12] on a machine without a GPU (its format, JAX 0.11):
+    the plugin's error and what to do, in one line of ours."""
+    try:
+        try:
+            raise RuntimeError("cudaRuntimeGetVersion(&version) failed")
+        except RuntimeError as cause:
+            raise RuntimeError("Unable to load CUDA. Is it installed?") from cause
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "jax._src.xla_bridge", logging.ERROR, "/site-packages/jax/_src/xla_bridge.py", 498,
+        "Jax plugin configuration error: Exception when calling %s.initialize()",
+        ("jax_plugins.xla_cuda12",), exc_info,
+    )  # fmt: skip
+    log_filter = cli.LibraryLogFilter([str(tmp_path / "tba_jax")])
+    assert log_filter.filter(record)
+    line = cli.OwnNoticeFormatter(log_filter).format(record)
+    assert line == (
+        "warning: JAX's xla_cuda12 plugin did not start (Unable to load CUDA. Is it "
+        "installed?), so JAX runs without it (on the CPU if nothing else is there); set "
+        "JAX_PLATFORMS=cpu to skip it, or fix the GPU's driver to use it."
+    )
+    # other libraries' errors keep absl's format and their tracebacks
+    other = logging.LogRecord("x", logging.ERROR, "/site-packages/x.py", 1, "boom", None, exc_info)
+    assert log_filter.filter(other) and "Traceback" in cli.OwnNoticeFormatter(log_filter).format(
+        other
+    )
+
+
 def test_one_line_joins_lines():
     assert cli.one_line("a\n  b\n\nc ") == "a b c"
 
