@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's GPU figures ("Accelerator throughput", and the slot engine's) as JSON lines,
-# in eleven parts that each fit a 10-minute command:
+# in twelve parts that each fit a 10-minute command:
 #
 #   bash benchmarks/gpu_report.sh mlp            # the Pallas MLP kernel alone under a grid of
 #                                                # settings beside XLA's, then decode with it
@@ -17,6 +17,11 @@
 #                                                # (it at its fastest) beside the other
 #                                                # three, and with one-part projections (five
 #                                                # kernels a layer), profiled so at 0.5b
+#   bash benchmarks/gpu_report.sh fused PEER     # decode with all four decode kernels at
+#                                                # their defaults, the output projections in
+#                                                # four parts and in one, at 3 shapes, beside
+#                                                # transformers' generate (PEER, as below):
+#                                                # issue 14's decode figures in one command
 #   bash benchmarks/gpu_report.sh decode  PEER   # the Pallas decode-attention kernel alone
 #                                                # under a grid of settings, then decode at 3
 #                                                # shapes (cudnn; the kernel at its fastest
@@ -44,7 +49,7 @@
 # dropped. REPORT_TIMEOUT sets the seconds each command may take (default 240; 560 for a
 # smoke run).
 set -u
-PARTS="mlp | projection | qkv | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
+PARTS="mlp | projection | qkv | fused PEER | decode PEER | decode_more | learner | learner_1.5b | engine [FLAGS] | reward_model | smoke_tldr | smoke_gsm8k GSM8K_DIR [SET]"
 usage() {  # one line on stderr, exit status 2
   echo "error: $1; usage: bash benchmarks/gpu_report.sh $PARTS" >&2
   exit 2
@@ -134,6 +139,24 @@ case "$part" in
       --prompt=256 --new=256 --skip=score,train --repeats=1 --attention=cudnn \
       --decode_attention=pallas --decode_mlp=pallas --decode_projection=pallas $one_part \
       --decode_qkv=pallas --decode_qkv_kernel="$profile_kernel" --profile=30
+    ;;
+  fused)
+    [ $# -ge 2 ] || usage "fused needs the peer script's path (PEER)"
+    peer=$2
+    # every decode kernel at the model's settings (no kernel benchmark first: the fewest
+    # compiles), the projections in four parts and then in one (adding the residual
+    # stream: five kernels a layer), each shape beside the peer in this same command
+    kernels="--attention=cudnn --decode_attention=pallas --decode_mlp=pallas"
+    kernels="$kernels --decode_projection=pallas --decode_qkv=pallas"
+    for shape in "qwen2.5-0.5b 256" "qwen2.5-1.5b 256" "qwen2.5-0.5b 64"; do
+      set -- $shape
+      run python3 "$peer" --shape "$1" --batch "$2" --prompt 256 --new 256
+      for projection in "" --decode_projection_kernel=64:64:64:1:4:3; do
+        # shellcheck disable=SC2086  # several flags
+        run $G --shape="$1" --batch="$2" --prompt=256 --new=256 --skip=score,train \
+          $kernels $projection
+      done
+    done
     ;;
   decode)
     [ $# -ge 2 ] || usage "decode needs the peer script's path (PEER)"

@@ -21,10 +21,11 @@ def error_lines(done: subprocess.CompletedProcess) -> list[str]:
         (
             (),
             "error: name the part to run; usage: bash benchmarks/gpu_report.sh mlp | projection "
-            "| qkv | decode PEER",
+            "| qkv | fused PEER | decode PEER",
         ),
         (("foo",), "error: unknown part 'foo'; usage: "),
         (("decode",), "error: decode needs the peer script's path (PEER); usage: "),
+        (("fused",), "error: fused needs the peer script's path (PEER); usage: "),
         (("smoke_gsm8k",), "error: smoke_gsm8k needs a GSM8K folder (GSM8K_DIR); usage: "),
     ],
 )
