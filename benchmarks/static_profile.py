@@ -33,7 +33,7 @@ profiles (a decode loop casts the weights once, before it: `Model.for_decoding`)
   the memory roofline a decode moving these bytes at full bandwidth reaches. The program
   gives the decode-attention kernel (`--decode_attention=pallas`) the whole cache, and it
   reads each row's only up to its last visible slot: its cache and mask are counted at
-  each step's length, in whole blocks of the kernel (XLA's attention reads them whole):
+  each step's length (XLA's attention reads them whole):
   `attention_read_share`, the share of them it reads over the response's steps (1 where
   the program has no such kernel: XLA's attention, or Pallas' interpreter on a CPU).
 - `--program=slot_decode`: one step of the slot engine's decode chunk
@@ -418,16 +418,13 @@ def segment_steps(sampling: SamplingConfig) -> list[range]:
 def attention_read_share(decoder, steps: range) -> float:
     """The share of its cache (and mask) the decode-attention kernel reads, on average over
     decode steps `steps`: at step t a row sees its --prompt slots and t + 1 more, and the
-    kernel walks whole blocks up to the last of them (`decode_attention.slots_read`), where
+    kernel reads the slots up to the last of them (`decode_attention.slots_read`), where
     the program gives it the whole --prompt + --new slots. 1 for XLA's attention, which
     reads them whole."""
     if decoder.decode_attention != "pallas":
         return 1.0
     cache_len = FLAGS.prompt + FLAGS.new
-    settings = decoder.decode_kernel_settings
-    read = sum(
-        decode_attention.slots_read(FLAGS.prompt + t + 1, cache_len, settings) for t in steps
-    )
+    read = sum(decode_attention.slots_read(FLAGS.prompt + t + 1, cache_len) for t in steps)
     return read / (len(steps) * cache_len)
 
 

@@ -475,28 +475,27 @@ def run_in_a_fresh_process(snippet: str, jax_platforms: str | None) -> subproces
 
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
 def test_the_decode_attention_kernel_is_counted_reading_each_rows_cache_to_its_length():
-    """Compiled for an H100: a 2-layer qwen2.5-0.5b decode, 8 rows of 64 + 192 tokens,
-    the Pallas decode-attention kernel (a 256-slot cache: K and V 512 KB a layer, the
-    visible mask 8 KB). Rows see 65 to 256 slots: in blocks of 128 the walk reads
-    (64 · 128 + 128 · 256) / 192 = 213.3 slots a step on average, in blocks of 64 it reads
-    192; each step's bytes differ by just that share of the two layers' cache and mask."""
-    shape = ("--shape=qwen2.5-0.5b", "--layers=2", "--batch=8", "--prompt=64", "--new=192")
+    """Compiled for an H100: a 2-layer qwen2.5-0.5b decode of 8 rows with the Pallas
+    decode-attention kernel over a 256-slot cache (K and V 512 KB a layer, the visible
+    mask 8 KB), once for 64 + 192 tokens, once for 128 + 128. The decode loops are the
+    same program; their rows see 65 to 256 slots (160.5 on average) or 129 to 256
+    (192.5), so their steps' bytes differ by 32 / 256 of the two layers' cache and mask."""
 
-    def profile(*kernel: str) -> dict:
+    def profile(prompt: int, new: int) -> dict:
         done = run_repo_script(
-            "benchmarks/static_profile.py", "--target=h100", *shape, "--top=0",
-            "--decode_attention=pallas", *kernel, timeout=300,
+            "benchmarks/static_profile.py", "--target=h100", "--shape=qwen2.5-0.5b",
+            "--layers=2", "--batch=8", f"--prompt={prompt}", f"--new={new}", "--top=0",
+            "--decode_attention=pallas", timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.splitlines()[-1])
 
-    blocks_of_128, blocks_of_64 = profile(), profile("--decode_kernel=1:64:4:2")
-    assert blocks_of_128["attention_read_share"] == pytest.approx(640 / 768, abs=1e-4)
-    assert blocks_of_64["attention_read_share"] == 0.75
+    longer_responses, longer_prompts = profile(64, 192), profile(128, 128)
+    assert longer_responses["attention_read_share"] == pytest.approx(160.5 / 256, abs=1e-4)
+    assert longer_prompts["attention_read_share"] == pytest.approx(192.5 / 256, abs=1e-4)
     cache_and_mask = 2 * (2 * 8 * 256 * 2 * 64 * 2 + 8 * 256 * 4)
-    assert blocks_of_128["static_step_bytes"] - blocks_of_64["static_step_bytes"] == (
-        pytest.approx(cache_and_mask * (640 / 768 - 0.75), abs=8)
-    )
+    moved = longer_prompts["static_step_bytes"] - longer_responses["static_step_bytes"]
+    assert moved == pytest.approx(cache_and_mask * 32 / 256, abs=8)
 
 
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")

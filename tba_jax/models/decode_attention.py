@@ -5,11 +5,12 @@ treat it as a general attention: cuDNN tiles the query axis (one valid row in a 
 64), and both read every cache slot, the empty ones masked. This kernel is flash decoding
 for grouped-query attention (`jax.experimental.pallas.ops.gpu.decode_attention`'s
 structure): one program per (row, KV head) holds that head's G query heads in one tile
-and walks the cache in blocks of `block_k` slots up to the row's last visible slot, with
-an online softmax in float32. It reads the cache [B, S_kv, KV, hd] in place (the library's
-`gqa` transposes it to [B, KV, S_kv, hd] first: a copy of the whole cache every layer of
-every step) and takes any mask of visible slots (left-padded prompts, the slot engine's
-per-row prefixes), not only a contiguous range.
+and walks the cache in blocks of `block_k` slots up to the row's last visible slot,
+loading no slot past it (masked loads), with an online softmax in float32. It reads the
+cache [B, S_kv, KV, hd] in place (the library's `gqa` transposes it to [B, KV, S_kv, hd]
+first: a copy of the whole cache every layer of every step) and takes any mask of
+visible slots (left-padded prompts, the slot engine's per-row prefixes), not only a
+contiguous range.
 
 On a GPU it lowers through Triton; elsewhere it runs in Pallas' interpret mode (slow:
 for tests on a CPU).
@@ -61,12 +62,12 @@ def block_k_for(cache_len: int, block_k: int = SETTINGS.block_k) -> int:
     return cache_len
 
 
-def slots_read(length: int, cache_len: int, settings: KernelSettings = SETTINGS) -> int:
-    """Cache slots a row's walk reads when its last visible slot is `length - 1`: whole
-    blocks up to that one (the last block of a cache that is no multiple of the block
-    starts early, so a walk through it reads the slots it shares twice)."""
-    block_k = block_k_for(cache_len, settings.block_k)
-    return min(-(-length // block_k), -(-cache_len // block_k)) * block_k
+def slots_read(length: int, cache_len: int) -> int:
+    """Cache slots a row's walk reads when its last visible slot is `length - 1`: each slot
+    up to that one, once, whatever the block size (its blocks load only the slots below
+    the row's length, and the last block of a cache that is no multiple of the block only
+    those the block before did not)."""
+    return min(length, cache_len)
 
 
 def _kernel(
@@ -94,20 +95,25 @@ def _kernel(
     q = plgpu.load(q_ref.at[tile_rows, :], mask=rows_kept, other=0.0)
     head_dim = q.shape[-1]
     cache_len = k_ref.shape[0]
+    length = length_ref[0]
     first_block = pl.program_id(2) * blocks_per_split
-    end_block = jnp.minimum(first_block + blocks_per_split, pl.cdiv(length_ref[0], block_k))
+    end_block = jnp.minimum(first_block + blocks_per_split, pl.cdiv(length, block_k))
 
     def body(block, carry):
         out, row_max, row_sum = carry
-        # the last block of a cache that is no multiple of block_k starts early; the slots
-        # it shares with the block before are masked here
+        # the last block of a cache that is no multiple of block_k starts early: the slots
+        # it shares with the block before were read there. A block loads only its own
+        # slots below the row's length (masked loads read nothing from memory), so the
+        # walk reads each slot up to the last visible one once (`slots_read`).
         first = block * block_k
         start = jnp.minimum(first, cache_len - block_k)
         slots = pl.ds(start, block_k)
-        k = k_ref[slots, :].astype(q.dtype)
+        index = start + jnp.arange(block_k)
+        wanted = (index >= first) & (index < length)
+        k = plgpu.load(k_ref.at[slots, :], mask=wanted[:, None], other=0.0).astype(q.dtype)
         # q · kᵀ: [tile, block_k]
         scores = jax.lax.dot_general(q, k, QK_DIMS, preferred_element_type=jnp.float32) * scale
-        seen = (visible_ref[slots] != 0) & (start + jnp.arange(block_k) >= first)
+        seen = plgpu.load(visible_ref.at[slots], mask=wanted, other=0) != 0
         scores = jnp.where(seen[None, :], scores, -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
         # rows that have seen nothing yet keep a max of -inf: shift by 0 there instead
@@ -115,7 +121,7 @@ def _kernel(
         correction = jnp.exp(row_max - shift)
         weights = jnp.exp(scores - shift[:, None])
         row_sum = correction * row_sum + weights.sum(axis=-1)
-        v = v_ref[slots, :].astype(q.dtype)
+        v = plgpu.load(v_ref.at[slots, :], mask=wanted[:, None], other=0.0).astype(q.dtype)
         out = correction[:, None] * out + jnp.dot(
             weights.astype(q.dtype), v, preferred_element_type=jnp.float32
         )
