@@ -415,28 +415,32 @@ def segment_steps(sampling: SamplingConfig) -> list[range]:
     return [range(start, end) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
 
-def attention_read_share(decoder, steps: range) -> float:
+def attention_read_share(steps: range) -> float:
     """The share of its cache (and mask) the decode-attention kernel reads, on average over
     decode steps `steps`: at step t a row sees its --prompt slots and t + 1 more, and the
     kernel reads the slots up to the last of them (`decode_attention.slots_read`), where
-    the program gives it the whole --prompt + --new slots. 1 for XLA's attention, which
-    reads them whole."""
-    if decoder.decode_attention != "pallas":
-        return 1.0
+    the program gives it the whole --prompt + --new slots."""
     cache_len = FLAGS.prompt + FLAGS.new
     read = sum(decode_attention.slots_read(FLAGS.prompt + t + 1, cache_len) for t in steps)
     return read / (len(steps) * cache_len)
 
 
-def attention_at_length(loop: hlo_traffic.Loop, decoder, steps: range) -> hlo_traffic.Loop:
+def attention_at_length(loop: hlo_traffic.Loop, steps: range) -> hlo_traffic.Loop:
     """`loop` (decode steps `steps`) with the decode-attention kernel's cache and mask
-    counted at `attention_read_share`; other kernels are left as they are."""
+    counted at `attention_read_share`; other kernels (XLA's attention among them, which
+    reads the whole cache) are left as they are."""
     return hlo_traffic.with_operand_reads_scaled(
         loop,
         decode_attention.KERNEL_NAME,
         decode_attention.LENGTH_BOUNDED_OPERANDS,
-        attention_read_share(decoder, steps),
+        attention_read_share(steps),
     )
+
+
+def has_attention_kernel(loop: hlo_traffic.Loop) -> bool:
+    """Whether `loop` runs the decode-attention kernel (not XLA's attention, nor the
+    kernel in Pallas' interpreter, which leaves XLA's own ops)."""
+    return any(access.kernel == decode_attention.KERNEL_NAME for access, _ in loop.all_accesses())
 
 
 def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) -> dict:
@@ -453,9 +457,9 @@ def decode_step_figures(compiled, decoder, step_bytes: float, loop, title: str) 
     return {
         "batch": FLAGS.batch,
         "scan_decode": FLAGS.scan_decode,
-        "attention_read_share": round(attention_read_share(decoder, range(FLAGS.new)), 4)
-        if any(access.kernel == decode_attention.KERNEL_NAME for access, _ in loop.all_accesses())
-        else 1.0,
+        "attention_read_share": (
+            round(attention_read_share(range(FLAGS.new)), 4) if has_attention_kernel(loop) else 1.0
+        ),
         "static_step_bytes": round(step_bytes),
         "roofline_step_bytes": round(ideal),
         "static_over_roofline": round(step_bytes / ideal, 3),
@@ -475,7 +479,7 @@ def decode_profile(device: jax.Device) -> dict:
         raise RuntimeError(
             f"expected {len(steps)} decode loops in the compiled program, found {len(loops)}"
         )
-    loops = [attention_at_length(loop, decoder, n) for loop, n in zip(loops, steps, strict=True)]
+    loops = [attention_at_length(loop, n) for loop, n in zip(loops, steps, strict=True)]
     moved = sum(loop.bytes_per_iteration() * len(n) for loop, n in zip(loops, steps, strict=True))
     last = loops[-1]  # the last segment attends over the whole cache: its kernels are listed
     title = f"decode step on {device.device_kind} (kernels: the last segment's)"
@@ -495,7 +499,7 @@ def slot_decode_profile(device: jax.Device) -> dict:
     loops = hlo_traffic.loops_without_trip_count(hlo_traffic.program_traffic(compiled.as_text()))
     if len(loops) != 1:
         raise RuntimeError(f"expected 1 decode loop in the compiled chunk, found {len(loops)}")
-    loop = attention_at_length(loops[0], decoder, range(FLAGS.new))
+    loop = attention_at_length(loops[0], range(FLAGS.new))
     title = f"slot decode step on {device.device_kind}"
     return decode_step_figures(compiled, decoder, loop.bytes_per_iteration(), loop, title)
 

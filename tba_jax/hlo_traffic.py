@@ -415,6 +415,7 @@ def kernel_name(instruction: Instruction) -> str:
 
 def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) -> Access:
     operand_shapes = [shapes.get(operand, "") for operand in instruction.operands]
+    named = {}  # a custom call's kernel name and reads per operand
     if instruction.opcode == "fusion":
         called = _attribute(instruction, "calls")
         body = _FusionBody(module.computations[called])
@@ -451,17 +452,8 @@ def _access(module: Module, instruction: Instruction, shapes: dict[str, str]) ->
         else:
             kind = "other"
         if instruction.opcode == "custom-call":
-            return Access(
-                instruction.name,
-                kind,
-                read,
-                written,
-                instruction.shape,
-                flops,
-                kernel_name(instruction),
-                operand_read,
-            )
-    return Access(instruction.name, kind, read, written, instruction.shape, flops)
+            named = {"kernel": kernel_name(instruction), "operand_read_bytes": operand_read}
+    return Access(instruction.name, kind, read, written, instruction.shape, flops, **named)
 
 
 def with_operand_reads_scaled(
